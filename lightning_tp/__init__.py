@@ -1,0 +1,26 @@
+"""Tensor-parallel training of Hugging Face Transformers models in PyTorch Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_tp.grad import clip_grad_norm_, grad_norm
+from lightning_tp.layout import ParallelLayout
+from lightning_tp.plan import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
+from lightning_tp.strategy import TensorParallelStrategy
+from lightning_tp.tensor_parallel import apply_tensor_parallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REFUSED_STYLES",
+    "SUPPORTED_STYLES",
+    "ParallelLayout",
+    "ResolvedPlan",
+    "TensorParallelStrategy",
+    "apply_tensor_parallel",
+    "clip_grad_norm_",
+    "grad_norm",
+    "resolve_plan",
+]
+
+# `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI.
+TensorParallelStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,123 @@
+"""The parallel layout: how many ranks each mesh axis gets, validated once, and the named device mesh built from it.
+
+Axes, outermost first: ``dp_replicate`` (replicated data parallel, e.g. across nodes), ``dp_shard`` (FSDP2 data
+parallel) and ``tp`` (tensor parallel, innermost so a TP group stays on one node's fast links). The TP axis is named
+exactly ``tp`` because Transformers' and PEFT's TP code looks the axis up by that name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Mesh axis names, outermost first.
+DP_REPLICATE_AXIS = "dp_replicate"
+DP_SHARD_AXIS = "dp_shard"
+TP_AXIS = "tp"
+#: The flattened data-parallel axis (``dp_replicate`` x ``dp_shard``): the sampler and metric reductions use it.
+DP_AXIS = "dp"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the mesh axes. Build it with :meth:`resolve`, which fills in unset sizes and validates them."""
+
+    tp_size: int
+    dp_shard_size: int = 1
+    dp_replicate_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "dp_shard_size", "dp_replicate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas of the model: each sees a different batch."""
+        return self.dp_replicate_size * self.dp_shard_size
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        tp_size: int | None = None,
+        dp_shard_size: int | None = None,
+        dp_replicate_size: int = 1,
+    ) -> ParallelLayout:
+        """Fill in the sizes left as ``None`` from ``world_size`` and check that they multiply to it.
+
+        ``tp_size=None`` takes every rank the data-parallel axes leave (as Transformers' ``DistributedConfig`` infers
+        it from ``WORLD_SIZE``); ``dp_shard_size=None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be positive, got {world_size}.")
+        for name, value in (("tp_size", tp_size), ("dp_shard_size", dp_shard_size)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
+        if not isinstance(dp_replicate_size, int) or isinstance(dp_replicate_size, bool) or dp_replicate_size < 1:
+            raise ValueError(f"`dp_replicate_size` must be a positive integer, got {dp_replicate_size!r}.")
+        if tp_size is None:
+            other = dp_replicate_size * (dp_shard_size or 1)
+            if world_size % other:
+                raise ValueError(
+                    f"The world size ({world_size}) is not divisible by dp_replicate_size * dp_shard_size "
+                    f"({dp_replicate_size} * {dp_shard_size or 1} = {other}), so `tp_size` cannot be inferred. "
+                    "Change the data-parallel sizes or the number of devices."
+                )
+            tp_size = world_size // other
+        if world_size % tp_size:
+            raise ValueError(
+                f"The world size ({world_size}) is not divisible by tp_size={tp_size}. Use a tp_size that divides "
+                f"it ({_divisors(world_size)}) or run on a multiple of {tp_size} devices."
+            )
+        if dp_shard_size is None:
+            if (world_size // tp_size) % dp_replicate_size:
+                raise ValueError(
+                    f"world size {world_size} / tp_size {tp_size} = {world_size // tp_size} ranks of data "
+                    f"parallelism are not divisible by dp_replicate_size={dp_replicate_size}."
+                )
+            dp_shard_size = world_size // tp_size // dp_replicate_size
+        layout = cls(tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size)
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"dp_replicate_size * dp_shard_size * tp_size = {dp_replicate_size} * {dp_shard_size} * {tp_size} "
+                f"= {layout.world_size}, but the world size is {world_size}. Make the sizes multiply to the number "
+                "of processes, or leave `dp_shard_size=None` to infer it."
+            )
+        return layout
+
+    def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """Build the 3-D mesh (``dp_replicate``, ``dp_shard``, ``tp``) and its flattened 1-D ``dp`` mesh.
+
+        Needs an initialised process group; every rank must call it. torch asks callers to keep the flattened mesh
+        themselves rather than slice it from the root, hence the pair.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device_type,
+            (self.dp_replicate_size, self.dp_shard_size, self.tp_size),
+            mesh_dim_names=(DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS),
+        )
+        # One group over every data-parallel rank, for the sampler and metric reductions.
+        dp_mesh = mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]._flatten(DP_AXIS)
+        return mesh, dp_mesh
+
+    def __str__(self) -> str:
+        return (
+            f"dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size} x tp={self.tp_size} "
+            f"(world size {self.world_size})"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

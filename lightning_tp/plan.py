@@ -1,0 +1,275 @@
+"""Tensor-parallel plans as data: read a model's plan, merge overrides, expand wildcards, validate, all before any
+weight moves and without any collective, so every rank raises the same error instead of hanging.
+
+A plan maps a module (or parameter) path to a style. Keys use Transformers' convention: ``*`` stands for one path
+component (``model.layers.*.mlp.up_proj``). Values are Transformers' registered style names (``"colwise"``,
+``"rowwise"``, ...) or, for any module, a ``torch.distributed.tensor.parallel.ParallelStyle`` instance.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+Style = Union[str, ParallelStyle]
+
+#: Transformers style names applied with Transformers' own TP layers.
+SUPPORTED_STYLES: dict[str, str] = {
+    "colwise": "linear, weight sharded on the output dim, output stays sharded",
+    "colwise_gather_output": "colwise, output gathered to every rank (e.g. lm_head)",
+    "colwise_rep": "colwise, output gathered to every rank",
+    "rowwise": "linear, weight sharded on the input dim, output all-reduced",
+    "rowwise_rep": "rowwise with a replicated input that is split locally",
+    "rowwise_split_input": "rowwise with a replicated input that is split locally",
+    "embedding_rowwise": "embedding sharded on the vocabulary, partial lookups summed",
+    "embedding_colwise": "embedding sharded on the hidden dim, slices gathered",
+    "replicated_with_grad_allreduce": "replicated parameter whose gradient is summed over the TP group (q/k norms)",
+    "replicate": "kept whole on every rank",
+    "all_reduce": "module output summed over the TP group",
+    "local_params": "module runs on its local parameter shards",
+    "packed_colwise": "fused (e.g. gate_up) linear, each packed half sharded column-wise",
+    "packed_rowwise": "fused linear weight packed along the input dim, sharded row-wise",
+}
+
+#: Transformers style names this strategy refuses, with the reason and the fix.
+REFUSED_STYLES: dict[str, str] = {
+    "ep_dispatch_experts": "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not "
+    "build; shard the experts with `moe_tp_experts` instead",
+    "grouped_gemm": "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not build; "
+    "shard the experts with `moe_tp_experts` instead",
+    "sequence_parallel": "Transformers' sequence-parallel style is not wired into its layers yet; leave the norms "
+    "replicated (drop the rule)",
+    "moe_tp_experts": "mixture-of-experts tensor parallelism is not verified for training with this strategy yet",
+    "moe_identity_expert": "mixture-of-experts tensor parallelism is not verified for training with this strategy yet",
+    "mla_kv_a_proj": "multi-head latent attention (DeepSeek-V2 style) is not verified for training with this "
+    "strategy yet",
+}
+
+#: How a style lays out a 2-D weight, to check that tied weights get one layout. ``None``: replicated.
+_WEIGHT_DIM: dict[str, int | None] = {
+    "colwise": 0,
+    "colwise_gather_output": 0,
+    "colwise_rep": 0,
+    "rowwise": 1,
+    "rowwise_rep": 1,
+    "rowwise_split_input": 1,
+    "embedding_rowwise": 0,
+    "embedding_colwise": 1,
+}
+
+#: Output projections whose width counts attention heads (query) and KV heads (key/value).
+_QUERY_PROJECTIONS = ("q_proj", "query", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+_KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value", "qkv_proj", "query_key_value")
+_COLUMN_STYLES = ("colwise", "packed_colwise")
+
+
+@dataclass
+class ResolvedPlan:
+    """A plan with concrete names, checked against one module.
+
+    ``styles`` maps each module or parameter path (relative to the module the plan was resolved on) to its style,
+    parameters listed before their module as Transformers' ``apply_tensor_parallelism`` expects.
+    ``grad_allreduce`` lists modules whose replicated parameters get their gradient summed over the TP group.
+    ``tied`` maps each tied parameter alias to the name that holds the parameter.
+    """
+
+    styles: dict[str, Style] = field(default_factory=dict)
+    grad_allreduce: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def transformers_styles(self) -> dict[str, str]:
+        """The entries applied with Transformers' layers."""
+        return {
+            name: style
+            for name, style in self.styles.items()
+            if isinstance(style, str) and style != "replicated_with_grad_allreduce"
+        }
+
+    @property
+    def torch_styles(self) -> dict[str, ParallelStyle]:
+        """The entries applied with ``torch.distributed.tensor.parallel.parallelize_module``."""
+        return {name: style for name, style in self.styles.items() if isinstance(style, ParallelStyle)}
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def check_style(key: str, style: Any) -> None:
+    """Raise a ``ValueError`` naming ``key`` when ``style`` is refused or unknown."""
+    if isinstance(style, ParallelStyle):
+        return
+    if not isinstance(style, str):
+        raise ValueError(
+            f"tp_plan[{key!r}] = {style!r}: a style must be a Transformers style name or a torch "
+            "`ParallelStyle` instance."
+        )
+    if style in REFUSED_STYLES:
+        raise ValueError(f"tp_plan[{key!r}] = {style!r} is not supported: {REFUSED_STYLES[style]}.")
+    if style not in SUPPORTED_STYLES:
+        raise ValueError(
+            f"tp_plan[{key!r}] = {style!r} is not a known style. Use one of {sorted(SUPPORTED_STYLES)} or a torch "
+            "`ParallelStyle` instance."
+        )
+
+
+def _key_regex(key: str) -> re.Pattern[str]:
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")))
+
+
+def _match(name: str, patterns: list[tuple[str, re.Pattern[str], Style]]) -> Style | None:
+    """The style of the most specific key (fewest wildcards) that matches ``name`` whole."""
+    best: tuple[int, Style] | None = None
+    for key, regex, style in patterns:
+        if regex.fullmatch(name):
+            wildcards = key.count("*")
+            if best is None or wildcards < best[0]:
+                best = (wildcards, style)
+    return None if best is None else best[1]
+
+
+def model_plan(module: nn.Module) -> dict[str, Style]:
+    """The module's own plan: a Transformers model's ``tp_plan`` (config ``base_model_tp_plan`` plus class rules such
+    as ``lm_head``), or nothing for any other module."""
+    if is_transformers_model(module):
+        return dict(getattr(module, "tp_plan", None) or {})
+    return {}
+
+
+def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_size: int) -> ResolvedPlan:
+    """Merge ``tp_plan`` into the module's own plan, expand it to concrete names and check it.
+
+    ``tp_plan="auto"`` uses the module's own plan. A dict overrides it key by key with
+    ``DistributedConfig.tp_plan`` semantics: an empty dict means no rules, and a key must match a module or parameter.
+    """
+    model_name = type(module).__name__
+    if isinstance(tp_plan, str):
+        if tp_plan != "auto":
+            raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')
+        overrides: dict[str, Style] = {}
+        plan = model_plan(module)
+    elif isinstance(tp_plan, Mapping):
+        overrides = dict(tp_plan)
+        plan = {**model_plan(module), **overrides} if overrides else {}
+    else:
+        raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
+
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"tp_plan keys must be non-empty module paths, got {key!r}.")
+        check_style(key, style)
+
+    if not plan:
+        if is_transformers_model(module):
+            raise ValueError(
+                f"{model_name} has no tensor-parallel plan (its config has no `base_model_tp_plan`) and `tp_plan` "
+                "gives none. Pass `tp_plan={'model.layers.*.self_attn.q_proj': 'colwise', ...}` to "
+                "TensorParallelStrategy, or use tp_size=1."
+            )
+        raise ValueError(
+            f"{model_name} is not a Transformers model, so it has no plan of its own: pass "
+            "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
+        )
+
+    module_names = [name for name, _ in module.named_modules() if name]
+    all_params = list(module.named_parameters(remove_duplicate=False))
+    unique_params = {name for name, _ in module.named_parameters()}
+    names = set(module_names) | {name for name, _ in all_params}
+
+    patterns = [(key, _key_regex(key), style) for key, style in plan.items()]
+    unmatched = [key for key, regex, _ in patterns if key in overrides and not any(regex.fullmatch(n) for n in names)]
+    if unmatched:
+        raise ValueError(
+            f"tp_plan keys {unmatched} match no module or parameter of {model_name}. Keys are paths relative to the "
+            f"model with `*` for one component; some of its modules: {module_names[:8]}."
+        )
+
+    resolved = ResolvedPlan()
+    param_styles: dict[str, Style | None] = {}
+    for module_name, submodule in module.named_modules():
+        module_style = _match(module_name, patterns) if module_name else None
+        for param_name, _ in submodule.named_parameters(recurse=False, remove_duplicate=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            own = _match(full, patterns)
+            style = own if own is not None else module_style
+            param_styles[full] = style
+            # torch ParallelStyles shard their module's parameters themselves.
+            if isinstance(style, str) and full in unique_params:
+                resolved.styles[full] = style
+        if module_style is not None:
+            resolved.styles[module_name] = module_style
+            if module_style == "replicated_with_grad_allreduce":
+                resolved.grad_allreduce.append(module_name)
+
+    resolved.tied = _tied_aliases(module, param_styles)
+    if is_transformers_model(module):
+        _check_heads(module, resolved.styles, tp_size)
+    return resolved
+
+
+def _tied_aliases(module: nn.Module, param_styles: Mapping[str, Style | None]) -> dict[str, str]:
+    """Map each alias of a shared parameter to the name that holds it, and check that every alias asks for the same
+    layout (a tied embedding and ``lm_head`` are sharded once and share the shard)."""
+    owner: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) not in owner:
+            owner[id(param)] = name
+            continue
+        source = owner[id(param)]
+        tied[name] = source
+        layouts = {n: _weight_layout(param_styles.get(n)) for n in (source, name)}
+        if layouts[source] != layouts[name]:
+            raise ValueError(
+                f"Tied parameters {source!r} and {name!r} would be sharded differently "
+                f"({param_styles.get(source)!r} vs {param_styles.get(name)!r}). Give both the same layout, e.g. "
+                "'embedding_rowwise' for the embedding with 'colwise_gather_output' for lm_head (both shard the "
+                "vocabulary), or untie them (`tie_word_embeddings=False`)."
+            )
+    return tied
+
+
+def _weight_layout(style: Style | None) -> str:
+    if style is None or style in ("replicate", "replicated_with_grad_allreduce", "all_reduce", "local_params"):
+        return "replicated"
+    if isinstance(style, str):
+        dim = _WEIGHT_DIM.get(style)
+        return "replicated" if dim is None else f"shard({dim})"
+    return f"custom {type(style).__name__}"
+
+
+def _check_heads(model: nn.Module, styles: Mapping[str, Style], tp_size: int) -> None:
+    """Transformers loads a model whose heads do not divide by the TP size and fails mid-forward; fail here instead."""
+    if tp_size == 1:
+        return
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        return
+    leaves = {name.rsplit(".", 1)[-1]: style for name, style in styles.items()}
+    shards_queries = any(leaves.get(p) in _COLUMN_STYLES for p in _QUERY_PROJECTIONS)
+    shards_kv = any(leaves.get(p) in _COLUMN_STYLES for p in _KV_PROJECTIONS)
+    problems = []
+    if shards_queries and heads % tp_size:
+        problems.append(f"num_attention_heads={heads}")
+    if shards_kv and isinstance(kv_heads, int) and kv_heads % tp_size:
+        problems.append(f"num_key_value_heads={kv_heads}")
+    if problems:
+        counts = [heads] + ([kv_heads] if shards_kv and isinstance(kv_heads, int) else [])
+        good = [d for d in range(1, max(counts) + 1) if all(c % d == 0 for c in counts)]
+        raise ValueError(
+            f"{type(model).__name__}: {' and '.join(problems)} not divisible by tp_size={tp_size}, so the attention "
+            f"heads cannot be split evenly over the TP ranks (Transformers would load it and fail in the first "
+            f"forward). Use a tp_size that divides every sharded head count: one of {good}."
+        )

@@ -1,0 +1,336 @@
+"""``TensorParallelStrategy``: the Lightning hooks. Each technique lives in its own module; this file decides the
+order in which they run and why."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
+from typing_extensions import override
+
+from lightning_tp.fsdp import apply_fsdp, block_classes
+from lightning_tp.grad import clip_grad_norm_
+from lightning_tp.layout import TP_AXIS, ParallelLayout
+from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.tensor_parallel import SHARDED_MARKER, apply_tensor_parallel, is_sharded
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Precisions whose parameters and gradients this strategy keeps exact under TP.
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+class TensorParallelStrategy(ModelParallelStrategy):
+    """Tensor-parallel training of Transformers models (and any ``nn.Module`` given a plan) in the Lightning Trainer.
+
+    Each Transformers model in the LightningModule is sharded with its own TP plan (``config.base_model_tp_plan``
+    plus class rules such as ``lm_head``) on the mesh axis ``tp``, after ``configure_model`` has run. The ranks left
+    over form the data-parallel axes, sharded with FSDP2.
+
+    Args:
+        tp_size: Ranks per tensor-parallel group. ``None`` takes every rank the data-parallel sizes leave.
+        tp_plan: ``"auto"`` (each Transformers model's own plan), or a dict of overrides in ``DistributedConfig.tp_plan``
+            form (``{"model.layers.*.mlp.down_proj": "rowwise"}``, paths relative to the Transformers model), or for a
+            module that is not a Transformers model, a dict of path (relative to the LightningModule) to a style name
+            or a torch ``ParallelStyle``.
+        dp_shard_size: Ranks per FSDP2 shard group. ``None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
+        dp_replicate_size: Number of replicas of the FSDP2 groups (HSDP).
+        fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
+        save_distributed_checkpoint: Each rank writes its shards (``True``) or rank 0 writes one full file.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
+        timeout: Timeout of collective operations.
+    """
+
+    strategy_name = "tp"
+
+    def __init__(
+        self,
+        tp_size: Optional[int] = None,
+        *,
+        tp_plan: Union[Literal["auto"], dict[str, Any]] = "auto",
+        dp_shard_size: Optional[int] = None,
+        dp_replicate_size: int = 1,
+        fsdp_blocks: Optional[list[str]] = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        # Checked here, without processes, so that a typo fails when the Trainer is built.
+        ParallelLayout.resolve(
+            (tp_size or 1) * (dp_shard_size or 1) * dp_replicate_size,
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+        )
+        if isinstance(tp_plan, Mapping):
+            for key, style in tp_plan.items():
+                check_style(key, style)
+        elif tp_plan != "auto":
+            raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')
+        self._tp_size = tp_size
+        self._tp_plan = tp_plan
+        self._dp_shard_size = dp_shard_size
+        self._dp_replicate_size = dp_replicate_size
+        self._fsdp_blocks = list(fsdp_blocks) if fsdp_blocks else None
+        self._layout: Optional[ParallelLayout] = None
+        self._dp_mesh: Optional[DeviceMesh] = None
+
+    # ------------------------------------------------------------------ layout and mesh
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The resolved sizes of the mesh axes (available from ``setup_environment`` on)."""
+        if self._layout is None:
+            raise RuntimeError(
+                "The parallel layout is resolved in `setup_environment`, once the world size is known: access "
+                "`strategy.layout` from `configure_model` or later."
+            )
+        return self._layout
+
+    @property
+    @override
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh with axes ``dp_replicate``, ``dp_shard``, ``tp`` (and flattened ``dp``)."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "The device mesh is built in `setup_environment`, after the processes have started: access "
+                "`strategy.device_mesh` (or `self.device_mesh` in the LightningModule) in `configure_model` or later."
+            )
+        return self._device_mesh
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D tensor-parallel sub-mesh of this rank."""
+        return self.device_mesh[TP_AXIS]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The flattened 1-D data-parallel sub-mesh of this rank (``dp_replicate`` x ``dp_shard``)."""
+        self.device_mesh  # raises the same clear error before setup_environment
+        assert self._dp_mesh is not None
+        return self._dp_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        # Everything that can be wrong with the configuration is checked before the process group starts.
+        self._check_precision()
+        self._layout = ParallelLayout.resolve(
+            self.world_size,
+            tp_size=self._tp_size,
+            dp_shard_size=self._dp_shard_size,
+            dp_replicate_size=self._dp_replicate_size,
+        )
+        self._setup_distributed()
+        self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type)
+        # Users can read the mesh in `LightningModule.configure_model()`.
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _check_precision(self) -> None:
+        precision = getattr(self.precision_plugin, "precision", None)
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"TensorParallelStrategy does not support `Trainer(precision={precision!r})`. Choose one of "
+                f"{', '.join(SUPPORTED_PRECISIONS)} (for 16-bit mixed precision use 'bf16-mixed': fp16 loss scaling is "
+                "not implemented for sharded gradients)."
+            )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of a TP group must see the same batch: split the data over the data-parallel ranks only.
+        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
+
+    # ------------------------------------------------------------------ applying the parallelism
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+
+        # 1. Resolve and check every plan before any weight moves or any collective runs: a bad plan raises the same
+        #    error on every rank, where a rank failing mid-way would leave the others hanging in a collective.
+        targets = self._resolve_targets()
+        # 2. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
+        for module, plan in targets:
+            apply_tensor_parallel(module, self.tp_mesh, plan, device=self.root_device)
+        # 3. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D), and must see the final
+        #    DTensor parameters. HSDP when dp_replicate_size > 1.
+        if self.layout.dp_size > 1:
+            self._apply_fsdp(targets)
+        # 4. Modules built on the meta device are materialised after sharding, so no rank holds the whole model.
+        _materialize_distributed_module(self.model, self.root_device)
+
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._reduce_metrics_over_data_parallel_group()
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._clip_with_dtensor_support()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_targets(self) -> list[tuple[nn.Module, ResolvedPlan]]:
+        """The modules to shard, each with its resolved plan; modules sharded earlier are skipped."""
+        root = self.lightning_module
+        assert root is not None
+        models = _top_level_transformers_models(root)
+        if not models:
+            if self._tp_plan == "auto":
+                raise ValueError(
+                    f"{type(root).__name__} holds no Transformers `PreTrainedModel`, so there is no plan to apply. "
+                    "Build the model in `configure_model` or `__init__`, or pass `tp_plan={'<module path>': "
+                    "'colwise' | 'rowwise' | <ParallelStyle>}` (paths relative to the LightningModule)."
+                )
+            models = [root]
+        targets = []
+        for module in models:
+            if getattr(module, "hf_device_map", None) is not None:
+                raise ValueError(
+                    f"{type(module).__name__} was loaded with a `device_map` ({module.hf_device_map}), which places "
+                    "whole layers on devices and conflicts with tensor parallelism. Load it without `device_map`: the "
+                    "strategy places the shards."
+                )
+            if self._already_sharded(module):
+                continue
+            plan = resolve_plan(module, self._tp_plan, tp_size=self.layout.tp_size)
+            if module is root and any(isinstance(p, torch.Tensor) for p in root._parameters.values()):
+                raise ValueError(
+                    f"{type(root).__name__} holds parameters directly; move them into a submodule so its plan "
+                    "can address them."
+                )
+            targets.append((module, plan))
+        return targets
+
+    def _already_sharded(self, module: nn.Module) -> bool:
+        if not is_sharded(module):
+            return False
+        mesh = getattr(module, SHARDED_MARKER, None)
+        size = mesh.size() if mesh is not None else getattr(module, "_tp_size", None)
+        if size != self.layout.tp_size:
+            raise ValueError(
+                f"{type(module).__name__} is already tensor-parallel with tp_size={size}, but the strategy has "
+                f"tp_size={self.layout.tp_size}. Load it without `distributed_config`/`tp_plan` and let the strategy "
+                "shard it, or use the same tp_size."
+            )
+        return True
+
+    def _apply_fsdp(self, targets: list[tuple[nn.Module, ResolvedPlan]]) -> None:
+        root = self.lightning_module
+        assert root is not None
+        dp_axes = tuple(name for name in ("dp_replicate", "dp_shard") if self.device_mesh[name].size() > 1)
+        dp_mesh = self.device_mesh[dp_axes] if len(dp_axes) > 1 else self.device_mesh[dp_axes[0]]
+        covered = set()
+        for module, _ in targets:
+            apply_fsdp(module, dp_mesh, blocks=block_classes(module, self._fsdp_blocks))
+            covered.update(id(p) for p in module.parameters())
+        outside = [n for n, p in root.named_parameters() if id(p) not in covered and p.requires_grad]
+        if outside:
+            raise ValueError(
+                f"With data parallelism (dp size {self.layout.dp_size}), every trainable parameter must belong to a "
+                f"sharded model, but {outside[:5]} do not. Put them inside the Transformers model or pass them in "
+                "`tp_plan`."
+            )
+
+    def _reduce_metrics_over_data_parallel_group(self) -> None:
+        """torchmetrics syncs over the world group by default, which counts each sample once per TP rank."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover
+            return
+        group = self.dp_mesh.get_group()
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = group
+
+    def _clip_with_dtensor_support(self) -> None:
+        """Lightning clips with ``torch.nn.utils.clip_grad_norm_``, which fails on DTensor gradients across meshes;
+        route the precision plugin's norm clipping to :func:`lightning_tp.clip_grad_norm_`, same arguments."""
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
+            clip_grad_norm_(plugin_self.main_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ collectives seen by the LightningModule
+
+    def _data_parallel_group(self) -> Optional[Any]:
+        if self._device_mesh is None or not _distributed_is_initialized():
+            return None
+        return self.dp_mesh.get_group()
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Tensor:
+        """Reduce over the data-parallel group by default: the ranks of a TP group hold the same values, and a sum over
+        the world would count each one ``tp_size`` times."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group by default (one entry per data-parallel replica)."""
+        group = group if group is not None else self._data_parallel_group()
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Tensor parallelism for Transformers models (lightning_tp)",
+            override=True,
+        )
+
+
+def _top_level_transformers_models(root: nn.Module) -> list[nn.Module]:
+    """Transformers models inside ``root`` that are not inside another one (``Qwen3ForCausalLM``, not its ``model``)."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if is_transformers_model(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return found
+
+
+__all__ = ["SUPPORTED_PRECISIONS", "TensorParallelStrategy"]

@@ -1,0 +1,122 @@
+"""Applying a resolved plan to a module on the TP mesh axis.
+
+Transformers' style names are applied with Transformers' own TP layers (``apply_tensor_parallelism``); torch
+``ParallelStyle`` entries with ``parallelize_module``. Then every parameter the plan left whole becomes a replicated
+DTensor, so that the model holds DTensors only. Without that, a TP model mixes DTensors (sharded weights) with plain
+tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fail on the mix (torch 2.13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from lightning_tp.plan import ResolvedPlan
+
+#: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
+SHARDED_MARKER = "_lightning_tp_mesh"
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether the module already holds TP shards (from this package, or from Transformers' ``from_pretrained``)."""
+    if getattr(module, SHARDED_MARKER, None) is not None:
+        return True
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: ResolvedPlan, *, device: torch.device | None = None
+) -> nn.Module:
+    """Shard ``module`` in place following ``plan`` (from :func:`lightning_tp.plan.resolve_plan` on this module).
+
+    ``device``: where the parameters the plan leaves whole go (sharded ones land on the mesh's device while they are
+    cut). Modules on the meta device stay there, to be materialised after sharding.
+    """
+    assert tp_mesh.ndim == 1, "apply_tensor_parallel takes the 1-D TP sub-mesh"
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    # Transformers' layers install forward hooks on the modules and shard each listed parameter. Sharding slices the
+    # local copy (no communication), so the weights must be identical on every TP rank beforehand (same seed or file).
+    apply_tensor_parallelism(module, tp_mesh, plan.transformers_styles)
+    if plan.torch_styles:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(module, tp_mesh, plan.torch_styles)
+    _retie(module, plan.tied)
+    if device is not None and not _on_meta(module):
+        module.to(device)
+    replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
+    setattr(module, SHARDED_MARKER, tp_mesh)
+    return module
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters())
+
+
+def _retie(module: nn.Module, tied: dict[str, str]) -> None:
+    """Sharding replaces the parameter held under its first name; point every alias at the new one again."""
+    for alias, source in tied.items():
+        owner_name, _, param_name = alias.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        owner._parameters[param_name] = module.get_parameter(source)
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group``. For a replicated parameter used on sharded
+    activations (Qwen3's per-head q/k norms): each rank's gradient covers its own heads only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def replicate_unsharded_parameters(module: nn.Module, tp_mesh: DeviceMesh, *, grad_allreduce: Iterable[str] = ()) -> None:
+    """Turn every plain parameter into a ``Replicate()`` DTensor on ``tp_mesh``; its module's forward then runs on the
+    local tensor (a view: no copy, no communication). Modules named in ``grad_allreduce`` get their parameters'
+    gradients summed over the TP group in backward (Transformers' ``replicated_with_grad_allreduce``)."""
+    summed = set(grad_allreduce)
+    for name, submodule in module.named_modules():
+        local_names = []
+        for param_name, param in list(submodule._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
+            submodule._parameters[param_name] = nn.Parameter(replicated, requires_grad=param.requires_grad)
+            local_names.append(param_name)
+        if local_names:
+            _run_on_local_parameters(submodule, local_names, tp_mesh.get_group() if name in summed else None)
+
+
+def _run_on_local_parameters(module: nn.Module, names: list[str], grad_group: dist.ProcessGroup | None) -> None:
+    original_forward = module.forward
+
+    def forward(*args, **kwargs):
+        swapped = {}
+        for param_name in names:
+            param = module._parameters[param_name]
+            if not isinstance(param, DTensor):
+                continue
+            local = param.to_local()
+            if grad_group is not None and local.requires_grad and torch.is_grad_enabled():
+                local = _AllReduceGrad.apply(local, grad_group)
+            swapped[param_name] = param
+            module._parameters[param_name] = local
+        try:
+            return original_forward(*args, **kwargs)
+        finally:
+            module._parameters.update(swapped)
+
+    module.forward = forward

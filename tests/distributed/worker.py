@@ -1,0 +1,137 @@
+"""Runs under torchrun: trains each named parity case with TensorParallelStrategy and writes what rank 0 saw.
+
+Usage: worker.py OUT_DIR [--layout tp|2d] CASE [CASE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from lightning_tp import TensorParallelStrategy
+from tests.helpers.cases import CASES, ERROR_CASES
+from tests.helpers.models import ParityModule
+
+
+def trainer(strategy: TensorParallelStrategy, **kwargs) -> L.Trainer:
+    defaults = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    return L.Trainer(
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, **{**defaults, **kwargs}
+    )
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        for k, v in model.state_dict().items()
+    }
+
+
+def run_case(name: str, layout: dict) -> dict:
+    case = CASES[name]
+    module = case.module()
+    batches = case.batches()
+    strategy = TensorParallelStrategy(**{**layout, **case.strategy_kwargs})
+    t = trainer(
+        strategy,
+        max_steps=len(batches) // case.accumulate,
+        gradient_clip_val=case.clip,
+        precision=case.precision,
+        accumulate_grad_batches=case.accumulate,
+    )
+    t.fit(module, DataLoader(batches, batch_size=None))
+    return {
+        "losses": module.losses,
+        "grad_norms": module.grad_norms,
+        "state": full_state(module.model),
+        "sampler": strategy.distributed_sampler_kwargs,
+        "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
+    }
+
+
+def run_features(layout: dict) -> dict:
+    """Validation with generate, predict, logging and metrics on an untrained model, then the same after fit (the
+    second `setup` meets a model sharded already), then bf16 precisions."""
+    from tests.helpers.models import FeatureModule, build_causal_lm, lm_batches, tiny_config
+
+    batches = lm_batches(2)
+    build = partial(build_causal_lm, tiny_config("qwen3"))
+    module = FeatureModule(build)
+    strategy = TensorParallelStrategy(**layout)
+    t = trainer(strategy, max_steps=2, use_distributed_sampler=True, num_sanity_val_steps=0)
+    metrics = t.validate(module, DataLoader(batches, batch_size=None))[0]
+    out = {"generated": [g.clone() for g in module.generated], "validate": metrics, "logged": dict(module.logged)}
+    out["predict"] = t.predict(module, DataLoader(batches, batch_size=None))
+    out["sharded_params"] = sum(isinstance(p, DTensor) for p in module.parameters())
+    # Same batch on every rank of the TP group with Lightning's own distributed sampler.
+    seen: list[torch.Tensor] = []
+    module.on_train_batch_start = lambda batch, idx: seen.append(batch["input_ids"].sum())  # type: ignore[assignment]
+    t.fit(module, DataLoader(batches * 2, batch_size=None))
+    sums = torch.stack(seen).float()
+    gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)
+    out["batch_sums"] = [g.tolist() for g in gathered]
+    out["sharded_params_after_fit"] = sum(isinstance(p, DTensor) for p in module.parameters())
+    for precision in ("bf16-mixed", "bf16-true"):
+        m = ParityModule(build)
+        trainer(TensorParallelStrategy(**layout), max_steps=2, precision=precision).fit(
+            m, DataLoader(batches, batch_size=None)
+        )
+        out[precision] = {"losses": m.losses, "dtype": str(next(m.model.parameters()).dtype)}
+    return out
+
+
+def run_error(name: str) -> dict:
+    build, kwargs, _ = ERROR_CASES[name]
+    module = ParityModule(build)
+    try:
+        trainer(TensorParallelStrategy(**kwargs), max_steps=1).fit(
+            module, DataLoader([{"x": torch.zeros(2, 32), "y": torch.zeros(2, dtype=torch.long)}], batch_size=None)
+        )
+    except Exception as err:  # recorded per rank; the test checks every rank raised
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": "no error"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tp-size", type=int, default=None)
+    parser.add_argument("cases", nargs="+")
+    args = parser.parse_args()
+    layout = {"tp_size": args.tp_size}
+    rank = int(os.environ["RANK"])
+    results = {}
+    for name in args.cases:
+        try:
+            if name == "features":
+                results[name] = run_features(layout)
+            elif name.startswith("error:"):
+                results[name] = run_error(name.split(":", 1)[1])
+            else:
+                results[name] = run_case(name, layout)
+        except Exception:
+            results[name] = {"crash": traceback.format_exc()}
+        if dist.is_initialized():
+            dist.barrier()  # every rank reached the end of the case: none is left hanging
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(results, args.out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Parity cases, by name, shared by the multi-process worker (which trains them sharded) and the tests (which train
+the same case on one process and compare)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+from tests.helpers.models import MLP, ParityModule, build_causal_lm, lm_batches, mlp_batches, tiny_config
+
+
+@dataclass
+class Case:
+    build: Callable[[], Any]
+    batches: Callable[[], list]
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    opt_kwargs: dict[str, Any] = field(default_factory=dict)
+    strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    clip: float | None = None
+    precision: str = "32-true"
+    accumulate: int = 1
+
+    def module(self) -> ParityModule:
+        return ParityModule(self.build, optimizer=self.optimizer, lr=self.lr, **self.opt_kwargs)
+
+
+# Paths relative to the LightningModule, since the module is not a Transformers model.
+MLP_PLAN = {"model.up": "colwise", "model.down": "rowwise"}
+
+
+def _mlp() -> MLP:
+    import torch
+
+    torch.manual_seed(0)
+    return MLP()
+
+
+CASES: dict[str, Case] = {
+    "qwen3_sgd": Case(partial(build_causal_lm, tiny_config("qwen3")), partial(lm_batches, 5)),
+    "llama_sgd": Case(partial(build_causal_lm, tiny_config("llama")), partial(lm_batches, 5)),
+    "tied_sgd": Case(partial(build_causal_lm, tiny_config("tied")), partial(lm_batches, 5)),
+    "mlp_custom_plan": Case(_mlp, partial(mlp_batches, 5), strategy_kwargs={"tp_plan": MLP_PLAN}),
+    # AdamW with foreach and fused kernels (CUDA's default is foreach), and clipping by the global norm.
+    "qwen3_adamw_foreach_clip": Case(
+        partial(build_causal_lm, tiny_config("qwen3")),
+        partial(lm_batches, 5),
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        clip=0.5,
+    ),
+    # Gradient accumulation over 2 micro-batches.
+    "llama_accumulate": Case(
+        partial(build_causal_lm, tiny_config("llama")), partial(lm_batches, 6), accumulate=2
+    ),
+    "llama_adamw_fused": Case(
+        partial(build_causal_lm, tiny_config("llama")),
+        partial(lm_batches, 5),
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"fused": True},
+    ),
+}
+
+#: Cases that must fail, with the strategy kwargs / model that trigger it and a fragment the message must contain.
+ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
+    "kv_heads": (partial(build_causal_lm, tiny_config("llama", num_key_value_heads=1)), {}, "num_key_value_heads=1"),
+    "world_not_divisible": (partial(build_causal_lm, tiny_config("qwen3")), {"tp_size": 4}, "not divisible by tp_size=4"),
+    "unmatched_key": (
+        partial(build_causal_lm, tiny_config("qwen3")),
+        {"tp_plan": {"model.layers.*.mlp.nope": "colwise"}},
+        "model.layers.*.mlp.nope",
+    ),
+    "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
+}

@@ -1,0 +1,24 @@
+"""Launch a script on several CPU processes with torchrun (gloo), once per group of cases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 900) -> str:
+    """Run ``script`` on ``nprocs`` processes; return its output, or fail the test with it."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", str(script), *args]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:  # a hang is a failure, not a stuck CI job
+        raise AssertionError(f"{cmd} did not finish in {timeout} s:\n{err.stdout}\n{err.stderr}") from err
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-20000:]}")
+    return output

@@ -1,0 +1,197 @@
+"""Tiny models built from configs (no download), the LightningModule the parity tests train, and the
+single-process reference that trains the very same module without any strategy."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_tp import grad_norm
+
+VOCAB = 96
+SEQ = 16
+
+
+def tiny_config(kind: str, **overrides: Any):
+    """Configs for the model families the tests cover. Head counts divide by 2 and 4."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    if kind == "qwen3":  # q/k norms (replicated_with_grad_allreduce), GQA, untied
+        cfg = Qwen3Config(**{**common, "num_key_value_heads": 2, "tie_word_embeddings": False})
+    elif kind == "llama":  # GQA, untied
+        cfg = LlamaConfig(**{**common, "num_key_value_heads": 2, "tie_word_embeddings": False})
+    elif kind == "tied":  # Qwen3 with tied embedding and lm_head
+        cfg = Qwen3Config(**{**common, "num_key_value_heads": 4, "tie_word_embeddings": True})
+    else:
+        raise ValueError(kind)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_causal_lm(config, seed: int = 0) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+class MLP(nn.Module):
+    """A plain module (not Transformers) for custom plans: norm -> up (colwise) -> down (rowwise) -> head."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, classes: int = 8):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.down(torch.relu(self.up(self.norm(x)))))
+
+
+def lm_batches(steps: int, batch_size: int = 4, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+        labels = ids.clone()
+        labels[:, :3] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def mlp_batches(steps: int, batch_size: int = 8, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"x": torch.randn(batch_size, 32, generator=g), "y": torch.randint(0, 8, (batch_size,), generator=g)}
+        for _ in range(steps)
+    ]
+
+
+class ParityModule(L.LightningModule):
+    """Trains a model built in ``configure_model`` and records the loss and the pre-clip gradient norm per step.
+
+    ``dp_split``: with data parallelism each rank trains on its slice of the global batch, so that the run is
+    comparable with one process on the whole batch.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], *, optimizer: str = "sgd", lr: float = 0.1, **opt_kwargs: Any):
+        super().__init__()
+        self.build = build
+        self.model: nn.Module | None = None
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.opt_kwargs = opt_kwargs
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.build()
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "x" in batch:
+            return nn.functional.cross_entropy(self.model(batch["x"]), batch["y"])
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        dp_mesh = getattr(self._trainer.strategy, "dp_mesh", None) if self._trainer is not None else None
+        if dp_mesh is not None and dp_mesh.size() > 1:
+            batch = {k: v.chunk(dp_mesh.size())[dp_mesh.get_local_rank()] for k, v in batch.items()}
+        loss = self.compute_loss(batch)
+        if dp_mesh is not None and dp_mesh.size() > 1:
+            reported = loss.detach().clone()
+            torch.distributed.all_reduce(reported, group=dp_mesh.get_group())
+            self.losses.append(reported.item() / dp_mesh.size())
+        else:
+            self.losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.grad_norms.append(grad_norm(self.parameters()).item())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, **self.opt_kwargs)
+        return torch.optim.AdamW(params, lr=self.lr, **self.opt_kwargs)
+
+
+def reference_run(
+    module: ParityModule,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    clip: float | None = None,
+    accumulate: int = 1,
+) -> dict[str, Any]:
+    """Train ``module`` on one process with a plain loop: the same hooks Lightning calls, no strategy."""
+    module = copy.deepcopy(module)
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    optimizer.zero_grad()
+    for i, batch in enumerate(batches):
+        loss = module.training_step(batch, i)
+        (loss / accumulate).backward()
+        if (i + 1) % accumulate:
+            continue
+        module.on_before_optimizer_step(optimizer)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    return {"losses": module.losses, "grad_norms": module.grad_norms, "state": state}
+
+
+class FeatureModule(ParityModule):
+    """Exercises what a user does around training: validation with ``generate``, predict, ``self.log`` with
+    ``sync_dist`` and a torchmetrics metric. Records what each produced."""
+
+    def __init__(self, build: Callable[[], nn.Module], **kwargs: Any):
+        super().__init__(build, **kwargs)
+        import torchmetrics
+
+        self.samples = torchmetrics.SumMetric()
+        self.generated: list[torch.Tensor] = []
+        self.logged: dict[str, float] = {}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        ids = batch["input_ids"][:, :6]
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        self.generated.append(out.cpu())
+        self.samples.update(torch.ones(ids.shape[0]))
+        self.log("val_samples", float(ids.shape[0]), reduce_fx="sum", sync_dist=True, batch_size=ids.shape[0])
+        self.log("val_metric", self.samples, batch_size=ids.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        self.logged["samples_metric"] = float(self.samples.compute())
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"]).logits.argmax(-1)
+
+
+def reference_generate(build: Callable[[], nn.Module], batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    model = build().eval()
+    with torch.no_grad():
+        return [
+            model.generate(
+                b["input_ids"][:, :6], attention_mask=torch.ones_like(b["input_ids"][:, :6]), max_new_tokens=4,
+                do_sample=False,
+            )
+            for b in batches
+        ]
