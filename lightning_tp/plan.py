@@ -153,6 +153,12 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     ``DistributedConfig.tp_plan`` semantics: an empty dict means no rules, and a key must match a module or parameter.
     """
     model_name = type(module).__name__
+    if getattr(module, "hf_device_map", None) is not None:
+        raise ValueError(
+            f"{model_name} was loaded with a `device_map` ({module.hf_device_map}), which places whole layers on "
+            "devices and conflicts with tensor parallelism. Load it without `device_map`: the strategy places the "
+            "shards."
+        )
     if isinstance(tp_plan, str):
         if tp_plan != "auto":
             raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')

@@ -29,7 +29,13 @@ from lightning_tp.fsdp import apply_fsdp, block_classes
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import TP_AXIS, ParallelLayout
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
-from lightning_tp.tensor_parallel import SHARDED_MARKER, apply_tensor_parallel, is_sharded
+from lightning_tp.tensor_parallel import (
+    SHARDED_MARKER,
+    adopt_transformers_sharding,
+    apply_tensor_parallel,
+    is_sharded,
+    transformers_tp_mesh,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -177,8 +183,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
         #    error on every rank, where a rank failing mid-way would leave the others hanging in a collective.
         targets = self._resolve_targets()
         # 2. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
-        for module, plan in targets:
-            apply_tensor_parallel(module, self.tp_mesh, plan, device=self.root_device)
+        #    A model Transformers sharded at load time keeps its shards and only gets the replicated DTensors.
+        for module, plan, presharded_mesh in targets:
+            if presharded_mesh is None:
+                apply_tensor_parallel(module, self.tp_mesh, plan, device=self.root_device)
+            else:
+                adopt_transformers_sharding(module, presharded_mesh, plan)
         # 3. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D), and must see the final
         #    DTensor parameters. HSDP when dp_replicate_size > 1.
         if self.layout.dp_size > 1:
@@ -198,8 +208,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_targets(self) -> list[tuple[nn.Module, ResolvedPlan]]:
-        """The modules to shard, each with its resolved plan; modules sharded earlier are skipped."""
+    def _resolve_targets(self) -> list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]]:
+        """The modules to shard, each with its resolved plan and, for a model Transformers sharded already, its TP
+        mesh. Modules this strategy sharded in an earlier ``setup`` (fit, then validate) are skipped."""
         root = self.lightning_module
         assert root is not None
         models = _top_level_transformers_models(root)
@@ -213,43 +224,41 @@ class TensorParallelStrategy(ModelParallelStrategy):
             models = [root]
         targets = []
         for module in models:
-            if getattr(module, "hf_device_map", None) is not None:
-                raise ValueError(
-                    f"{type(module).__name__} was loaded with a `device_map` ({module.hf_device_map}), which places "
-                    "whole layers on devices and conflicts with tensor parallelism. Load it without `device_map`: the "
-                    "strategy places the shards."
-                )
-            if self._already_sharded(module):
+            if getattr(module, SHARDED_MARKER, None) is not None:
+                self._check_sharded_size(module, getattr(module, SHARDED_MARKER))
                 continue
-            plan = resolve_plan(module, self._tp_plan, tp_size=self.layout.tp_size)
+            presharded_mesh = transformers_tp_mesh(module) if is_sharded(module) else None
+            if presharded_mesh is not None:
+                self._check_sharded_size(module, presharded_mesh)
+            plan = resolve_plan(
+                module, "auto" if presharded_mesh is not None else self._tp_plan, tp_size=self.layout.tp_size
+            )
             if module is root and any(isinstance(p, torch.Tensor) for p in root._parameters.values()):
                 raise ValueError(
                     f"{type(root).__name__} holds parameters directly; move them into a submodule so its plan "
                     "can address them."
                 )
-            targets.append((module, plan))
+            targets.append((module, plan, presharded_mesh))
         return targets
 
-    def _already_sharded(self, module: nn.Module) -> bool:
-        if not is_sharded(module):
-            return False
-        mesh = getattr(module, SHARDED_MARKER, None)
-        size = mesh.size() if mesh is not None else getattr(module, "_tp_size", None)
-        if size != self.layout.tp_size:
+    def _check_sharded_size(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        """A model sharded before this setup must be sharded over exactly this rank's TP group."""
+        ranks = sorted(mesh.mesh.flatten().tolist())
+        expected = sorted(self.tp_mesh.mesh.flatten().tolist())
+        if ranks != expected:
             raise ValueError(
-                f"{type(module).__name__} is already tensor-parallel with tp_size={size}, but the strategy has "
-                f"tp_size={self.layout.tp_size}. Load it without `distributed_config`/`tp_plan` and let the strategy "
-                "shard it, or use the same tp_size."
+                f"{type(module).__name__} is already tensor-parallel over ranks {ranks} (tp_size={len(ranks)}), but "
+                f"this rank's TP group under the strategy is {expected} (tp_size={self.layout.tp_size}). Load it "
+                "without `distributed_config`/`tp_plan` and let the strategy shard it, or use the same tp_size."
             )
-        return True
 
-    def _apply_fsdp(self, targets: list[tuple[nn.Module, ResolvedPlan]]) -> None:
+    def _apply_fsdp(self, targets: list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]]) -> None:
         root = self.lightning_module
         assert root is not None
         dp_axes = tuple(name for name in ("dp_replicate", "dp_shard") if self.device_mesh[name].size() > 1)
         dp_mesh = self.device_mesh[dp_axes] if len(dp_axes) > 1 else self.device_mesh[dp_axes[0]]
         covered = set()
-        for module, _ in targets:
+        for module, _, _ in targets:
             apply_fsdp(module, dp_mesh, blocks=block_classes(module, self._fsdp_blocks))
             covered.update(id(p) for p in module.parameters())
         outside = [n for n, p in root.named_parameters() if id(p) not in covered and p.requires_grad]

@@ -55,6 +55,32 @@ def apply_tensor_parallel(
     return module
 
 
+def transformers_tp_mesh(model: nn.Module) -> DeviceMesh:
+    """The TP mesh of a model sharded by Transformers' ``from_pretrained(distributed_config=...)``."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    if len(meshes) != 1 or next(iter(meshes.values())).ndim != 1:
+        raise ValueError(
+            f"{type(model).__name__} was sharded by Transformers on more than a 1-D tensor-parallel mesh (FSDP or "
+            "pipeline sizes in its `distributed_config`). Load it with `DistributedConfig(tp_size=...)` alone, or "
+            "without one, and let the strategy apply FSDP2."
+        )
+    return next(iter(meshes.values()))
+
+
+def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: ResolvedPlan) -> nn.Module:
+    """Bring a model that ``from_pretrained(distributed_config=...)`` sharded into the state :func:`apply_tensor_parallel`
+    leaves: its whole parameters become replicated DTensors, so that optimizers and clipping see DTensors only.
+
+    Transformers' ``replicated_with_grad_allreduce`` layer hooks plain parameters in their first forward; it is
+    removed (it lives in the instance's ``forward``) and replaced by the same gradient sum on the local view.
+    """
+    for name in plan.grad_allreduce:
+        model.get_submodule(name).__dict__.pop("forward", None)
+    replicate_unsharded_parameters(model, tp_mesh, grad_allreduce=plan.grad_allreduce)
+    setattr(model, SHARDED_MARKER, tp_mesh)
+    return model
+
+
 def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters())
 

@@ -22,11 +22,30 @@ class Case:
     precision: str = "32-true"
     accumulate: int = 1
 
-    def module(self) -> ParityModule:
-        return ParityModule(self.build, optimizer=self.optimizer, lr=self.lr, **self.opt_kwargs)
+    #: What the single-process reference builds, when it differs from ``build`` (a pre-sharded load).
+    reference_build: Callable[[], Any] | None = None
+
+    def module(self, *, reference: bool = False) -> ParityModule:
+        build = self.reference_build if reference and self.reference_build is not None else self.build
+        return ParityModule(build, optimizer=self.optimizer, lr=self.lr, **self.opt_kwargs)
 
 
 # Paths relative to the LightningModule, since the module is not a Transformers model.
+#: A tiny Qwen3 checkpoint the test session writes (see tests/distributed/conftest.py).
+CHECKPOINT_ENV = "LIGHTNING_TP_TEST_CHECKPOINT"
+
+
+def _from_checkpoint(sharded: bool) -> Any:
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    kwargs = {"distributed_config": DistributedConfig(tp_size=2)} if sharded else {}
+    model = AutoModelForCausalLM.from_pretrained(os.environ[CHECKPOINT_ENV], dtype=torch.float32, **kwargs)
+    return model.train()
+
+
 MLP_PLAN = {"model.up": "colwise", "model.down": "rowwise"}
 
 
@@ -54,6 +73,15 @@ CASES: dict[str, Case] = {
     # Gradient accumulation over 2 micro-batches.
     "llama_accumulate": Case(
         partial(build_causal_lm, tiny_config("llama")), partial(lm_batches, 6), accumulate=2
+    ),
+    # Sharded by Transformers at load time: recognised, not sharded twice, and trained with foreach AdamW.
+    "presharded_adamw_foreach": Case(
+        partial(_from_checkpoint, True),
+        partial(lm_batches, 3),
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        reference_build=partial(_from_checkpoint, False),
     ),
     "llama_adamw_fused": Case(
         partial(build_causal_lm, tiny_config("llama")),

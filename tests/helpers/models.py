@@ -168,7 +168,11 @@ class FeatureModule(ParityModule):
 
         self.samples = torchmetrics.SumMetric()
         self.generated: list[torch.Tensor] = []
-        self.logged: dict[str, float] = {}
+        self.logged: dict[str, Any] = {}
+
+    def configure_model(self) -> None:
+        self.logged["mesh_axes"] = self.device_mesh.mesh_dim_names
+        super().configure_model()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         ids = batch["input_ids"][:, :6]

@@ -1,0 +1,52 @@
+"""One torchrun launch per layout, holding every case: a cold multi-process start costs far more than a case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.cases import CASES, CHECKPOINT_ENV, ERROR_CASES
+from tests.helpers.launch import torchrun
+from tests.helpers.models import build_causal_lm, tiny_config
+
+WORKER = Path(__file__).with_name("worker.py")
+
+TP_CASES = [*CASES, "features", *(f"error:{name}" for name in ERROR_CASES)]
+TWO_D_CASES = ["qwen3_sgd", "tied_sgd", "qwen3_adamw_foreach_clip"]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("checkpoint")
+    build_causal_lm(tiny_config("qwen3")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkpoint_env(checkpoint: Path, monkeypatch_session: pytest.MonkeyPatch) -> None:
+    monkeypatch_session.setenv(CHECKPOINT_ENV, str(checkpoint))
+
+
+@pytest.fixture(scope="session")
+def monkeypatch_session():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _launch(out: Path, nprocs: int, cases: list[str], *extra: str) -> list[dict]:
+    torchrun(WORKER, nprocs, str(out), *extra, *cases)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
+
+
+@pytest.fixture(scope="session")
+def tp2_results(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> list[dict]:
+    """Every TP case on 2 processes (tp_size inferred: 2)."""
+    return _launch(tmp_path_factory.mktemp("tp2"), 2, TP_CASES)
+
+
+@pytest.fixture(scope="session")
+def two_d_results(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> list[dict]:
+    """2-D cases on 4 processes: dp_shard 2 x tp 2."""
+    return _launch(tmp_path_factory.mktemp("2d"), 4, TWO_D_CASES, "--tp-size", "2")
