@@ -1,0 +1,46 @@
+import pytest
+
+from lightning_tp import ParallelLayout
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "expected"),
+    [
+        (4, {}, (4, 1, 1)),  # tp takes every rank
+        (4, {"tp_size": 2}, (2, 2, 1)),  # the rest is FSDP
+        (8, {"tp_size": 2, "dp_replicate_size": 2}, (2, 2, 2)),
+        (8, {"dp_shard_size": 2, "dp_replicate_size": 2}, (2, 2, 2)),  # tp inferred
+        (1, {}, (1, 1, 1)),
+    ],
+)
+def test_resolve_fills_in_sizes(world, kwargs, expected):
+    layout = ParallelLayout.resolve(world, **kwargs)
+    assert (layout.tp_size, layout.dp_shard_size, layout.dp_replicate_size) == expected
+    assert layout.world_size == world
+    assert layout.dp_size == world // layout.tp_size
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "message"),
+    [
+        (6, {"tp_size": 4}, r"world size \(6\) is not divisible by tp_size=4.*\[1, 2, 3, 6\]"),
+        (4, {"tp_size": 2, "dp_shard_size": 4}, r"1 \* 4 \* 2 = 8, but the world size is 4"),
+        (4, {"dp_shard_size": 3}, r"not divisible by dp_replicate_size \* dp_shard_size"),
+        (8, {"tp_size": 2, "dp_replicate_size": 3}, r"not divisible by dp_replicate_size=3"),
+        (4, {"tp_size": 0}, r"`tp_size` must be a positive integer"),
+        (4, {"tp_size": True}, r"`tp_size` must be a positive integer"),
+        (4, {"dp_replicate_size": "2"}, r"`dp_replicate_size` must be a positive integer"),
+    ],
+)
+def test_resolve_names_the_sizes_in_its_errors(world, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout.resolve(world, **kwargs)
+
+
+def test_layout_is_frozen_and_validated():
+    with pytest.raises(ValueError, match="dp_shard_size"):
+        ParallelLayout(tp_size=2, dp_shard_size=0)
+    layout = ParallelLayout(tp_size=2, dp_shard_size=2)
+    with pytest.raises(AttributeError):
+        layout.tp_size = 4  # type: ignore[misc]
+    assert "tp=2" in str(layout)

@@ -1,0 +1,116 @@
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_tp import REFUSED_STYLES, SUPPORTED_STYLES, resolve_plan
+from tests.helpers.models import MLP, tiny_config
+
+
+def meta_model(kind="qwen3", **overrides):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(kind, **overrides))
+
+
+def test_every_transformers_style_is_supported_or_refused_by_name():
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    assert set(ALL_PARALLEL_STYLES) <= set(SUPPORTED_STYLES) | set(REFUSED_STYLES)
+    assert not set(SUPPORTED_STYLES) & set(REFUSED_STYLES)
+
+
+def test_auto_plan_expands_to_concrete_names_params_before_modules():
+    plan = resolve_plan(meta_model("qwen3"), "auto", tp_size=2)
+    names = list(plan.styles)
+    assert plan.styles["model.layers.1.self_attn.q_proj"] == "colwise"
+    assert plan.styles["model.layers.1.self_attn.q_proj.weight"] == "colwise"
+    assert names.index("model.layers.0.mlp.down_proj.weight") < names.index("model.layers.0.mlp.down_proj")
+    assert plan.styles["lm_head"] == "colwise_gather_output"
+    assert plan.styles["model.embed_tokens"] == "embedding_rowwise"
+    assert not any("*" in n for n in names)
+    # q/k norms are summed by this package, not by Transformers' hook layer.
+    assert plan.grad_allreduce == [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
+    assert "model.layers.0.self_attn.q_norm" not in plan.transformers_styles
+    assert plan.tied == {}
+
+
+def test_overrides_merge_key_by_key():
+    plan = resolve_plan(meta_model("llama"), {"lm_head": "replicate", "model.layers.*.mlp.up_proj": "colwise_rep"}, tp_size=2)
+    assert plan.styles["lm_head"] == "replicate"
+    assert plan.styles["model.layers.0.mlp.up_proj"] == "colwise_rep"
+    assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"  # untouched rule stays
+
+
+def test_specific_key_wins_over_wildcard():
+    plan = resolve_plan(meta_model("llama"), {"model.layers.1.mlp.up_proj": "colwise_rep"}, tp_size=2)
+    assert plan.styles["model.layers.1.mlp.up_proj"] == "colwise_rep"
+    assert plan.styles["model.layers.0.mlp.up_proj"] == "colwise"
+
+
+def test_tied_embeddings_are_sharded_once():
+    plan = resolve_plan(meta_model("tied"), "auto", tp_size=2)
+    assert plan.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in plan.styles  # Transformers would raise KeyError on the duplicate
+    assert plan.styles["lm_head"] == "colwise_gather_output"
+
+
+def test_tied_weights_with_different_layouts_are_refused():
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' and 'lm_head.weight'.*sharded differently"):
+        resolve_plan(meta_model("tied"), {"model.embed_tokens": "embedding_colwise"}, tp_size=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"model.layers.*.mlp.up_proj": "colwize"}, r"tp_plan\['model.layers.\*.mlp.up_proj'\] = 'colwize' is not a known style"),
+        ({"model.layers.*.mlp.up_proj": "sequence_parallel"}, r"'sequence_parallel' is not supported"),
+        ({"model.layers.*.mlp.up_proj": "grouped_gemm"}, r"'grouped_gemm' is not supported: it is expert parallelism"),
+        ({"model.layers.*.mlp.up_proj": 3}, r"must be a Transformers style name or a torch `ParallelStyle`"),
+        ({"model.layer.*.mlp": "colwise"}, r"tp_plan keys \['model.layer.\*.mlp'\] match no module"),
+        ({}, r"Qwen3ForCausalLM has no tensor-parallel plan"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_plan(meta_model("qwen3"), overrides, tp_size=2)
+
+
+def test_plan_must_be_auto_or_dict():
+    with pytest.raises(ValueError, match='must be "auto" or a dict'):
+        resolve_plan(meta_model("qwen3"), "colwise", tp_size=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tp_size", "message"),
+    [
+        ({"num_key_value_heads": 1}, 2, r"num_key_value_heads=1 not divisible by tp_size=2.*one of \[1\]"),
+        ({}, 4, r"num_key_value_heads=2 not divisible by tp_size=4.*one of \[1, 2\]"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 6}, 4, r"num_attention_heads=6 and num_key_value_heads=6.*\[1, 2, 3, 6\]"),
+    ],
+)
+def test_heads_not_divisible_by_tp_size(overrides, tp_size, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_plan(meta_model("llama", **overrides), "auto", tp_size=tp_size)
+
+
+def test_heads_are_not_checked_when_attention_stays_whole():
+    plan = {f"model.layers.*.self_attn.{p}": "replicate" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    resolve_plan(meta_model("llama", num_key_value_heads=1), plan, tp_size=2)
+
+
+def test_device_map_is_refused():
+    model = meta_model("qwen3")
+    model.hf_device_map = {"": 0}
+    with pytest.raises(ValueError, match="`device_map`.*conflicts with tensor parallelism"):
+        resolve_plan(model, "auto", tp_size=2)
+
+
+def test_plain_module_needs_a_plan_and_takes_torch_styles():
+    module = nn.Sequential(MLP())
+    with pytest.raises(ValueError, match="not a Transformers model"):
+        resolve_plan(module, "auto", tp_size=2)
+    plan = resolve_plan(module, {"0.up": ColwiseParallel(), "0.down": RowwiseParallel(), "0.head": "replicate"}, tp_size=2)
+    assert set(plan.torch_styles) == {"0.up", "0.down"}
+    assert plan.transformers_styles == {"0.head.weight": "replicate", "0.head.bias": "replicate", "0.head": "replicate"}

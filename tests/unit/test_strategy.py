@@ -1,0 +1,68 @@
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import DoublePrecision
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_tp import TensorParallelStrategy, clip_grad_norm_, grad_norm
+from tests.helpers.models import ParityModule, build_causal_lm, tiny_config
+
+
+def test_registered_as_tp():
+    assert "tp" in StrategyRegistry.available_strategies()
+    assert isinstance(StrategyRegistry.get("tp"), TensorParallelStrategy)
+
+
+def test_constructor_stores_configuration_and_checks_it_early():
+    strategy = TensorParallelStrategy(2, tp_plan={"model.layers.*.mlp.up_proj": "colwise"}, dp_replicate_size=2)
+    assert strategy._tp_size == 2 and strategy._dp_replicate_size == 2
+    with pytest.raises(ValueError, match='"auto" or a dict'):
+        TensorParallelStrategy(tp_plan="colwise")
+    with pytest.raises(ValueError, match=r"tp_plan\['x'\] = 'sequence_parallel' is not supported"):
+        TensorParallelStrategy(tp_plan={"x": "sequence_parallel"})
+    with pytest.raises(ValueError, match="`tp_size` must be a positive integer"):
+        TensorParallelStrategy(tp_size=0)
+    with pytest.raises(TypeError):
+        TensorParallelStrategy(2, "auto")  # keyword-only after the first argument
+
+
+def test_mesh_and_layout_before_setup_raise_a_clear_error():
+    strategy = TensorParallelStrategy()
+    with pytest.raises(RuntimeError, match="built in `setup_environment`.*configure_model"):
+        strategy.device_mesh
+    with pytest.raises(RuntimeError, match="built in `setup_environment`"):
+        strategy.tp_mesh
+    with pytest.raises(RuntimeError, match="resolved in `setup_environment`"):
+        strategy.layout
+
+
+def test_unsupported_precision_is_refused_before_processes_start():
+    strategy = TensorParallelStrategy()
+    strategy.precision_plugin = DoublePrecision()
+    with pytest.raises(ValueError, match=r"precision='64-true'.*32-true, bf16-mixed, bf16-true, 16-true"):
+        strategy._check_precision()
+
+
+def test_trainer_with_unsupported_precision_fails_in_fit_without_a_process_group():
+    module = ParityModule(lambda: build_causal_lm(tiny_config("qwen3")))
+    trainer = L.Trainer(strategy="tp", precision="64-true", accelerator="cpu", devices=1, logger=False, max_steps=1)
+    with pytest.raises(ValueError, match="does not support `Trainer\\(precision='64-true'\\)`"):
+        trainer.fit(module, [])
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_matches_torch_on_plain_tensors(norm_type):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, p in zip(clones, params):
+        c.grad = p.grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(clones, 1.0, norm_type)
+    total = clip_grad_norm_(params, 1.0, norm_type)
+    torch.testing.assert_close(total, expected)
+    for c, p in zip(clones, params):
+        torch.testing.assert_close(p.grad, c.grad)
+    assert grad_norm([]).item() == 0.0
