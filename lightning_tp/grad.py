@@ -62,8 +62,11 @@ def clip_grad_norm_(
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped.")
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    # Scale the local shards in place: the coefficient is the same on every rank, so no DTensor dispatch is needed.
+    locals_by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in parameters:
-        grad = p.grad
-        target = grad.to_local() if isinstance(grad, DTensor) else grad
-        target.mul_(coef.to(device=target.device, dtype=target.dtype))
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        locals_by_device.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), grads in locals_by_device.items():
+        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
     return total

@@ -30,11 +30,15 @@ SUPPORTED_STYLES: dict[str, str] = {
     "embedding_colwise": "embedding sharded on the hidden dim, slices gathered",
     "replicated_with_grad_allreduce": "replicated parameter whose gradient is summed over the TP group (q/k norms)",
     "replicate": "kept whole on every rank",
-    "all_reduce": "module output summed over the TP group",
     "local_params": "module runs on its local parameter shards",
-    "packed_colwise": "fused (e.g. gate_up) linear, each packed half sharded column-wise",
-    "packed_rowwise": "fused linear weight packed along the input dim, sharded row-wise",
+    "moe_tp_experts": "mixture-of-experts block: every expert sharded, partial outputs summed",
+    "packed_colwise": "fused gate/up expert weight, each packed half sharded column-wise",
 }
+
+_MOE = (
+    "Transformers uses it for mixture-of-experts layers, whose tensor parallelism is not verified for training with "
+    "this strategy yet; map the rule to 'replicate' to keep that module whole"
+)
 
 #: Transformers style names this strategy refuses, with the reason and the fix.
 REFUSED_STYLES: dict[str, str] = {
@@ -44,8 +48,9 @@ REFUSED_STYLES: dict[str, str] = {
     "shard the experts with `moe_tp_experts` instead",
     "sequence_parallel": "Transformers' sequence-parallel style is not wired into its layers yet; leave the norms "
     "replicated (drop the rule)",
-    "moe_tp_experts": "mixture-of-experts tensor parallelism is not verified for training with this strategy yet",
-    "moe_identity_expert": "mixture-of-experts tensor parallelism is not verified for training with this strategy yet",
+    "moe_identity_expert": _MOE,
+    "all_reduce": _MOE,
+    "packed_rowwise": _MOE,
     "mla_kv_a_proj": "multi-head latent attention (DeepSeek-V2 style) is not verified for training with this "
     "strategy yet",
 }
@@ -170,10 +175,20 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     else:
         raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
 
+    refused = {}
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"tp_plan keys must be non-empty module paths, got {key!r}.")
-        check_style(key, style)
+        if isinstance(style, str) and style in REFUSED_STYLES:
+            refused[key] = style
+        else:
+            check_style(key, style)
+    if refused:
+        reasons = "; ".join(f"{key!r}: {style!r} ({REFUSED_STYLES[style]})" for key, style in refused.items())
+        raise ValueError(
+            f"{model_name}'s plan uses styles this strategy does not support: {reasons}. To keep those modules whole, "
+            f"pass tp_plan={ {key: 'replicate' for key in refused} }."
+        )
 
     if not plan:
         if is_transformers_model(module):

@@ -60,6 +60,24 @@ CASES: dict[str, Case] = {
     "qwen3_sgd": Case(partial(build_causal_lm, tiny_config("qwen3")), partial(lm_batches, 5)),
     "llama_sgd": Case(partial(build_causal_lm, tiny_config("llama")), partial(lm_batches, 5)),
     "tied_sgd": Case(partial(build_causal_lm, tiny_config("tied")), partial(lm_batches, 5)),
+    "qwen3_moe_sgd": Case(partial(build_causal_lm, tiny_config("qwen3_moe")), partial(lm_batches, 5)),
+    "phi3_sgd": Case(partial(build_causal_lm, tiny_config("phi3")), partial(lm_batches, 5)),
+    "granite_swa_sgd": Case(partial(build_causal_lm, tiny_config("granite_swa")), partial(lm_batches, 5)),
+    # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
+    "llama_alt_styles": Case(
+        partial(build_causal_lm, tiny_config("llama")),
+        partial(lm_batches, 5),
+        strategy_kwargs={
+            "tp_plan": {
+                "model.embed_tokens": "embedding_colwise",
+                "model.layers.*.mlp.gate_proj": "colwise_rep",
+                "model.layers.*.mlp.up_proj": "colwise_rep",
+                "model.layers.0.mlp.down_proj": "rowwise_rep",
+                "model.layers.1.mlp.down_proj": "rowwise_split_input",
+                "lm_head": "replicate",
+            }
+        },
+    ),
     "mlp_custom_plan": Case(_mlp, partial(mlp_batches, 5), strategy_kwargs={"tp_plan": MLP_PLAN}),
     # AdamW with foreach and fused kernels (CUDA's default is foreach), and clipping by the global norm.
     "qwen3_adamw_foreach_clip": Case(

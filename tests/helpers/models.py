@@ -18,7 +18,7 @@ SEQ = 16
 
 def tiny_config(kind: str, **overrides: Any):
     """Configs for the model families the tests cover. Head counts divide by 2 and 4."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import GraniteSWAConfig, LlamaConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB,
@@ -35,11 +35,24 @@ def tiny_config(kind: str, **overrides: Any):
         cfg = LlamaConfig(**{**common, "num_key_value_heads": 2, "tie_word_embeddings": False})
     elif kind == "tied":  # Qwen3 with tied embedding and lm_head
         cfg = Qwen3Config(**{**common, "num_key_value_heads": 4, "tie_word_embeddings": True})
+    elif kind == "qwen3_moe":  # moe_tp_experts with packed_colwise gate_up and rowwise down expert weights
+        cfg = Qwen3MoeConfig(
+            **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False},
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    elif kind == "phi3":  # fused qkv/gate_up: colwise_gather_output + rowwise_split_input
+        cfg = Phi3Config(**{**common, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1})
+    elif kind == "granite_swa":  # attention sinks: a bare parameter sharded colwise, its owner run on local_params
+        cfg = GraniteSWAConfig(
+            **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1}
+        )
     else:
         raise ValueError(kind)
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "eager" if kind == "granite_swa" else "sdpa"  # sinks need eager attention
     return cfg
 
 

@@ -65,8 +65,13 @@ def test_tied_weights_with_different_layouts_are_refused():
     ("overrides", "message"),
     [
         ({"model.layers.*.mlp.up_proj": "colwize"}, r"tp_plan\['model.layers.\*.mlp.up_proj'\] = 'colwize' is not a known style"),
-        ({"model.layers.*.mlp.up_proj": "sequence_parallel"}, r"'sequence_parallel' is not supported"),
-        ({"model.layers.*.mlp.up_proj": "grouped_gemm"}, r"'grouped_gemm' is not supported: it is expert parallelism"),
+        ({"model.layers.*.mlp.up_proj": "sequence_parallel"}, r"'sequence_parallel' \(Transformers' sequence-parallel"),
+        ({"model.layers.*.mlp.up_proj": "grouped_gemm"}, r"'grouped_gemm' \(it is expert parallelism"),
+        (
+            {"model.layers.*.mlp.up_proj": "packed_rowwise", "model.layers.*.mlp.down_proj": "all_reduce"},
+            r"'model.layers.\*.mlp.up_proj': 'packed_rowwise'.*'model.layers.\*.mlp.down_proj': 'all_reduce'.*"
+            r"tp_plan=\{'model.layers.\*.mlp.up_proj': 'replicate', 'model.layers.\*.mlp.down_proj': 'replicate'\}",
+        ),
         ({"model.layers.*.mlp.up_proj": 3}, r"must be a Transformers style name or a torch `ParallelStyle`"),
         ({"model.layer.*.mlp": "colwise"}, r"tp_plan keys \['model.layer.\*.mlp'\] match no module"),
         ({}, r"Qwen3ForCausalLM has no tensor-parallel plan"),
