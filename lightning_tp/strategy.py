@@ -4,7 +4,8 @@ order in which they run and why."""
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -22,12 +23,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_tp.fsdp import apply_fsdp, block_classes
+from lightning_tp.fsdp import apply_fsdp, block_classes, fsdp_mixed_precision
+from lightning_tp.loading import materialize
 from lightning_tp.grad import clip_grad_norm_
-from lightning_tp.layout import TP_AXIS, ParallelLayout
+from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -59,7 +61,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
             module that is not a Transformers model, a dict of path (relative to the LightningModule) to a style name
             or a torch ``ParallelStyle``.
         dp_shard_size: Ranks per FSDP2 shard group. ``None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
-        dp_replicate_size: Number of replicas of the FSDP2 groups (HSDP).
+        dp_replicate_size: Number of replicas of the FSDP2 groups (HSDP: shard within a group, e.g. a node, and
+            replicate across groups).
+        parallelism_config: An ``accelerate.ParallelismConfig`` to take ``tp_size``, ``dp_shard_size`` and
+            ``dp_replicate_size`` from, instead of passing them.
+        activation_checkpointing: Recompute each decoder layer's activations in backward (Transformers' own
+            activation checkpointing), trading compute for memory.
+        reshard_after_forward: FSDP2 frees each block's gathered parameters after its forward (less memory, one more
+            all-gather in backward).
+        cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
         fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
         save_distributed_checkpoint: Each rank writes its shards (``True``) or rank 0 writes one full file.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
@@ -75,6 +85,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         tp_plan: Union[Literal["auto"], dict[str, Any]] = "auto",
         dp_shard_size: Optional[int] = None,
         dp_replicate_size: int = 1,
+        parallelism_config: Optional[Any] = None,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
         fsdp_blocks: Optional[list[str]] = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -85,6 +99,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        if parallelism_config is not None:
+            tp_size, dp_shard_size, dp_replicate_size = _sizes_from_parallelism_config(
+                parallelism_config, tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size
+            )
         # Checked here, without processes, so that a typo fails when the Trainer is built.
         ParallelLayout.resolve(
             (tp_size or 1) * (dp_shard_size or 1) * dp_replicate_size,
@@ -102,6 +120,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._dp_shard_size = dp_shard_size
         self._dp_replicate_size = dp_replicate_size
         self._fsdp_blocks = list(fsdp_blocks) if fsdp_blocks else None
+        self._activation_checkpointing = activation_checkpointing
+        self._reshard_after_forward = reshard_after_forward
+        self._cpu_offload = cpu_offload
         self._layout: Optional[ParallelLayout] = None
         self._dp_mesh: Optional[DeviceMesh] = None
 
@@ -182,21 +203,32 @@ class TensorParallelStrategy(ModelParallelStrategy):
         # 1. Resolve and check every plan before any weight moves or any collective runs: a bad plan raises the same
         #    error on every rank, where a rank failing mid-way would leave the others hanging in a collective.
         targets = self._resolve_targets()
-        # 2. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
+        # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
+        self.model = self.precision_plugin.convert_module(self.model)
+        # 3. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
         #    A model Transformers sharded at load time keeps its shards and only gets the replicated DTensors.
         for module, plan, presharded_mesh in targets:
             if presharded_mesh is None:
                 apply_tensor_parallel(module, self.tp_mesh, plan, device=self.root_device)
             else:
                 adopt_transformers_sharding(module, presharded_mesh, plan)
-        # 3. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D), and must see the final
+        # 4. Activation checkpointing per decoder layer, after TP (the recomputed forward runs the TP layers) and
+        #    before FSDP2 (whose hooks then wrap the checkpointed layer and gather its weights again for the recompute).
+        if self._activation_checkpointing:
+            self._apply_activation_checkpointing(targets)
+        # 5. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D), and must see the final
         #    DTensor parameters. HSDP when dp_replicate_size > 1.
         if self.layout.dp_size > 1:
             self._apply_fsdp(targets)
-        # 4. Modules built on the meta device are materialised after sharding, so no rank holds the whole model.
-        _materialize_distributed_module(self.model, self.root_device)
+        # 6. Models built on the meta device are materialised only now, already sharded, and filled from their
+        #    checkpoint slice by slice: no rank ever holds the whole model.
+        #    With CPU offload, FSDP2 keeps the sharded parameters on the CPU.
+        init_device = torch.device("cpu") if self._cpu_offload else self.root_device
+        for module, plan, _ in targets:
+            if any(p.is_meta for p in module.parameters()) and is_transformers_model(module):
+                materialize(module, init_device, tied=plan.tied)
+        _materialize_distributed_module(self.model, init_device)
 
-        self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._reduce_metrics_over_data_parallel_group()
         self.barrier()
@@ -252,14 +284,35 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "without `distributed_config`/`tp_plan` and let the strategy shard it, or use the same tp_size."
             )
 
+    def _apply_activation_checkpointing(self, targets: list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]]) -> None:
+        for module, _, _ in targets:
+            if is_transformers_model(module) and getattr(module, "supports_gradient_checkpointing", False):
+                module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                rank_zero_warn(
+                    f"`activation_checkpointing=True` is ignored for {type(module).__name__}: it applies to "
+                    "Transformers models that support it. Wrap your blocks with `torch.utils.checkpoint` instead."
+                )
+
     def _apply_fsdp(self, targets: list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]]) -> None:
         root = self.lightning_module
         assert root is not None
-        dp_axes = tuple(name for name in ("dp_replicate", "dp_shard") if self.device_mesh[name].size() > 1)
-        dp_mesh = self.device_mesh[dp_axes] if len(dp_axes) > 1 else self.device_mesh[dp_axes[0]]
+        # HSDP takes the 2-D (replicate, shard) mesh, even when the shard axis has one rank; FSDP the shard axis.
+        if self.layout.dp_replicate_size > 1:
+            dp_mesh = self.device_mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]
+        else:
+            dp_mesh = self.device_mesh[DP_SHARD_AXIS]
+        mp_policy = fsdp_mixed_precision(getattr(self.precision_plugin, "precision", "32-true"))
         covered = set()
         for module, _, _ in targets:
-            apply_fsdp(module, dp_mesh, blocks=block_classes(module, self._fsdp_blocks))
+            apply_fsdp(
+                module,
+                dp_mesh,
+                blocks=block_classes(module, self._fsdp_blocks),
+                reshard_after_forward=self._reshard_after_forward,
+                mp_policy=mp_policy,
+                cpu_offload=self._cpu_offload,
+            )
             covered.update(id(p) for p in module.parameters())
         outside = [n for n, p in root.named_parameters() if id(p) not in covered and p.requires_grad]
         if outside:
@@ -289,6 +342,32 @@ class TensorParallelStrategy(ModelParallelStrategy):
             clip_grad_norm_(plugin_self.main_params(optimizer), clip_val)
 
         plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self._cpu_offload:
+            self.model.to(self.root_device)
+            return
+        # FSDP2's CPU offload keeps parameters on the CPU; only buffers (rotary tables, ...) go to the device.
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """While Lightning accumulates gradients, FSDP2 keeps them unreduced: one reduce-scatter per optimizer step,
+        not one per micro-batch (Lightning's ``ModelParallelStrategy`` reduces every micro-batch)."""
+        fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model is not None else []
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in fsdp_modules:
+                module.set_requires_gradient_sync(True, recurse=False)
 
     # ------------------------------------------------------------------ collectives seen by the LightningModule
 
@@ -325,6 +404,24 @@ class TensorParallelStrategy(ModelParallelStrategy):
             description="Tensor parallelism for Transformers models (lightning_tp)",
             override=True,
         )
+
+
+def _sizes_from_parallelism_config(
+    config: Any, *, tp_size: Optional[int], dp_shard_size: Optional[int], dp_replicate_size: int
+) -> tuple[Optional[int], Optional[int], int]:
+    """Sizes from an ``accelerate.ParallelismConfig`` (duck-typed: accelerate is not a dependency)."""
+    if tp_size is not None or dp_shard_size is not None or dp_replicate_size != 1:
+        raise ValueError(
+            "Pass either `parallelism_config` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`), not both."
+        )
+    unsupported = {name: getattr(config, name, 1) for name in ("cp_size", "sp_size")}
+    unsupported = {name: size for name, size in unsupported.items() if size not in (None, 1)}
+    if unsupported:
+        raise ValueError(f"`parallelism_config` asks for {unsupported}; this strategy offers TP, FSDP2 and HSDP only.")
+    sizes = [getattr(config, name, None) for name in ("tp_size", "dp_shard_size", "dp_replicate_size")]
+    if any(size is not None and not isinstance(size, int) for size in sizes):
+        raise ValueError(f"`parallelism_config` must carry integer sizes, got {config!r}.")
+    return sizes[0] or 1, sizes[1] or 1, sizes[2] or 1
 
 
 def _top_level_transformers_models(root: nn.Module) -> list[nn.Module]:

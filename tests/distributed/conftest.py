@@ -13,14 +13,27 @@ from tests.helpers.models import build_causal_lm, tiny_config
 
 WORKER = Path(__file__).with_name("worker.py")
 
-TP_CASES = [*CASES, "features", *(f"error:{name}" for name in ERROR_CASES)]
-TWO_D_CASES = ["qwen3_sgd", "tied_sgd", "qwen3_adamw_foreach_clip"]
+TWO_D_CASES = [
+    "qwen3_sgd",
+    "tied_sgd",
+    "qwen3_adamw_foreach_clip",
+    "llama_accumulate",
+    "qwen3_activation_checkpointing",
+    "qwen3_meta_load",
+    "tied_meta_load",
+    "qwen3_hsdp",
+]
+#: Cases that only make sense with data parallelism.
+DP_ONLY_CASES = {"qwen3_hsdp"}
+TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES]
+TP_CASES = [*TP_PARITY_CASES, "features", *(f"error:{name}" for name in ERROR_CASES)]
 
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("checkpoint")
-    build_causal_lm(tiny_config("qwen3")).save_pretrained(path)
+    for kind in ("qwen3", "tied"):
+        build_causal_lm(tiny_config(kind)).save_pretrained(path / kind)
     return path
 
 

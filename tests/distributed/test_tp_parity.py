@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.distributed.conftest import TWO_D_CASES
+from tests.distributed.conftest import TP_PARITY_CASES, TWO_D_CASES
 from tests.helpers.cases import CASES, ERROR_CASES
 from tests.helpers.models import ParityModule, build_causal_lm, lm_batches, reference_generate, reference_run, tiny_config
 
@@ -36,9 +36,11 @@ def _assert_parity(result: dict, ref: dict, name: str) -> None:
         torch.testing.assert_close(result["state"][key], value, atol=tol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
     # Every parameter is a DTensor: what lets foreach/fused optimizers and clipping run.
     assert result["all_dtensor"]
+    # Tied embeddings stay one parameter through sharding (and meta-device materialisation).
+    assert result["tied"] in (None, True)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", TP_PARITY_CASES)
 def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     result = _result(tp2_results, name)
     _assert_parity(result, _reference(name), name)
@@ -53,6 +55,20 @@ def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None
     _assert_parity(_result(two_d_results, name), _reference(name), name)
     samplers = [r[name]["sampler"] for r in two_d_results]
     assert samplers == [{"num_replicas": 2, "rank": rank // 2} for rank in range(4)]
+
+
+def test_2d_accumulation_reduces_once_per_optimizer_step(two_d_results: list[dict]) -> None:
+    """6 micro-batches, 3 optimizer steps: FSDP2 reduce-scatters each group's gradients 3 times, not 6."""
+    result = _result(two_d_results, "llama_accumulate")
+    assert result["optimizer_steps"] == 3 and result["fsdp_groups"] == 3  # 2 decoder layers + the root
+    assert result["reduce_scatters"] == result["optimizer_steps"] * result["fsdp_groups"]
+    plain = _result(two_d_results, "qwen3_sgd")  # no accumulation: one per step too
+    assert plain["reduce_scatters"] == plain["optimizer_steps"] * plain["fsdp_groups"]
+
+
+def test_hsdp_replicates_instead_of_scattering(two_d_results: list[dict]) -> None:
+    """dp_replicate 2 x dp_shard 1 x tp 2: gradients are all-reduced across the replicas, never reduce-scattered."""
+    assert _result(two_d_results, "qwen3_hsdp")["reduce_scatters"] == 0
 
 
 def test_validate_predict_generate_logging(tp2_results: list[dict]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -42,6 +43,25 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+class ReduceScatterCounter:
+    """Counts FSDP2's gradient reduce-scatters (the collective still runs: this only counts calls)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = dist.reduce_scatter_single
+
+    def __enter__(self) -> "ReduceScatterCounter":
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.reduce_scatter_single = self._original
+
+
 def run_case(name: str, layout: dict) -> dict:
     case = CASES[name]
     module = case.module()
@@ -54,8 +74,16 @@ def run_case(name: str, layout: dict) -> dict:
         precision=case.precision,
         accumulate_grad_batches=case.accumulate,
     )
-    t.fit(module, DataLoader(batches, batch_size=None))
+    with ReduceScatterCounter() as counter:
+        t.fit(module, DataLoader(batches, batch_size=None))
+    model = module.model
     return {
+        "reduce_scatters": counter.calls,
+        "optimizer_steps": t.global_step,
+        "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        if hasattr(model, "get_output_embeddings") and model.config.tie_word_embeddings
+        else None,
         "losses": module.losses,
         "grad_norms": module.grad_norms,
         "state": full_state(module.model),

@@ -31,19 +31,30 @@ class Case:
 
 
 # Paths relative to the LightningModule, since the module is not a Transformers model.
-#: A tiny Qwen3 checkpoint the test session writes (see tests/distributed/conftest.py).
+#: Tiny checkpoints the test session writes (see tests/distributed/conftest.py): a directory holding one
+#: sub-directory per config kind ("qwen3", "tied").
 CHECKPOINT_ENV = "LIGHTNING_TP_TEST_CHECKPOINT"
 
 
-def _from_checkpoint(sharded: bool) -> Any:
+def _checkpoint(kind: str) -> str:
     import os
 
+    return os.path.join(os.environ[CHECKPOINT_ENV], kind)
+
+
+def _from_checkpoint(sharded: bool, kind: str = "qwen3") -> Any:
     import torch
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     kwargs = {"distributed_config": DistributedConfig(tp_size=2)} if sharded else {}
-    model = AutoModelForCausalLM.from_pretrained(os.environ[CHECKPOINT_ENV], dtype=torch.float32, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(_checkpoint(kind), dtype=torch.float32, **kwargs)
     return model.train()
+
+
+def _meta_from_checkpoint(kind: str) -> Any:
+    import lightning_tp
+
+    return lightning_tp.from_pretrained(_checkpoint(kind), dtype="auto").train()
 
 
 MLP_PLAN = {"model.up": "colwise", "model.down": "rowwise"}
@@ -100,6 +111,24 @@ CASES: dict[str, Case] = {
         lr=1e-3,
         opt_kwargs={"foreach": True},
         reference_build=partial(_from_checkpoint, False),
+    ),
+    # Built on the meta device, sharded, then each rank reads its slices of the safetensors files.
+    "qwen3_meta_load": Case(
+        partial(_meta_from_checkpoint, "qwen3"), partial(lm_batches, 3), reference_build=partial(_from_checkpoint, False)
+    ),
+    "tied_meta_load": Case(
+        partial(_meta_from_checkpoint, "tied"),
+        partial(lm_batches, 3),
+        reference_build=partial(_from_checkpoint, False, "tied"),
+    ),
+    "qwen3_activation_checkpointing": Case(
+        partial(build_causal_lm, tiny_config("qwen3")),
+        partial(lm_batches, 3),
+        strategy_kwargs={"activation_checkpointing": True},
+    ),
+    # HSDP: two replicas of a (shard 1 x tp 2) group on 4 ranks.
+    "qwen3_hsdp": Case(
+        partial(build_causal_lm, tiny_config("qwen3")), partial(lm_batches, 3), strategy_kwargs={"dp_replicate_size": 2}
     ),
     "llama_adamw_fused": Case(
         partial(build_causal_lm, tiny_config("llama")),

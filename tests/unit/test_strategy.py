@@ -66,3 +66,35 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors(norm_type):
     for c, p in zip(clones, params):
         torch.testing.assert_close(p.grad, c.grad)
     assert grad_norm([]).item() == 0.0
+
+
+def test_sizes_from_accelerate_parallelism_config():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(tp_size=2, dp_shard_size=2, dp_replicate_size=2, cp_size=1)
+    strategy = TensorParallelStrategy(parallelism_config=config)
+    assert (strategy._tp_size, strategy._dp_shard_size, strategy._dp_replicate_size) == (2, 2, 2)
+    with pytest.raises(ValueError, match="either `parallelism_config` or the sizes"):
+        TensorParallelStrategy(2, parallelism_config=config)
+    with pytest.raises(ValueError, match=r"\{'cp_size': 2\}"):
+        TensorParallelStrategy(parallelism_config=SimpleNamespace(tp_size=2, cp_size=2))
+    accelerate = pytest.importorskip("accelerate")
+    real = accelerate.ParallelismConfig(tp_size=2, dp_shard_size=2)
+    strategy = TensorParallelStrategy(parallelism_config=real)
+    assert (strategy._tp_size, strategy._dp_shard_size, strategy._dp_replicate_size) == (2, 2, 1)
+
+
+def test_from_pretrained_builds_on_meta_and_remembers_the_checkpoint(tmp_path):
+    import lightning_tp
+    from lightning_tp.loading import CHECKPOINT_ATTR, checkpoint_keys
+
+    build_causal_lm(tiny_config("tied")).save_pretrained(tmp_path)
+    model = lightning_tp.from_pretrained(tmp_path)
+    assert all(p.is_meta for p in model.parameters())
+    assert getattr(model, CHECKPOINT_ATTR) == str(tmp_path)
+    assert next(model.parameters()).dtype == torch.float32  # "auto": the checkpoint's dtype
+    assert "model.embed_tokens.weight" in checkpoint_keys(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no \\*.safetensors files"):
+        lightning_tp.from_pretrained(empty)

@@ -1,0 +1,143 @@
+"""Pretrained weights loaded already sharded: the model is built on the meta device, sharded (TP, then FSDP2), and
+only then materialised, each rank reading its own slices of the safetensors files.
+
+Reading goes through torch's distributed checkpointing with its Hugging Face safetensors reader
+(``HuggingFaceStorageReader``): it plans, for every DTensor whatever its placements (TP, FSDP2, both), the slices a
+rank owns, and reads only those bytes. Transformers then initialises what no file holds (non-persistent buffers such
+as rotary ``inv_freq``, which ``to_empty`` leaves as garbage and which would otherwise train silently wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Attribute set on a meta model by :func:`from_pretrained`: the directory of its safetensors files.
+CHECKPOINT_ATTR = "_lightning_tp_checkpoint"
+
+
+def from_pretrained(
+    name_or_path: str | os.PathLike,
+    *,
+    model_class: Any = None,
+    dtype: str | torch.dtype = "auto",
+    revision: str | None = None,
+    **config_kwargs: Any,
+) -> nn.Module:
+    """Build a Transformers model on the meta device (no memory for weights) that the strategy loads after sharding.
+
+    Use it in ``configure_model`` where you would call ``AutoModelForCausalLM.from_pretrained``::
+
+        def configure_model(self):
+            if self.model is None:
+                self.model = lightning_tp.from_pretrained("Qwen/Qwen3-0.6B", dtype=torch.bfloat16)
+
+    Args:
+        name_or_path: A local directory with ``config.json`` and ``*.safetensors`` files, or a hub id (downloaded
+            once with ``huggingface_hub``, like Transformers does).
+        model_class: A Transformers model class or auto class (default ``AutoModelForCausalLM``).
+        dtype: ``"auto"`` takes the checkpoint's dtype from its config (as Transformers does), or a torch dtype.
+        revision: Hub revision.
+        config_kwargs: Overrides for the config, e.g. ``attn_implementation="sdpa"``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _local_directory(name_or_path, revision)
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(
+            f"{name_or_path}: no *.safetensors files in {path}. lightning_tp loads safetensors only; convert the "
+            "checkpoint with `model.save_pretrained(dir)` (safe_serialization is the default)."
+        )
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    model_class = model_class or AutoModelForCausalLM
+    with torch.device("meta"):
+        model = model_class.from_config(config, dtype=dtype)
+    setattr(model, CHECKPOINT_ATTR, str(path))
+    return model
+
+
+def _local_directory(name_or_path: str | os.PathLike, revision: str | None) -> Path:
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(str(name_or_path), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    )
+
+
+def checkpoint_keys(directory: str | os.PathLike) -> set[str]:
+    """The tensor names in a directory's safetensors files (from the index when there is one)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
+    """Fill ``model``'s (sharded, materialised) parameters and persistent buffers from the safetensors files in
+    ``directory``, each rank reading only its slices. Returns the names loaded. Every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    available = checkpoint_keys(directory)
+    state = _unique_state_dict(model, prefer=available)
+    missing = sorted(set(state) - available)
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}: the checkpoint in {directory} has no tensors named {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all). Its names differ from the model's "
+            "(Transformers converts some checkpoints while loading, e.g. per-expert MoE weights); load this one with "
+            "`AutoModelForCausalLM.from_pretrained` instead of `lightning_tp.from_pretrained`."
+        )
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    return set(state)
+
+
+def _unique_state_dict(model: nn.Module, *, prefer: set[str]) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers with each shared tensor once, as checkpoints store them: under
+    a name in ``prefer`` where one of its names is, else under its first name. Loading writes into these tensors."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    state = {}
+    for key, aliases in names.items():
+        name = next((n for n in aliases if n in prefer), aliases[0])
+        state[name] = tensors[key]
+    return state
+
+
+def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str]) -> None:
+    """Allocate a meta (and already sharded) Transformers model on ``device``, load its checkpoint when it came from
+    :func:`from_pretrained`, and let Transformers initialise everything else (all of it without a checkpoint)."""
+    model.to_empty(device=device)
+    # `to_empty` gives every alias of a shared parameter its own storage: tie them again.
+    for alias, source in tied.items():
+        owner_name, _, param_name = alias.rpartition(".")
+        model.get_submodule(owner_name)._parameters[param_name] = model.get_parameter(source)
+    directory = getattr(model, CHECKPOINT_ATTR, None)
+    loaded = load_sharded(model, directory) if directory is not None else set()
+    state = model.state_dict(keep_vars=True)
+    for name in loaded:
+        state[name]._is_hf_initialized = True  # Transformers' initialisation skips what is marked
+    if hasattr(model, "initialize_weights"):
+        model.initialize_weights()
