@@ -2,8 +2,8 @@
 
 ``torch.nn.utils.clip_grad_norm_`` (torch 2.13) fails on such a mix ("_foreach_norm got mixed torch.Tensor and
 DTensor", or "All operands in aten.stack.default must have the same mesh" in 2-D). Here gradients are grouped by
-(mesh, placements); each group's norm is one reduction, and the groups' norms combine into the global norm, the one a
-single process computes.
+(mesh, placements); each group's norm is one reduction per sharded mesh dimension, and the groups' norms combine into
+the global norm, the one a single process computes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -23,7 +24,12 @@ def _group_key(grad: torch.Tensor) -> object:
 
 @torch.no_grad()
 def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
-    """The global ``norm_type``-norm of the parameters' gradients, as a plain (replicated) 0-dim tensor."""
+    """The global ``norm_type``-norm of the parameters' gradients, as a plain (replicated) 0-dim tensor.
+
+    Each group's norm is taken on the local shards and reduced over the mesh dimensions the group is sharded on
+    (sum of p-th powers, or max for inf), on the mesh's device: with FSDP2's CPU offload the local gradients live on
+    the CPU while NCCL reduces only device tensors.
+    """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     groups: dict[object, list[torch.Tensor]] = {}
@@ -31,16 +37,30 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
         if p.grad is not None:
             groups.setdefault(_group_key(p.grad), []).append(p.grad)
     norm_type = float(norm_type)
-    norms = []
+    is_inf = math.isinf(norm_type)
+    total: torch.Tensor | None = None
     for grads in groups.values():
-        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
-        if isinstance(local, DTensor):
-            local = local.full_tensor()  # one reduction over the shards of this group
-        norms.append(local.float())
-    if not norms:
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(locals_, norm_type)), norm_type).float()
+        value = local if is_inf else local.pow(norm_type)
+        if isinstance(grads[0], DTensor):
+            mesh, placements = grads[0].device_mesh, grads[0].placements
+            value = value.to(mesh.device_type)
+            for dim, placement in enumerate(placements):
+                if placement.is_replicate():
+                    continue
+                # Shard, or FSDP2's _StridedShard (sharding a dim TP shards too): each rank holds a disjoint part.
+                assert not placement.is_partial(), f"unexpected partial gradient on mesh dim {dim}"
+                op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+                dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        if total is None:
+            total = value
+        else:
+            value = value.to(total.device)
+            total = torch.maximum(total, value) if is_inf else total + value
+    if total is None:
         return torch.tensor(0.0)
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    return total if is_inf else total.pow(1.0 / norm_type)
 
 
 @torch.no_grad()

@@ -132,14 +132,15 @@ def _key_regex(key: str) -> re.Pattern[str]:
     return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")))
 
 
-def _match(name: str, patterns: list[tuple[str, re.Pattern[str], Style]]) -> Style | None:
-    """The style of the most specific key (fewest wildcards) that matches ``name`` whole."""
-    best: tuple[int, Style] | None = None
-    for key, regex, style in patterns:
+def _match(name: str, patterns: list[tuple[str, re.Pattern[str], Style, bool]]) -> Style | None:
+    """The style of the key that matches ``name`` whole: a user override before the model's own rule, then the most
+    specific key (fewest wildcards)."""
+    best: tuple[tuple[bool, int], Style] | None = None
+    for key, regex, style, is_override in patterns:
         if regex.fullmatch(name):
-            wildcards = key.count("*")
-            if best is None or wildcards < best[0]:
-                best = (wildcards, style)
+            rank = (is_override, -key.count("*"))
+            if best is None or rank > best[0]:
+                best = (rank, style)
     return None if best is None else best[1]
 
 
@@ -207,8 +208,8 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     unique_params = {name for name, _ in module.named_parameters()}
     names = set(module_names) | {name for name, _ in all_params}
 
-    patterns = [(key, _key_regex(key), style) for key, style in plan.items()]
-    unmatched = [key for key, regex, _ in patterns if key in overrides and not any(regex.fullmatch(n) for n in names)]
+    patterns = [(key, _key_regex(key), style, key in overrides) for key, style in plan.items()]
+    unmatched = [key for key, regex, _, is_override in patterns if is_override and not any(regex.fullmatch(n) for n in names)]
     if unmatched:
         raise ValueError(
             f"tp_plan keys {unmatched} match no module or parameter of {model_name}. Keys are paths relative to the "
@@ -229,13 +230,30 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
                 resolved.styles[full] = style
         if module_style is not None:
             resolved.styles[module_name] = module_style
-            if module_style == "replicated_with_grad_allreduce":
-                resolved.grad_allreduce.append(module_name)
 
+    resolved.grad_allreduce = [
+        name
+        for name, style in resolved.styles.items()
+        if style == "replicated_with_grad_allreduce" and name in module_names and _sees_sharded_features(name, resolved.styles)
+    ]
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
         _check_heads(module, resolved.styles, tp_size)
     return resolved
+
+
+def _sees_sharded_features(norm: str, styles: Mapping[str, Style]) -> bool:
+    """Whether a ``replicated_with_grad_allreduce`` module (Qwen3's ``q_norm``) normalises a column-sharded output,
+    so that each rank's gradient covers its own heads only. ``q_norm`` follows ``q_proj``; a module with no such twin
+    follows its planned siblings (none: the style is taken at its word). When that projection is gathered (``colwise_rep``) every rank sees every head, its gradient
+    is already whole, and summing it over the TP group would multiply it by ``tp_size``."""
+    parent, _, leaf = norm.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    twin = f"{prefix}{leaf.removesuffix('_norm')}_proj"
+    if twin in styles:
+        return styles[twin] in _COLUMN_STYLES
+    siblings = [n for n in styles if n.startswith(prefix) and n != norm and "." not in n[len(prefix):]]
+    return not siblings or any(styles[n] in _COLUMN_STYLES for n in siblings)
 
 
 def _tied_aliases(module: nn.Module, param_styles: Mapping[str, Style | None]) -> dict[str, str]:
@@ -278,9 +296,11 @@ def _check_heads(model: nn.Module, styles: Mapping[str, Style], tp_size: int) ->
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not isinstance(heads, int):
         return
-    leaves = {name.rsplit(".", 1)[-1]: style for name, style in styles.items()}
-    shards_queries = any(leaves.get(p) in _COLUMN_STYLES for p in _QUERY_PROJECTIONS)
-    shards_kv = any(leaves.get(p) in _COLUMN_STYLES for p in _KV_PROJECTIONS)
+    def shards(projections: tuple[str, ...]) -> bool:
+        return any(name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES for name, style in styles.items())
+
+    shards_queries = shards(_QUERY_PROJECTIONS)
+    shards_kv = shards(_KV_PROJECTIONS)
     problems = []
     if shards_queries and heads % tp_size:
         problems.append(f"num_attention_heads={heads}")

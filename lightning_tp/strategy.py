@@ -35,7 +35,10 @@ from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
     adopt_transformers_sharding,
     apply_tensor_parallel,
+    check_replicas_identical,
     is_sharded,
+    on_meta,
+    replicate_unsharded_parameters,
     transformers_tp_mesh,
 )
 
@@ -171,6 +174,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
             dp_shard_size=self._dp_shard_size,
             dp_replicate_size=self._dp_replicate_size,
         )
+        if self._cpu_offload and self._layout.dp_size == 1:
+            raise ValueError(
+                f"`cpu_offload=True` is FSDP2's offload and needs data parallelism, but the layout ({self._layout}) has "
+                "none. Use fewer TP ranks (e.g. `tp_size` < the world size) or drop `cpu_offload`."
+            )
         self._setup_distributed()
         self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type)
         # Users can read the mesh in `LightningModule.configure_model()`.
@@ -202,30 +210,39 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         # 1. Resolve and check every plan before any weight moves or any collective runs: a bad plan raises the same
         #    error on every rank, where a rank failing mid-way would leave the others hanging in a collective.
-        targets = self._resolve_targets()
+        targets, extras = self._resolve_targets()
         # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
         self.model = self.precision_plugin.convert_module(self.model)
-        # 3. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
-        #    A model Transformers sharded at load time keeps its shards and only gets the replicated DTensors.
+        # 3. Every TP rank must hold the same weights before each slices its own copy: one checksum all-gather.
+        for module in [m for m, _, presharded in targets if presharded is None] + extras:
+            check_replicas_identical(module, self.tp_mesh)
+        # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
+        #    A model Transformers sharded at load time keeps its shards and only gets the replicated DTensors; modules
+        #    outside the models (a value head, say) are replicated over the TP group.
         for module, plan, presharded_mesh in targets:
             if presharded_mesh is None:
                 apply_tensor_parallel(module, self.tp_mesh, plan, device=self.root_device)
             else:
                 adopt_transformers_sharding(module, presharded_mesh, plan)
-        # 4. Activation checkpointing per decoder layer, after TP (the recomputed forward runs the TP layers) and
+        for module in extras:
+            if not on_meta(module):
+                module.to(self.root_device)
+            replicate_unsharded_parameters(module, self.tp_mesh)
+            setattr(module, SHARDED_MARKER, self.tp_mesh)
+        # 5. Activation checkpointing per decoder layer, after TP (the recomputed forward runs the TP layers) and
         #    before FSDP2 (whose hooks then wrap the checkpointed layer and gather its weights again for the recompute).
         if self._activation_checkpointing:
             self._apply_activation_checkpointing(targets)
-        # 5. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D), and must see the final
+        # 6. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D), and must see the final
         #    DTensor parameters. HSDP when dp_replicate_size > 1.
         if self.layout.dp_size > 1:
-            self._apply_fsdp(targets)
-        # 6. Models built on the meta device are materialised only now, already sharded, and filled from their
+            self._apply_fsdp([module for module, _, _ in targets], extras)
+        # 7. Models built on the meta device are materialised only now, already sharded, and filled from their
         #    checkpoint slice by slice: no rank ever holds the whole model.
         #    With CPU offload, FSDP2 keeps the sharded parameters on the CPU.
         init_device = torch.device("cpu") if self._cpu_offload else self.root_device
         for module, plan, _ in targets:
-            if any(p.is_meta for p in module.parameters()) and is_transformers_model(module):
+            if on_meta(module) and is_transformers_model(module):
                 materialize(module, init_device, tied=plan.tied)
         _materialize_distributed_module(self.model, init_device)
 
@@ -240,9 +257,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_targets(self) -> list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]]:
-        """The modules to shard, each with its resolved plan and, for a model Transformers sharded already, its TP
-        mesh. Modules this strategy sharded in an earlier ``setup`` (fit, then validate) are skipped."""
+    def _resolve_targets(self) -> tuple[list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]], list[nn.Module]]:
+        """The models to shard, each with its resolved plan and, for a model Transformers sharded already, its TP
+        mesh; and the other modules of the LightningModule that hold parameters. Modules this strategy handled in an
+        earlier ``setup`` (fit, then validate) are left out."""
         root = self.lightning_module
         assert root is not None
         models = _top_level_transformers_models(root)
@@ -254,6 +272,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     "'colwise' | 'rowwise' | <ParallelStyle>}` (paths relative to the LightningModule)."
                 )
             models = [root]
+        direct = [name for name, p in root._parameters.items() if p is not None and p.requires_grad]
+        if direct:
+            raise ValueError(
+                f"{type(root).__name__} holds trainable parameters directly ({direct}); move them into a submodule "
+                "(e.g. `self.head = nn.Linear(...)`) so the strategy can place them."
+            )
         targets = []
         for module in models:
             if getattr(module, SHARDED_MARKER, None) is not None:
@@ -262,16 +286,23 @@ class TensorParallelStrategy(ModelParallelStrategy):
             presharded_mesh = transformers_tp_mesh(module) if is_sharded(module) else None
             if presharded_mesh is not None:
                 self._check_sharded_size(module, presharded_mesh)
+                if self._tp_plan != "auto":
+                    rank_zero_warn(
+                        f"`tp_plan` overrides are ignored for {type(module).__name__}: Transformers sharded it at load "
+                        "time with its own plan. Load it without `distributed_config` to apply them."
+                    )
             plan = resolve_plan(
                 module, "auto" if presharded_mesh is not None else self._tp_plan, tp_size=self.layout.tp_size
             )
-            if module is root and any(isinstance(p, torch.Tensor) for p in root._parameters.values()):
-                raise ValueError(
-                    f"{type(root).__name__} holds parameters directly; move them into a submodule so its plan "
-                    "can address them."
-                )
             targets.append((module, plan, presharded_mesh))
-        return targets
+        extras = [
+            m
+            for m in _modules_outside(root, models)
+            if getattr(m, SHARDED_MARKER, None) is None and any(True for _ in m.parameters())
+        ]
+        if self._cpu_offload and extras:
+            raise ValueError("`cpu_offload=True` supports parameters inside the Transformers models only.")
+        return targets, extras
 
     def _check_sharded_size(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """A model sharded before this setup must be sharded over exactly this rank's TP group."""
@@ -294,33 +325,23 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     "Transformers models that support it. Wrap your blocks with `torch.utils.checkpoint` instead."
                 )
 
-    def _apply_fsdp(self, targets: list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]]) -> None:
-        root = self.lightning_module
-        assert root is not None
+    def _apply_fsdp(self, models: list[nn.Module], extras: list[nn.Module]) -> None:
+        """FSDP2 over each model (its blocks one by one, then the model), and over each module outside the models as
+        one group, so that every trainable parameter has its gradients reduced over the data-parallel ranks."""
         # HSDP takes the 2-D (replicate, shard) mesh, even when the shard axis has one rank; FSDP the shard axis.
         if self.layout.dp_replicate_size > 1:
             dp_mesh = self.device_mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]
         else:
             dp_mesh = self.device_mesh[DP_SHARD_AXIS]
-        mp_policy = fsdp_mixed_precision(getattr(self.precision_plugin, "precision", "32-true"))
-        covered = set()
-        for module, _, _ in targets:
-            apply_fsdp(
-                module,
-                dp_mesh,
-                blocks=block_classes(module, self._fsdp_blocks),
-                reshard_after_forward=self._reshard_after_forward,
-                mp_policy=mp_policy,
-                cpu_offload=self._cpu_offload,
-            )
-            covered.update(id(p) for p in module.parameters())
-        outside = [n for n, p in root.named_parameters() if id(p) not in covered and p.requires_grad]
-        if outside:
-            raise ValueError(
-                f"With data parallelism (dp size {self.layout.dp_size}), every trainable parameter must belong to a "
-                f"sharded model, but {outside[:5]} do not. Put them inside the Transformers model or pass them in "
-                "`tp_plan`."
-            )
+        options = dict(
+            reshard_after_forward=self._reshard_after_forward,
+            mp_policy=fsdp_mixed_precision(getattr(self.precision_plugin, "precision", "32-true")),
+            cpu_offload=self._cpu_offload,
+        )
+        for module in models:
+            apply_fsdp(module, dp_mesh, blocks=block_classes(module, self._fsdp_blocks), **options)
+        for module in extras:
+            apply_fsdp(module, dp_mesh, blocks=set(), **options)
 
     def _reduce_metrics_over_data_parallel_group(self) -> None:
         """torchmetrics syncs over the world group by default, which counts each sample once per TP rank."""
@@ -342,6 +363,14 @@ class TensorParallelStrategy(ModelParallelStrategy):
             clip_grad_norm_(plugin_self.main_params(optimizer), clip_val)
 
         plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every rank (``reduce`` defaults to the data-parallel group, but a decision is compared with the world
+        size): ``ModelCheckpoint`` and early stopping rely on it."""
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = self.reduce(flag, group=torch.distributed.group.WORLD if _distributed_is_initialized() else None, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag > 0)
 
     @override
     def model_to_device(self) -> None:
@@ -422,6 +451,26 @@ def _sizes_from_parallelism_config(
     if any(size is not None and not isinstance(size, int) for size in sizes):
         raise ValueError(f"`parallelism_config` must carry integer sizes, got {config!r}.")
     return sizes[0] or 1, sizes[1] or 1, sizes[2] or 1
+
+
+def _modules_outside(root: nn.Module, models: list[nn.Module]) -> list[nn.Module]:
+    """The top-most submodules of ``root`` that neither are nor contain one of ``models``."""
+    inside = {id(m) for model in models for m in model.modules()}
+    containing = {id(m) for m in root.modules() if any(id(c) in inside for c in m.modules())}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in inside:
+                continue
+            if id(child) in containing:
+                visit(child)
+            else:
+                found.append(child)
+
+    if id(root) not in inside:
+        visit(root)
+    return found
 
 
 def _top_level_transformers_models(root: nn.Module) -> list[nn.Module]:

@@ -48,7 +48,7 @@ def apply_tensor_parallel(
 
         parallelize_module(module, tp_mesh, plan.torch_styles)
     _retie(module, plan.tied)
-    if device is not None and not _on_meta(module):
+    if device is not None and not on_meta(module):
         module.to(device)
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
     setattr(module, SHARDED_MARKER, tp_mesh)
@@ -81,7 +81,43 @@ def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: Res
     return model
 
 
-def _on_meta(module: nn.Module) -> bool:
+@torch.no_grad()
+def check_replicas_identical(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Raise on every rank when the module's weights differ between the ranks of the TP group.
+
+    Sharding slices each rank's own copy, so ranks built with different seeds would silently train a model that is
+    no single model. One all-gather of a checksum per tensor; every rank compares the same gathered values, so
+    every rank raises (or none does).
+    """
+    if tp_mesh.size() == 1:
+        return
+    names, sums = [], []
+    for name, tensor in module.state_dict().items():
+        if isinstance(tensor, DTensor) or tensor.is_meta or not tensor.is_floating_point():
+            continue
+        names.append(name)
+        sums.append(
+            torch.stack([tensor.sum(dtype=torch.float64), torch.linalg.vector_norm(tensor, dtype=torch.float64)])
+        )
+    if not sums:
+        return
+    local = torch.stack(sums).to(tp_mesh.device_type)
+    gathered = [torch.empty_like(local) for _ in range(tp_mesh.size())]
+    dist.all_gather(gathered, local, group=tp_mesh.get_group())
+    for other in gathered[1:]:
+        differs = ~torch.isclose(gathered[0], other, rtol=1e-6, atol=1e-6).all(dim=1)
+        if differs.any():
+            first = names[int(differs.nonzero()[0])]
+            raise ValueError(
+                f"{type(module).__name__}'s weights differ between the ranks of a tensor-parallel group (first: "
+                f"{first!r}). Each rank shards its own copy, so they must start identical: seed before building the "
+                "model (`lightning.seed_everything(...)` or `torch.manual_seed(...)` in `configure_model`), or load "
+                "the same checkpoint on every rank."
+            )
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any parameter of the module is on the meta device (built without memory, to be materialised)."""
     return any(t.is_meta for t in module.parameters())
 
 
@@ -104,7 +140,7 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the incoming gradient
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -114,13 +150,18 @@ def replicate_unsharded_parameters(module: nn.Module, tp_mesh: DeviceMesh, *, gr
     local tensor (a view: no copy, no communication). Modules named in ``grad_allreduce`` get their parameters'
     gradients summed over the TP group in backward (Transformers' ``replicated_with_grad_allreduce``)."""
     summed = set(grad_allreduce)
+    replaced: dict[int, nn.Parameter] = {}  # a parameter shared by several modules (tied) is wrapped once
     for name, submodule in module.named_modules():
         local_names = []
         for param_name, param in list(submodule._parameters.items()):
-            if param is None or isinstance(param, DTensor):
+            if param is None:
                 continue
-            replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
-            submodule._parameters[param_name] = nn.Parameter(replicated, requires_grad=param.requires_grad)
+            if id(param) not in replaced:
+                if isinstance(param, DTensor):
+                    continue
+                replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
+                replaced[id(param)] = nn.Parameter(replicated, requires_grad=param.requires_grad)
+            submodule._parameters[param_name] = replaced[id(param)]
             local_names.append(param_name)
         if local_names:
             _run_on_local_parameters(submodule, local_names, tp_mesh.get_group() if name in summed else None)

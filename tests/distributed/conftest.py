@@ -22,6 +22,9 @@ TWO_D_CASES = [
     "qwen3_meta_load",
     "tied_meta_load",
     "qwen3_hsdp",
+    "qwen3_with_head",
+    "tied_replicated",
+    "features",
 ]
 #: Cases that only make sense with data parallelism.
 DP_ONLY_CASES = {"qwen3_hsdp"}

@@ -49,7 +49,7 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     assert tp2_results[1][name]["losses"] == result["losses"]
 
 
-@pytest.mark.parametrize("name", TWO_D_CASES)
+@pytest.mark.parametrize("name", [name for name in TWO_D_CASES if name != "features"])
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """dp_shard 2 x tp 2: each data-parallel rank trains on half of the global batch."""
     _assert_parity(_result(two_d_results, name), _reference(name), name)
@@ -71,39 +71,69 @@ def test_hsdp_replicates_instead_of_scattering(two_d_results: list[dict]) -> Non
     assert _result(two_d_results, "qwen3_hsdp")["reduce_scatters"] == 0
 
 
-def test_validate_predict_generate_logging(tp2_results: list[dict]) -> None:
-    result = _result(tp2_results, "features")
+def _check_features(results: list[dict], dp_size: int) -> None:
+    """Validation with generate, predict, logging and metrics, then fit, on one launch: what each rank saw."""
     build = partial(build_causal_lm, tiny_config("qwen3"))
     batches = lm_batches(2)
-    # Greedy generation on the sharded model gives the single-process tokens.
-    for got, want in zip(result["generated"], reference_generate(build, batches)):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    # A logged sum and a torchmetrics sum count each sample once, not once per TP rank.
-    samples = sum(b["input_ids"].shape[0] for b in batches)
-    assert result["validate"]["val_samples"] == samples
-    assert result["validate"]["val_metric"] == samples
-    assert result["logged"]["samples_metric"] == samples
-    assert result["logged"]["mesh_axes"] == ("dp_replicate", "dp_shard", "tp")
+    reference = reference_generate(build, batches)
     model = build().eval()
-    with torch.no_grad():
-        for got, batch in zip(result["predict"], batches):
-            torch.testing.assert_close(got, model(input_ids=batch["input_ids"]).logits.argmax(-1), rtol=0, atol=0)
-    # The second setup (fit after validate/predict) found the model sharded and left it alone.
-    assert result["sharded_params_after_fit"] == result["sharded_params"]
+    samples = sum(b["input_ids"].shape[0] for b in batches)
+    for rank, all_results in enumerate(results):
+        result = all_results["features"]
+        assert "crash" not in result, result.get("crash")
+        dp_rank = result["dp_rank"]
+        assert dp_rank == rank // (len(results) // dp_size)
+        # The sampler gives each data-parallel rank its share of the batches; greedy generation on the sharded model
+        # gives the single-process tokens for them.
+        mine = batches[dp_rank::dp_size]
+        assert len(result["generated"]) == len(mine)
+        for got, want in zip(result["generated"], reference[dp_rank::dp_size]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        with torch.no_grad():
+            for got, batch in zip(result["predict"], mine):
+                torch.testing.assert_close(got, model(input_ids=batch["input_ids"]).logits.argmax(-1), rtol=0, atol=0)
+        # A logged sum and a torchmetrics sum count each sample once: reduced over the data-parallel ranks (each
+        # holding a different share), not over the TP ranks (holding the same one).
+        assert result["validate"]["val_samples"] == samples
+        assert result["validate"]["val_metric"] == samples
+        assert result["logged"]["samples_metric"] == samples
+        assert result["logged"]["mesh_axes"] == ("dp_replicate", "dp_shard", "tp")
+        # Decisions are taken over every rank: all ranks True -> True; only rank 0 -> False with all=True.
+        assert result["decisions"] == [True, False, True]
+        # The second setup (fit after validate/predict) found the model sharded and left it as it was.
+        assert result["q_proj_local_shape_after_fit"] == result["q_proj_local_shape"]
+        assert result["q_proj_local_shape"][0] == tiny_config("qwen3").num_attention_heads * 16 // len(results)
+    # The TP ranks of a data-parallel group see the same batches (Lightning's sampler over data-parallel ranks only).
+    sums = [r["features"]["batch_sums"] for r in results][0]
+    tp = len(results) // dp_size
+    for rank in range(len(results)):
+        assert sums[rank] == sums[(rank // tp) * tp]
+    if dp_size > 1:
+        assert sums[0] != sums[tp]
 
 
-def test_distributed_sampler_gives_each_tp_rank_the_same_batch(tp2_results: list[dict]) -> None:
-    sums = _result(tp2_results, "features")["batch_sums"]
-    assert len(sums) == 2 and len(sums[0]) == 2
-    assert sums[0] == sums[1]
+def test_validate_predict_generate_logging_tp2(tp2_results: list[dict]) -> None:
+    _check_features(tp2_results, dp_size=1)
+
+
+def test_validate_predict_generate_logging_2d(two_d_results: list[dict]) -> None:
+    _check_features(two_d_results, dp_size=2)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_precisions_train_close_to_fp32(tp2_results: list[dict], precision: str) -> None:
+def test_bf16_precisions_match_a_bf16_single_process(tp2_results: list[dict], precision: str) -> None:
     result = _result(tp2_results, "features")[precision]
-    ref = reference_run(ParityModule(partial(build_causal_lm, tiny_config("qwen3"))), lm_batches(2))
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=2e-2, rtol=0)
+    ref = reference_run(ParityModule(partial(build_causal_lm, tiny_config("qwen3"))), lm_batches(2), precision=precision)
+    # bf16 rounds differently when TP splits the matmuls: about 1e-3 on the loss.
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=1e-2, rtol=0)
+    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(ref["grad_norms"]), atol=0, rtol=2e-2)
     assert result["dtype"] == ("torch.bfloat16" if precision == "bf16-true" else "torch.float32")
+
+
+def test_tied_weights_left_whole_stay_one_parameter(tp2_results: list[dict]) -> None:
+    result = _result(tp2_results, "tied_replicated")
+    assert result["tied"] is True
+    assert result["num_params"] == len(list(build_causal_lm(tiny_config("tied")).parameters()))
 
 
 @pytest.mark.parametrize("name", list(ERROR_CASES))

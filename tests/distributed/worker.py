@@ -82,13 +82,14 @@ def run_case(name: str, layout: dict) -> dict:
         "optimizer_steps": t.global_step,
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        if hasattr(model, "get_output_embeddings") and model.config.tie_word_embeddings
+        if hasattr(model, "get_output_embeddings") and getattr(model.config, "tie_word_embeddings", False)
         else None,
         "losses": module.losses,
         "grad_norms": module.grad_norms,
         "state": full_state(module.model),
         "sampler": strategy.distributed_sampler_kwargs,
         "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
+        "num_params": len(list(module.parameters())),
     }
 
 
@@ -105,7 +106,9 @@ def run_features(layout: dict) -> dict:
     metrics = t.validate(module, DataLoader(batches, batch_size=None))[0]
     out = {"generated": [g.clone() for g in module.generated], "validate": metrics, "logged": dict(module.logged)}
     out["predict"] = t.predict(module, DataLoader(batches, batch_size=None))
-    out["sharded_params"] = sum(isinstance(p, DTensor) for p in module.parameters())
+    out["dp_rank"] = strategy.dp_mesh.get_local_rank()
+    q_proj = module.model.model.layers[0].self_attn.q_proj.weight
+    out["q_proj_local_shape"] = tuple(q_proj.to_local().shape)
     # Same batch on every rank of the TP group with Lightning's own distributed sampler.
     seen: list[torch.Tensor] = []
     module.on_train_batch_start = lambda batch, idx: seen.append(batch["input_ids"].sum())  # type: ignore[assignment]
@@ -114,13 +117,18 @@ def run_features(layout: dict) -> dict:
     gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, sums)
     out["batch_sums"] = [g.tolist() for g in gathered]
-    out["sharded_params_after_fit"] = sum(isinstance(p, DTensor) for p in module.parameters())
+    out["q_proj_local_shape_after_fit"] = tuple(module.model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
+    out["decisions"] = module.logged["decisions"]
     for precision in ("bf16-mixed", "bf16-true"):
         m = ParityModule(build)
         trainer(TensorParallelStrategy(**layout), max_steps=2, precision=precision).fit(
             m, DataLoader(batches, batch_size=None)
         )
-        out[precision] = {"losses": m.losses, "dtype": str(next(m.model.parameters()).dtype)}
+        out[precision] = {
+            "losses": m.losses,
+            "grad_norms": m.grad_norms,
+            "dtype": str(next(m.model.parameters()).dtype),
+        }
     return out
 
 

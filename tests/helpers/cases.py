@@ -21,13 +21,14 @@ class Case:
     clip: float | None = None
     precision: str = "32-true"
     accumulate: int = 1
+    head: bool = False
 
     #: What the single-process reference builds, when it differs from ``build`` (a pre-sharded load).
     reference_build: Callable[[], Any] | None = None
 
     def module(self, *, reference: bool = False) -> ParityModule:
         build = self.reference_build if reference and self.reference_build is not None else self.build
-        return ParityModule(build, optimizer=self.optimizer, lr=self.lr, **self.opt_kwargs)
+        return ParityModule(build, optimizer=self.optimizer, lr=self.lr, head=self.head, **self.opt_kwargs)
 
 
 # Paths relative to the LightningModule, since the module is not a Transformers model.
@@ -55,6 +56,13 @@ def _meta_from_checkpoint(kind: str) -> Any:
     import lightning_tp
 
     return lightning_tp.from_pretrained(_checkpoint(kind), dtype="auto").train()
+
+
+def _rank_seeded_llama() -> Any:
+    """A user mistake: each rank builds its model from a different seed."""
+    import os
+
+    return build_causal_lm(tiny_config("llama"), seed=int(os.environ["RANK"]))
 
 
 MLP_PLAN = {"model.up": "colwise", "model.down": "rowwise"}
@@ -130,6 +138,34 @@ CASES: dict[str, Case] = {
     "qwen3_hsdp": Case(
         partial(build_causal_lm, tiny_config("qwen3")), partial(lm_batches, 3), strategy_kwargs={"dp_replicate_size": 2}
     ),
+    # A value head outside the Transformers model: replicated over TP (FSDP2 in 2-D), foreach AdamW.
+    "qwen3_with_head": Case(
+        partial(build_causal_lm, tiny_config("qwen3")),
+        partial(lm_batches, 3),
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        head=True,
+    ),
+    # Tied embedding and lm_head left whole by the plan: still one parameter.
+    "tied_replicated": Case(
+        partial(build_causal_lm, tiny_config("tied")),
+        partial(lm_batches, 3),
+        strategy_kwargs={"tp_plan": {"model.embed_tokens": "replicate", "lm_head": "replicate"}},
+    ),
+    # q/k/v gathered: q/k norms see every head, so their gradients must not be summed over the TP group.
+    "qwen3_gathered_attention": Case(
+        partial(build_causal_lm, tiny_config("qwen3")),
+        partial(lm_batches, 3),
+        strategy_kwargs={
+            "tp_plan": {
+                "model.layers.*.self_attn.q_proj": "colwise_rep",
+                "model.layers.*.self_attn.k_proj": "colwise_rep",
+                "model.layers.*.self_attn.v_proj": "colwise_rep",
+                "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+            }
+        },
+    ),
     "llama_adamw_fused": Case(
         partial(build_causal_lm, tiny_config("llama")),
         partial(lm_batches, 5),
@@ -149,4 +185,6 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
         "model.layers.*.mlp.nope",
     ),
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
+    "replicas_differ": (_rank_seeded_llama, {}, "weights differ between the ranks of a tensor-parallel group"),
+    "cpu_offload_without_dp": (partial(build_causal_lm, tiny_config("qwen3")), {"cpu_offload": True}, "needs data parallelism"),
 }

@@ -103,10 +103,21 @@ class ParityModule(L.LightningModule):
     comparable with one process on the whole batch.
     """
 
-    def __init__(self, build: Callable[[], nn.Module], *, optimizer: str = "sgd", lr: float = 0.1, **opt_kwargs: Any):
+    def __init__(
+        self,
+        build: Callable[[], nn.Module],
+        *,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        head: bool = False,
+        **opt_kwargs: Any,
+    ):
         super().__init__()
         self.build = build
         self.model: nn.Module | None = None
+        if head:  # a trainable module outside the Transformers model, e.g. a value head
+            torch.manual_seed(1)
+            self.head = nn.Linear(VOCAB, 1)
         self.optimizer_name = optimizer
         self.lr = lr
         self.opt_kwargs = opt_kwargs
@@ -120,7 +131,10 @@ class ParityModule(L.LightningModule):
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if "x" in batch:
             return nn.functional.cross_entropy(self.model(batch["x"]), batch["y"])
-        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        if hasattr(self, "head"):
+            return out.loss + self.head(out.logits).pow(2).mean()
+        return out.loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         dp_mesh = getattr(self._trainer.strategy, "dp_mesh", None) if self._trainer is not None else None
@@ -151,14 +165,24 @@ def reference_run(
     *,
     clip: float | None = None,
     accumulate: int = 1,
+    precision: str = "32-true",
 ) -> dict[str, Any]:
-    """Train ``module`` on one process with a plain loop: the same hooks Lightning calls, no strategy."""
+    """Train ``module`` on one process with a plain loop: the same hooks Lightning calls, no strategy.
+    ``precision``: ``bf16-true`` trains a bf16 model, ``bf16-mixed`` runs the step under CPU autocast."""
+    import contextlib
+
     module = copy.deepcopy(module)
     module.configure_model()
+    if precision == "bf16-true":
+        module.to(torch.bfloat16)
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+    )
     optimizer = module.configure_optimizers()
     optimizer.zero_grad()
     for i, batch in enumerate(batches):
-        loss = module.training_step(batch, i)
+        with autocast:
+            loss = module.training_step(batch, i)
         (loss / accumulate).backward()
         if (i + 1) % accumulate:
             continue
@@ -186,6 +210,15 @@ class FeatureModule(ParityModule):
     def configure_model(self) -> None:
         self.logged["mesh_axes"] = self.device_mesh.mesh_dim_names
         super().configure_model()
+
+    def on_fit_start(self) -> None:
+        strategy = self.trainer.strategy
+        first = self.global_rank == 0
+        self.logged["decisions"] = [
+            strategy.reduce_boolean_decision(True),
+            strategy.reduce_boolean_decision(first, all=True),
+            strategy.reduce_boolean_decision(first, all=False),
+        ]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         ids = batch["input_ids"][:, :6]

@@ -119,3 +119,30 @@ def test_plain_module_needs_a_plan_and_takes_torch_styles():
     plan = resolve_plan(module, {"0.up": ColwiseParallel(), "0.down": RowwiseParallel(), "0.head": "replicate"}, tp_size=2)
     assert set(plan.torch_styles) == {"0.up", "0.down"}
     assert plan.transformers_styles == {"0.head.weight": "replicate", "0.head.bias": "replicate", "0.head": "replicate"}
+
+
+def test_user_override_wins_over_a_more_specific_model_rule():
+    plan = resolve_plan(meta_model("llama"), {"model.layers.0.mlp.*": "replicate"}, tp_size=2)
+    assert plan.styles["model.layers.0.mlp.up_proj"] == "replicate"
+    assert plan.styles["model.layers.1.mlp.up_proj"] == "colwise"
+
+
+def test_norm_gradients_are_summed_only_behind_a_sharded_projection():
+    gathered = {f"model.layers.*.self_attn.{p}": "colwise_rep" for p in ("q_proj", "k_proj", "v_proj")}
+    plan = resolve_plan(meta_model("qwen3"), {**gathered, "model.layers.*.self_attn.o_proj": "rowwise_split_input"}, tp_size=2)
+    assert plan.grad_allreduce == []
+    only_k = resolve_plan(meta_model("qwen3"), {"model.layers.*.self_attn.q_proj": "colwise_rep"}, tp_size=2)
+    assert only_k.grad_allreduce == [f"model.layers.{i}.self_attn.k_norm" for i in range(2)]
+
+
+def test_heads_are_checked_per_layer():
+    with pytest.raises(ValueError, match="num_key_value_heads=1"):
+        resolve_plan(
+            meta_model("llama", num_key_value_heads=1),
+            {
+                "model.layers.*.self_attn.k_proj": "colwise_rep",
+                "model.layers.*.self_attn.v_proj": "colwise_rep",
+                "model.layers.0.self_attn.k_proj": "colwise",  # one layer left sharded
+            },
+            tp_size=2,
+        )
