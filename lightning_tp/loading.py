@@ -71,9 +71,29 @@ def _local_directory(name_or_path: str | os.PathLike, revision: str | None) -> P
         return path
     from huggingface_hub import snapshot_download
 
-    return Path(
-        snapshot_download(str(name_or_path), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
-    )
+    def download(**kwargs: Any) -> Path:
+        return Path(snapshot_download(str(name_or_path), revision=revision, allow_patterns=_HUB_FILES, **kwargs))
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return download()
+    # One process per node downloads (the cache may not be shared between nodes), and every rank learns whether all of
+    # them succeeded: a download failing on one rank raises on every rank instead of leaving the others waiting in the
+    # strategy's first collective.
+    error = None
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        try:
+            download()
+        except Exception as err:  # reported to every rank below
+            error = f"{type(err).__name__}: {err}"
+    errors: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise OSError(f"Downloading {name_or_path!r} failed on rank {failed[0][0]}: {failed[0][1]}")
+    return download(local_files_only=True)
+
+
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
 
 
 def checkpoint_keys(directory: str | os.PathLike) -> set[str]:

@@ -8,7 +8,7 @@ tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ def apply_tensor_parallel(
     if device is not None and not on_meta(module):
         module.to(device)
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
+    keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
 
@@ -77,6 +78,7 @@ def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: Res
     for name in plan.grad_allreduce:
         model.get_submodule(name).__dict__.pop("forward", None)
     replicate_unsharded_parameters(model, tp_mesh, grad_allreduce=plan.grad_allreduce)
+    keep_gradient_layout(model, plan)
     setattr(model, SHARDED_MARKER, tp_mesh)
     return model
 
@@ -164,23 +166,74 @@ def replicate_unsharded_parameters(module: nn.Module, tp_mesh: DeviceMesh, *, gr
             submodule._parameters[param_name] = replaced[id(param)]
             local_names.append(param_name)
         if local_names:
-            _run_on_local_parameters(submodule, local_names, tp_mesh.get_group() if name in summed else None)
+            view = _local_view(tp_mesh.get_group() if name in summed else None)
+            _run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
 
 
-def _run_on_local_parameters(module: nn.Module, names: list[str], grad_group: dist.ProcessGroup | None) -> None:
+class _GradInParameterLayout(torch.autograd.Function):
+    """Identity forward on a DTensor parameter; backward gives its gradient the parameter's layout."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor) -> DTensor:  # type: ignore[override]
+        ctx.mesh, ctx.placements = param.device_mesh, param.placements
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        if isinstance(grad, DTensor) and grad.placements != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
+
+
+#: Styles whose DTensor backward returns the weight's gradient in another layout than the weight's.
+_GRADIENT_LAYOUT_STYLES = ("embedding_rowwise", "embedding_colwise")
+
+
+def keep_gradient_layout(module: nn.Module, plan: ResolvedPlan) -> None:
+    """Give the gradients of embedding weights their weight's layout as they are computed.
+
+    DTensor computes the gradient of a vocabulary-sharded embedding (``embedding_rowwise``) replicated, at full size
+    (torch 2.13): it would stay allocated at full size on every rank until the optimizer step. Redistributing
+    ``Replicate`` to ``Shard`` in backward is a local slice (no communication). The module's forward takes the view
+    of its current parameter each time, so it survives ``to_empty``, ``.to()`` and FSDP2 swapping parameters.
+    """
+    modules = dict(module.named_modules())
+    for name, style in plan.styles.items():
+        if style in _GRADIENT_LAYOUT_STYLES and isinstance(modules.get(name), nn.Embedding):
+            _run_on_parameter_views(modules[name], {"weight": _in_parameter_layout})
+
+
+def _in_parameter_layout(param: torch.Tensor) -> torch.Tensor:
+    if isinstance(param, DTensor) and param.requires_grad and torch.is_grad_enabled():
+        return _GradInParameterLayout.apply(param)
+    return param
+
+
+def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def view(param: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return param
+        local = param.to_local()
+        if grad_group is not None and local.requires_grad and torch.is_grad_enabled():
+            local = _AllReduceGrad.apply(local, grad_group)
+        return local
+
+    return view
+
+
+def _run_on_parameter_views(module: nn.Module, views: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Wrap ``module.forward`` so that, during each call, the named parameters are replaced by ``view(parameter)``
+    (and put back afterwards, also on error)."""
     original_forward = module.forward
 
     def forward(*args, **kwargs):
         swapped = {}
-        for param_name in names:
-            param = module._parameters[param_name]
-            if not isinstance(param, DTensor):
+        for name, view in views.items():
+            param = module._parameters[name]
+            if param is None:
                 continue
-            local = param.to_local()
-            if grad_group is not None and local.requires_grad and torch.is_grad_enabled():
-                local = _AllReduceGrad.apply(local, grad_group)
-            swapped[param_name] = param
-            module._parameters[param_name] = local
+            swapped[name] = param
+            module._parameters[name] = view(param)
         try:
             return original_forward(*args, **kwargs)
         finally:

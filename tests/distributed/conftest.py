@@ -24,10 +24,11 @@ TWO_D_CASES = [
     "qwen3_hsdp",
     "qwen3_with_head",
     "tied_replicated",
+    "qwen3_no_reshard",
     "features",
 ]
 #: Cases that only make sense with data parallelism.
-DP_ONLY_CASES = {"qwen3_hsdp"}
+DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard"}
 TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES]
 TP_CASES = [*TP_PARITY_CASES, "features", *(f"error:{name}" for name in ERROR_CASES)]
 

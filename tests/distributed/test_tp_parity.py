@@ -38,6 +38,7 @@ def _assert_parity(result: dict, ref: dict, name: str) -> None:
     assert result["all_dtensor"]
     # Tied embeddings stay one parameter through sharding (and meta-device materialisation).
     assert result["tied"] in (None, True)
+    assert result["grad_layouts_match"] is not False
 
 
 @pytest.mark.parametrize("name", TP_PARITY_CASES)
@@ -120,9 +121,13 @@ def test_validate_predict_generate_logging_2d(two_d_results: list[dict]) -> None
     _check_features(two_d_results, dp_size=2)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_precisions_match_a_bf16_single_process(tp2_results: list[dict], precision: str) -> None:
-    result = _result(tp2_results, "features")[precision]
+def test_bf16_precisions_match_a_bf16_single_process(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str, precision: str
+) -> None:
+    """In 2-D, bf16-mixed is FSDP2's policy (bf16 compute, fp32 gradient reduction)."""
+    result = _result(tp2_results if layout == "tp2" else two_d_results, "features")[precision]
     ref = reference_run(ParityModule(partial(build_causal_lm, tiny_config("qwen3"))), lm_batches(2), precision=precision)
     # bf16 rounds differently when TP splits the matmuls: about 1e-3 on the loss.
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=1e-2, rtol=0)
@@ -145,3 +150,24 @@ def test_bad_configuration_raises_on_every_rank(tp2_results: list[dict], name: s
         error = results[f"error:{name}"]
         assert error["type"] == "ValueError", error
         assert fragment in error["message"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+@pytest.mark.parametrize("kind", ["qwen3", "tied"])
+def test_meta_loading_gives_the_plain_weights_and_rotary_buffers(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str, kind: str
+) -> None:
+    """Built on meta, sharded, then each rank read its slices: exactly the weights of a plain single-process load,
+    and the rotary inv_freq that to_empty had left as garbage."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.cases import _checkpoint
+
+    results = tp2_results if layout == "tp2" else two_d_results
+    initial = _result(results, f"{kind}_meta_load")["initial_state"]
+    plain = AutoModelForCausalLM.from_pretrained(_checkpoint(kind), dtype=torch.float32)
+    expected = {**plain.state_dict(), **{f"buffer:{k}": v for k, v in plain.named_buffers()}}
+    assert initial.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(initial[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    assert any("inv_freq" in key for key in expected)

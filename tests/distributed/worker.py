@@ -74,10 +74,20 @@ def run_case(name: str, layout: dict) -> dict:
         precision=case.precision,
         accumulate_grad_batches=case.accumulate,
     )
+    initial: dict = {}
+    if name.endswith("meta_load"):  # the weights and buffers as loaded, before any step
+
+        class Snapshot(L.Callback):
+            def on_train_start(self, trainer, pl_module) -> None:
+                initial.update(full_state(pl_module.model))
+                initial.update({f"buffer:{k}": v.detach().cpu().clone() for k, v in pl_module.model.named_buffers()})
+
+        t.callbacks.append(Snapshot())
     with ReduceScatterCounter() as counter:
         t.fit(module, DataLoader(batches, batch_size=None))
     model = module.model
     return {
+        "initial_state": initial,
         "reduce_scatters": counter.calls,
         "optimizer_steps": t.global_step,
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
@@ -90,6 +100,7 @@ def run_case(name: str, layout: dict) -> dict:
         "sampler": strategy.distributed_sampler_kwargs,
         "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
         "num_params": len(list(module.parameters())),
+        "grad_layouts_match": getattr(module, "grad_layouts_match", None),
     }
 
 

@@ -166,6 +166,12 @@ CASES: dict[str, Case] = {
             }
         },
     ),
+    # FSDP2 keeping gathered weights between forward and backward (2-D only).
+    "qwen3_no_reshard": Case(
+        partial(build_causal_lm, tiny_config("qwen3")),
+        partial(lm_batches, 3),
+        strategy_kwargs={"reshard_after_forward": False},
+    ),
     "llama_adamw_fused": Case(
         partial(build_causal_lm, tiny_config("llama")),
         partial(lm_batches, 5),
@@ -186,5 +192,8 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
     ),
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
     "replicas_differ": (_rank_seeded_llama, {}, "weights differ between the ranks of a tensor-parallel group"),
-    "cpu_offload_without_dp": (partial(build_causal_lm, tiny_config("qwen3")), {"cpu_offload": True}, "needs data parallelism"),
+    # FSDP2's CPU offload pins host memory: it needs an accelerator, and data parallelism.
+    "cpu_offload_on_cpu": (
+        partial(build_causal_lm, tiny_config("qwen3")), {"cpu_offload": True, "tp_size": 1}, "on `accelerator='cpu'`"
+    ),
 }

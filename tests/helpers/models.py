@@ -151,6 +151,14 @@ class ParityModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.grad_norms.append(grad_norm(self.parameters()).item())
+        from torch.distributed.tensor import DTensor
+
+        # Each gradient is laid out as its parameter (a full-size replicated gradient of a sharded weight wastes memory).
+        self.grad_layouts_match = all(
+            p.grad.placements == p.placements
+            for p in self.parameters()
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]

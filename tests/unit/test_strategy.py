@@ -98,3 +98,13 @@ def test_from_pretrained_builds_on_meta_and_remembers_the_checkpoint(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
         lightning_tp.from_pretrained(empty)
+
+
+def test_cpu_offload_needs_data_parallelism_and_an_accelerator():
+    strategy = TensorParallelStrategy(cpu_offload=True)
+    strategy.precision_plugin = L.pytorch.plugins.precision.Precision()
+    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    strategy.cluster_environment = L.fabric.plugins.environments.LightningEnvironment()
+    strategy.cluster_environment.set_world_size(2)
+    with pytest.raises(ValueError, match="needs data parallelism"):
+        strategy.setup_environment()
