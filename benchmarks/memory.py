@@ -30,7 +30,10 @@ def config(size: str):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        **SIZES[size], num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+        **SIZES[size],
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
 
@@ -144,8 +147,15 @@ def worker(args: argparse.Namespace) -> None:
     else:
         strategy, devices = TensorParallelStrategy(2), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     module = Module()
     if args.phase == "load":
@@ -160,9 +170,11 @@ def worker(args: argparse.Namespace) -> None:
 def launch(nprocs: int, result: Path, *extra: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     script = [str(Path(__file__).resolve()), "--result", str(result), *extra]
-    cmd = [sys.executable, *script] if nprocs == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", *script
-    ]
+    cmd = (
+        [sys.executable, *script]
+        if nprocs == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", *script]
+    )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -196,11 +208,28 @@ def main() -> None:
             # Sharded layouts load the lean way; one process has nothing to shard.
             mode = "full" if layout == "single" else "sharded"
             runs[name] = launch(
-                nprocs, tmp_path / name.replace(" ", "_"), "--layout", layout, "--mode", mode, "--checkpoint",
+                nprocs,
+                tmp_path / name.replace(" ", "_"),
+                "--layout",
+                layout,
+                "--mode",
+                mode,
+                "--checkpoint",
                 str(checkpoint),
             )
         loads = {
-            mode: launch(4, tmp_path / f"load_{mode}", "--layout", "2d", "--phase", "load", "--mode", mode, "--checkpoint", str(checkpoint))
+            mode: launch(
+                4,
+                tmp_path / f"load_{mode}",
+                "--layout",
+                "2d",
+                "--phase",
+                "load",
+                "--mode",
+                mode,
+                "--checkpoint",
+                str(checkpoint),
+            )
             for mode in ("full", "sharded")
         }
     report(runs, loads, size_mb, args.out)
@@ -232,6 +261,7 @@ def report(runs: dict, loads: dict, size_mb: float, out: Path | None) -> None:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for mode, records in loads.items():
+
         def above(rec: dict, key: str) -> float:
             return rec["load_peak_mb"].get(key, 0.0) - rec["before_load_mb"].get(key, 0.0)
 

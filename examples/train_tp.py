@@ -68,9 +68,10 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = SortDigits(args.steps * args.batch_size, tokenizer=tokenizer)
     loader = DataLoader(
-        data, batch_size=args.batch_size, shuffle=True, collate_fn=lambda items: {
-            key: torch.stack([item[key] for item in items]) for key in ("input_ids", "labels")
-        }
+        data,
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=lambda items: {key: torch.stack([item[key] for item in items]) for key in ("input_ids", "labels")},
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,

@@ -80,7 +80,9 @@ def clip_grad_norm_(
     parameters = [p for p in parameters if p.grad is not None]
     total = grad_norm(parameters, norm_type)
     if error_if_nonfinite and not math.isfinite(total.item()):
-        raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped.")
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped."
+        )
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     # Scale the local shards in place: the coefficient is the same on every rank, so no DTensor dispatch is needed.
     locals_by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-Style = Union[str, ParallelStyle]
+Style = str | ParallelStyle
 
 #: Transformers style names applied with Transformers' own TP layers.
 SUPPORTED_STYLES: dict[str, str] = {
@@ -209,7 +209,9 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     names = set(module_names) | {name for name, _ in all_params}
 
     patterns = [(key, _key_regex(key), style, key in overrides) for key, style in plan.items()]
-    unmatched = [key for key, regex, _, is_override in patterns if is_override and not any(regex.fullmatch(n) for n in names)]
+    unmatched = [
+        key for key, regex, _, is_override in patterns if is_override and not any(regex.fullmatch(n) for n in names)
+    ]
     if unmatched:
         raise ValueError(
             f"tp_plan keys {unmatched} match no module or parameter of {model_name}. Keys are paths relative to the "
@@ -234,7 +236,9 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     resolved.grad_allreduce = [
         name
         for name, style in resolved.styles.items()
-        if style == "replicated_with_grad_allreduce" and name in module_names and _sees_sharded_features(name, resolved.styles)
+        if style == "replicated_with_grad_allreduce"
+        and name in module_names
+        and _sees_sharded_features(name, resolved.styles)
     ]
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
@@ -245,14 +249,15 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
 def _sees_sharded_features(norm: str, styles: Mapping[str, Style]) -> bool:
     """Whether a ``replicated_with_grad_allreduce`` module (Qwen3's ``q_norm``) normalises a column-sharded output,
     so that each rank's gradient covers its own heads only. ``q_norm`` follows ``q_proj``; a module with no such twin
-    follows its planned siblings (none: the style is taken at its word). When that projection is gathered (``colwise_rep``) every rank sees every head, its gradient
-    is already whole, and summing it over the TP group would multiply it by ``tp_size``."""
+    follows its planned siblings (none: the style is taken at its word). When that projection is gathered
+    (``colwise_rep``), every rank sees every head, its gradient is already whole, and summing it over the TP group
+    would multiply it by ``tp_size``."""
     parent, _, leaf = norm.rpartition(".")
     prefix = f"{parent}." if parent else ""
     twin = f"{prefix}{leaf.removesuffix('_norm')}_proj"
     if twin in styles:
         return styles[twin] in _COLUMN_STYLES
-    siblings = [n for n in styles if n.startswith(prefix) and n != norm and "." not in n[len(prefix):]]
+    siblings = [n for n in styles if n.startswith(prefix) and n != norm and "." not in n[len(prefix) :]]
     return not siblings or any(styles[n] in _COLUMN_STYLES for n in siblings)
 
 
@@ -296,6 +301,7 @@ def _check_heads(model: nn.Module, styles: Mapping[str, Style], tp_size: int) ->
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not isinstance(heads, int):
         return
+
     def shards(projections: tuple[str, ...]) -> bool:
         return any(name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES for name, style in styles.items())
 

@@ -7,7 +7,7 @@ import types
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -27,9 +27,9 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_tp.fsdp import apply_fsdp, block_classes, fsdp_mixed_precision
-from lightning_tp.loading import materialize
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
+from lightning_tp.loading import materialize
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -59,10 +59,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     Args:
         tp_size: Ranks per tensor-parallel group. ``None`` takes every rank the data-parallel sizes leave.
-        tp_plan: ``"auto"`` (each Transformers model's own plan), or a dict of overrides in ``DistributedConfig.tp_plan``
-            form (``{"model.layers.*.mlp.down_proj": "rowwise"}``, paths relative to the Transformers model), or for a
-            module that is not a Transformers model, a dict of path (relative to the LightningModule) to a style name
-            or a torch ``ParallelStyle``.
+        tp_plan: ``"auto"`` (each Transformers model's own plan), or a dict of overrides in
+            ``DistributedConfig.tp_plan`` form (``{"model.layers.*.mlp.down_proj": "rowwise"}``, paths relative to
+            the Transformers model), or for a module that is not a Transformers model, a dict of path (relative to
+            the LightningModule) to a style name or a torch ``ParallelStyle``.
         dp_shard_size: Ranks per FSDP2 shard group. ``None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
         dp_replicate_size: Number of replicas of the FSDP2 groups (HSDP: shard within a group, e.g. a node, and
             replicate across groups).
@@ -83,19 +83,19 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        tp_size: Optional[int] = None,
+        tp_size: int | None = None,
         *,
-        tp_plan: Union[Literal["auto"], dict[str, Any]] = "auto",
-        dp_shard_size: Optional[int] = None,
+        tp_plan: Literal["auto"] | dict[str, Any] = "auto",
+        dp_shard_size: int | None = None,
         dp_replicate_size: int = 1,
-        parallelism_config: Optional[Any] = None,
+        parallelism_config: Any | None = None,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        fsdp_blocks: Optional[list[str]] = None,
+        fsdp_blocks: list[str] | None = None,
         save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -126,8 +126,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._activation_checkpointing = activation_checkpointing
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
-        self._layout: Optional[ParallelLayout] = None
-        self._dp_mesh: Optional[DeviceMesh] = None
+        self._layout: ParallelLayout | None = None
+        self._dp_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ layout and mesh
 
@@ -160,8 +160,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @property
     def dp_mesh(self) -> DeviceMesh:
         """The flattened 1-D data-parallel sub-mesh of this rank (``dp_replicate`` x ``dp_shard``)."""
-        self.device_mesh  # raises the same clear error before setup_environment
-        assert self._dp_mesh is not None
+        if self._dp_mesh is None:
+            return self.device_mesh  # raises the clear error: nothing is built yet
         return self._dp_mesh
 
     @override
@@ -177,12 +177,14 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if self._cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
-                f"`accelerator='cpu'` the model is in host memory already. Drop `cpu_offload` (device: {self.root_device})."
+                f"`accelerator='cpu'` the model is in host memory already. Drop `cpu_offload` (device: "
+                f"{self.root_device})."
             )
         if self._cpu_offload and self._layout.dp_size == 1:
             raise ValueError(
-                f"`cpu_offload=True` is FSDP2's offload and needs data parallelism, but the layout ({self._layout}) has "
-                "none. Use fewer TP ranks (e.g. `tp_size` < the world size) or drop `cpu_offload`."
+                "`cpu_offload=True` is FSDP2's offload and needs data parallelism, but the layout "
+                f"({self._layout}) has none. Use fewer TP ranks (`tp_size` below the world size) or drop "
+                "`cpu_offload`."
             )
         self._setup_distributed()
         self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type)
@@ -262,7 +264,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_targets(self) -> tuple[list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]], list[nn.Module]]:
+    def _resolve_targets(self) -> tuple[list[tuple[nn.Module, ResolvedPlan, DeviceMesh | None]], list[nn.Module]]:
         """The models to shard, each with its resolved plan and, for a model Transformers sharded already, its TP
         mesh; and the other modules of the LightningModule that hold parameters. Modules this strategy handled in an
         earlier ``setup`` (fit, then validate) are left out."""
@@ -320,7 +322,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "without `distributed_config`/`tp_plan` and let the strategy shard it, or use the same tp_size."
             )
 
-    def _apply_activation_checkpointing(self, targets: list[tuple[nn.Module, ResolvedPlan, Optional[DeviceMesh]]]) -> None:
+    def _apply_activation_checkpointing(self, targets: list[tuple[nn.Module, ResolvedPlan, DeviceMesh | None]]) -> None:
         for module, _, _ in targets:
             if is_transformers_model(module) and getattr(module, "supports_gradient_checkpointing", False):
                 module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -364,7 +366,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         route the precision plugin's norm clipping to :func:`lightning_tp.clip_grad_norm_`, same arguments."""
         plugin = self.precision_plugin
 
-        def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
+        def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: int | float) -> None:
             clip_grad_norm_(plugin_self.main_params(optimizer), clip_val)
 
         plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]
@@ -374,7 +376,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         """Over every rank (``reduce`` defaults to the data-parallel group, but a decision is compared with the world
         size): ``ModelCheckpoint`` and early stopping rely on it."""
         flag = torch.tensor(int(decision), device=self.root_device)
-        flag = self.reduce(flag, group=torch.distributed.group.WORLD if _distributed_is_initialized() else None, reduce_op="sum")
+        flag = self.reduce(
+            flag, group=torch.distributed.group.WORLD if _distributed_is_initialized() else None, reduce_op="sum"
+        )
         return bool(flag == self.world_size) if all else bool(flag > 0)
 
     @override
@@ -405,7 +409,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ collectives seen by the LightningModule
 
-    def _data_parallel_group(self) -> Optional[Any]:
+    def _data_parallel_group(self) -> Any | None:
         if self._device_mesh is None or not _distributed_is_initialized():
             return None
         return self.dp_mesh.get_group()
@@ -413,18 +417,20 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def reduce(
         self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor:
         """Reduce over the data-parallel group by default: the ranks of a TP group hold the same values, and a sum over
         the world would count each one ``tp_size`` times."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
+            return _sync_ddp_if_available(
+                tensor, group if group is not None else self._data_parallel_group(), reduce_op
+            )
         return tensor
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Gather over the data-parallel group by default (one entry per data-parallel replica)."""
         group = group if group is not None else self._data_parallel_group()
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
@@ -441,8 +447,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
 
 def _sizes_from_parallelism_config(
-    config: Any, *, tp_size: Optional[int], dp_shard_size: Optional[int], dp_replicate_size: int
-) -> tuple[Optional[int], Optional[int], int]:
+    config: Any, *, tp_size: int | None, dp_shard_size: int | None, dp_replicate_size: int
+) -> tuple[int | None, int | None, int]:
     """Sizes from an ``accelerate.ParallelismConfig`` (duck-typed: accelerate is not a dependency)."""
     if tp_size is not None or dp_shard_size is not None or dp_replicate_size != 1:
         raise ValueError(

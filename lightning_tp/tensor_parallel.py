@@ -69,8 +69,9 @@ def transformers_tp_mesh(model: nn.Module) -> DeviceMesh:
 
 
 def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: ResolvedPlan) -> nn.Module:
-    """Bring a model that ``from_pretrained(distributed_config=...)`` sharded into the state :func:`apply_tensor_parallel`
-    leaves: its whole parameters become replicated DTensors, so that optimizers and clipping see DTensors only.
+    """Bring a model that ``from_pretrained(distributed_config=...)`` sharded into the state that
+    :func:`apply_tensor_parallel` leaves: its whole parameters become replicated DTensors, so that optimizers and
+    clipping see DTensors only.
 
     Transformers' ``replicated_with_grad_allreduce`` layer hooks plain parameters in their first forward; it is
     removed (it lives in the instance's ``forward``) and replaced by the same gradient sum on the local view.
@@ -147,7 +148,9 @@ class _AllReduceGrad(torch.autograd.Function):
         return grad, None
 
 
-def replicate_unsharded_parameters(module: nn.Module, tp_mesh: DeviceMesh, *, grad_allreduce: Iterable[str] = ()) -> None:
+def replicate_unsharded_parameters(
+    module: nn.Module, tp_mesh: DeviceMesh, *, grad_allreduce: Iterable[str] = ()
+) -> None:
     """Turn every plain parameter into a ``Replicate()`` DTensor on ``tp_mesh``; its module's forward then runs on the
     local tensor (a view: no copy, no communication). Modules named in ``grad_allreduce`` get their parameters'
     gradients summed over the TP group in backward (Transformers' ``replicated_with_grad_allreduce``)."""

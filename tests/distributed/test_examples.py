@@ -14,7 +14,11 @@ def test_train_tp_example_loss_falls() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "examples/train_tp.py", "--steps", "20"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = [float(v) for v in re.findall(r"^step +\d+ +loss ([\d.]+)$", proc.stdout, flags=re.M)]

@@ -9,7 +9,14 @@ import torch
 
 from tests.distributed.conftest import TP_PARITY_CASES, TWO_D_CASES
 from tests.helpers.cases import CASES, ERROR_CASES
-from tests.helpers.models import ParityModule, build_causal_lm, lm_batches, reference_generate, reference_run, tiny_config
+from tests.helpers.models import (
+    ParityModule,
+    build_causal_lm,
+    lm_batches,
+    reference_generate,
+    reference_run,
+    tiny_config,
+)
 
 SGD_TOL = 1e-5  # fp32, the issue's bound for 5 SGD steps
 ADAMW_TOL = 1e-4  # AdamW divides by sqrt(v): tiny gradient differences grow a little
@@ -88,10 +95,10 @@ def _check_features(results: list[dict], dp_size: int) -> None:
         # gives the single-process tokens for them.
         mine = batches[dp_rank::dp_size]
         assert len(result["generated"]) == len(mine)
-        for got, want in zip(result["generated"], reference[dp_rank::dp_size]):
+        for got, want in zip(result["generated"], reference[dp_rank::dp_size], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         with torch.no_grad():
-            for got, batch in zip(result["predict"], mine):
+            for got, batch in zip(result["predict"], mine, strict=True):
                 torch.testing.assert_close(got, model(input_ids=batch["input_ids"]).logits.argmax(-1), rtol=0, atol=0)
         # A logged sum and a torchmetrics sum count each sample once: reduced over the data-parallel ranks (each
         # holding a different share), not over the TP ranks (holding the same one).
@@ -128,7 +135,9 @@ def test_bf16_precisions_match_a_bf16_single_process(
 ) -> None:
     """In 2-D, bf16-mixed is FSDP2's policy (bf16 compute, fp32 gradient reduction)."""
     result = _result(tp2_results if layout == "tp2" else two_d_results, "features")[precision]
-    ref = reference_run(ParityModule(partial(build_causal_lm, tiny_config("qwen3"))), lm_batches(2), precision=precision)
+    ref = reference_run(
+        ParityModule(partial(build_causal_lm, tiny_config("qwen3"))), lm_batches(2), precision=precision
+    )
     # bf16 rounds differently when TP splits the matmuls: about 1e-3 on the loss.
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=1e-2, rtol=0)
     torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(ref["grad_norms"]), atol=0, rtol=2e-2)

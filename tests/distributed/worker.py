@@ -50,7 +50,7 @@ class ReduceScatterCounter:
         self.calls = 0
         self._original = dist.reduce_scatter_single
 
-    def __enter__(self) -> "ReduceScatterCounter":
+    def __enter__(self) -> ReduceScatterCounter:
         def counting(*args, **kwargs):
             self.calls += 1
             return self._original(*args, **kwargs)

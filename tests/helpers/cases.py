@@ -3,9 +3,10 @@ the same case on one process and compare)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from tests.helpers.models import MLP, ParityModule, build_causal_lm, lm_batches, mlp_batches, tiny_config
 
@@ -75,17 +76,22 @@ def _mlp() -> MLP:
     return MLP()
 
 
+def lm(kind: str, steps: int = 5, **kwargs: Any) -> Case:
+    """A causal-LM case: the tiny model of ``kind`` (seeded), trained on ``steps`` fixed batches."""
+    return Case(partial(build_causal_lm, tiny_config(kind)), partial(lm_batches, steps), **kwargs)
+
+
 CASES: dict[str, Case] = {
-    "qwen3_sgd": Case(partial(build_causal_lm, tiny_config("qwen3")), partial(lm_batches, 5)),
-    "llama_sgd": Case(partial(build_causal_lm, tiny_config("llama")), partial(lm_batches, 5)),
-    "tied_sgd": Case(partial(build_causal_lm, tiny_config("tied")), partial(lm_batches, 5)),
-    "qwen3_moe_sgd": Case(partial(build_causal_lm, tiny_config("qwen3_moe")), partial(lm_batches, 5)),
-    "phi3_sgd": Case(partial(build_causal_lm, tiny_config("phi3")), partial(lm_batches, 5)),
-    "granite_swa_sgd": Case(partial(build_causal_lm, tiny_config("granite_swa")), partial(lm_batches, 5)),
+    "qwen3_sgd": lm("qwen3", 5),
+    "llama_sgd": lm("llama", 5),
+    "tied_sgd": lm("tied", 5),
+    "qwen3_moe_sgd": lm("qwen3_moe", 5),
+    "phi3_sgd": lm("phi3", 5),
+    "granite_swa_sgd": lm("granite_swa", 5),
     # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
-    "llama_alt_styles": Case(
-        partial(build_causal_lm, tiny_config("llama")),
-        partial(lm_batches, 5),
+    "llama_alt_styles": lm(
+        "llama",
+        5,
         strategy_kwargs={
             "tp_plan": {
                 "model.embed_tokens": "embedding_colwise",
@@ -99,18 +105,16 @@ CASES: dict[str, Case] = {
     ),
     "mlp_custom_plan": Case(_mlp, partial(mlp_batches, 5), strategy_kwargs={"tp_plan": MLP_PLAN}),
     # AdamW with foreach and fused kernels (CUDA's default is foreach), and clipping by the global norm.
-    "qwen3_adamw_foreach_clip": Case(
-        partial(build_causal_lm, tiny_config("qwen3")),
-        partial(lm_batches, 5),
+    "qwen3_adamw_foreach_clip": lm(
+        "qwen3",
+        5,
         optimizer="adamw",
         lr=1e-3,
         opt_kwargs={"foreach": True},
         clip=0.5,
     ),
     # Gradient accumulation over 2 micro-batches.
-    "llama_accumulate": Case(
-        partial(build_causal_lm, tiny_config("llama")), partial(lm_batches, 6), accumulate=2
-    ),
+    "llama_accumulate": lm("llama", 6, accumulate=2),
     # Sharded by Transformers at load time: recognised, not sharded twice, and trained with foreach AdamW.
     "presharded_adamw_foreach": Case(
         partial(_from_checkpoint, True),
@@ -122,41 +126,41 @@ CASES: dict[str, Case] = {
     ),
     # Built on the meta device, sharded, then each rank reads its slices of the safetensors files.
     "qwen3_meta_load": Case(
-        partial(_meta_from_checkpoint, "qwen3"), partial(lm_batches, 3), reference_build=partial(_from_checkpoint, False)
+        partial(_meta_from_checkpoint, "qwen3"),
+        partial(lm_batches, 3),
+        reference_build=partial(_from_checkpoint, False),
     ),
     "tied_meta_load": Case(
         partial(_meta_from_checkpoint, "tied"),
         partial(lm_batches, 3),
         reference_build=partial(_from_checkpoint, False, "tied"),
     ),
-    "qwen3_activation_checkpointing": Case(
-        partial(build_causal_lm, tiny_config("qwen3")),
-        partial(lm_batches, 3),
+    "qwen3_activation_checkpointing": lm(
+        "qwen3",
+        3,
         strategy_kwargs={"activation_checkpointing": True},
     ),
     # HSDP: two replicas of a (shard 1 x tp 2) group on 4 ranks.
-    "qwen3_hsdp": Case(
-        partial(build_causal_lm, tiny_config("qwen3")), partial(lm_batches, 3), strategy_kwargs={"dp_replicate_size": 2}
-    ),
+    "qwen3_hsdp": lm("qwen3", 3, strategy_kwargs={"dp_replicate_size": 2}),
     # A value head outside the Transformers model: replicated over TP (FSDP2 in 2-D), foreach AdamW.
-    "qwen3_with_head": Case(
-        partial(build_causal_lm, tiny_config("qwen3")),
-        partial(lm_batches, 3),
+    "qwen3_with_head": lm(
+        "qwen3",
+        3,
         optimizer="adamw",
         lr=1e-3,
         opt_kwargs={"foreach": True},
         head=True,
     ),
     # Tied embedding and lm_head left whole by the plan: still one parameter.
-    "tied_replicated": Case(
-        partial(build_causal_lm, tiny_config("tied")),
-        partial(lm_batches, 3),
+    "tied_replicated": lm(
+        "tied",
+        3,
         strategy_kwargs={"tp_plan": {"model.embed_tokens": "replicate", "lm_head": "replicate"}},
     ),
     # q/k/v gathered: q/k norms see every head, so their gradients must not be summed over the TP group.
-    "qwen3_gathered_attention": Case(
-        partial(build_causal_lm, tiny_config("qwen3")),
-        partial(lm_batches, 3),
+    "qwen3_gathered_attention": lm(
+        "qwen3",
+        3,
         strategy_kwargs={
             "tp_plan": {
                 "model.layers.*.self_attn.q_proj": "colwise_rep",
@@ -167,14 +171,14 @@ CASES: dict[str, Case] = {
         },
     ),
     # FSDP2 keeping gathered weights between forward and backward (2-D only).
-    "qwen3_no_reshard": Case(
-        partial(build_causal_lm, tiny_config("qwen3")),
-        partial(lm_batches, 3),
+    "qwen3_no_reshard": lm(
+        "qwen3",
+        3,
         strategy_kwargs={"reshard_after_forward": False},
     ),
-    "llama_adamw_fused": Case(
-        partial(build_causal_lm, tiny_config("llama")),
-        partial(lm_batches, 5),
+    "llama_adamw_fused": lm(
+        "llama",
+        5,
         optimizer="adamw",
         lr=1e-3,
         opt_kwargs={"fused": True},
@@ -184,7 +188,11 @@ CASES: dict[str, Case] = {
 #: Cases that must fail, with the strategy kwargs / model that trigger it and a fragment the message must contain.
 ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
     "kv_heads": (partial(build_causal_lm, tiny_config("llama", num_key_value_heads=1)), {}, "num_key_value_heads=1"),
-    "world_not_divisible": (partial(build_causal_lm, tiny_config("qwen3")), {"tp_size": 4}, "not divisible by tp_size=4"),
+    "world_not_divisible": (
+        partial(build_causal_lm, tiny_config("qwen3")),
+        {"tp_size": 4},
+        "not divisible by tp_size=4",
+    ),
     "unmatched_key": (
         partial(build_causal_lm, tiny_config("qwen3")),
         {"tp_plan": {"model.layers.*.mlp.nope": "colwise"}},
@@ -194,6 +202,8 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
     "replicas_differ": (_rank_seeded_llama, {}, "weights differ between the ranks of a tensor-parallel group"),
     # FSDP2's CPU offload pins host memory: it needs an accelerator, and data parallelism.
     "cpu_offload_on_cpu": (
-        partial(build_causal_lm, tiny_config("qwen3")), {"cpu_offload": True, "tp_size": 1}, "on `accelerator='cpu'`"
+        partial(build_causal_lm, tiny_config("qwen3")),
+        {"cpu_offload": True, "tp_size": 1},
+        "on `accelerator='cpu'`",
     ),
 }

@@ -12,8 +12,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 900, env: dict | None = None) -> str:
     """Run ``script`` on ``nprocs`` processes; return its output, or fail the test with it."""
-    env = {**os.environ, **(env or {}), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", str(script), *args]
+    env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nprocs}",
+        str(script),
+        *args,
+    ]
     try:
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:  # a hang is a failure, not a stuck CI job

@@ -4,7 +4,8 @@ single-process reference that trains the very same module without any strategy."
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -43,7 +44,9 @@ def tiny_config(kind: str, **overrides: Any):
             num_experts_per_tok=2,
         )
     elif kind == "phi3":  # fused qkv/gate_up: colwise_gather_output + rowwise_split_input
-        cfg = Phi3Config(**{**common, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1})
+        cfg = Phi3Config(
+            **{**common, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
+        )
     elif kind == "granite_swa":  # attention sinks: a bare parameter sharded colwise, its owner run on local_params
         cfg = GraniteSWAConfig(
             **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1}
@@ -153,7 +156,7 @@ class ParityModule(L.LightningModule):
         self.grad_norms.append(grad_norm(self.parameters()).item())
         from torch.distributed.tensor import DTensor
 
-        # Each gradient is laid out as its parameter (a full-size replicated gradient of a sharded weight wastes memory).
+        # Each gradient is laid out as its parameter (a replicated gradient of a sharded weight wastes memory).
         self.grad_layouts_match = all(
             p.grad.placements == p.placements
             for p in self.parameters()
@@ -183,9 +186,7 @@ def reference_run(
     module.configure_model()
     if precision == "bf16-true":
         module.to(torch.bfloat16)
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
-    )
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
     optimizer = module.configure_optimizers()
     optimizer.zero_grad()
     for i, batch in enumerate(batches):
@@ -248,7 +249,9 @@ def reference_generate(build: Callable[[], nn.Module], batches: list[dict[str, t
     with torch.no_grad():
         return [
             model.generate(
-                b["input_ids"][:, :6], attention_mask=torch.ones_like(b["input_ids"][:, :6]), max_new_tokens=4,
+                b["input_ids"][:, :6],
+                attention_mask=torch.ones_like(b["input_ids"][:, :6]),
+                max_new_tokens=4,
                 do_sample=False,
             )
             for b in batches

@@ -37,7 +37,9 @@ def test_auto_plan_expands_to_concrete_names_params_before_modules():
 
 
 def test_overrides_merge_key_by_key():
-    plan = resolve_plan(meta_model("llama"), {"lm_head": "replicate", "model.layers.*.mlp.up_proj": "colwise_rep"}, tp_size=2)
+    plan = resolve_plan(
+        meta_model("llama"), {"lm_head": "replicate", "model.layers.*.mlp.up_proj": "colwise_rep"}, tp_size=2
+    )
     assert plan.styles["lm_head"] == "replicate"
     assert plan.styles["model.layers.0.mlp.up_proj"] == "colwise_rep"
     assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"  # untouched rule stays
@@ -64,7 +66,10 @@ def test_tied_weights_with_different_layouts_are_refused():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"model.layers.*.mlp.up_proj": "colwize"}, r"tp_plan\['model.layers.\*.mlp.up_proj'\] = 'colwize' is not a known style"),
+        (
+            {"model.layers.*.mlp.up_proj": "colwize"},
+            r"tp_plan\['model.layers.\*.mlp.up_proj'\] = 'colwize' is not a known style",
+        ),
         ({"model.layers.*.mlp.up_proj": "sequence_parallel"}, r"'sequence_parallel' \(Transformers' sequence-parallel"),
         ({"model.layers.*.mlp.up_proj": "grouped_gemm"}, r"'grouped_gemm' \(it is expert parallelism"),
         (
@@ -92,7 +97,11 @@ def test_plan_must_be_auto_or_dict():
     [
         ({"num_key_value_heads": 1}, 2, r"num_key_value_heads=1 not divisible by tp_size=2.*one of \[1\]"),
         ({}, 4, r"num_key_value_heads=2 not divisible by tp_size=4.*one of \[1, 2\]"),
-        ({"num_attention_heads": 6, "num_key_value_heads": 6}, 4, r"num_attention_heads=6 and num_key_value_heads=6.*\[1, 2, 3, 6\]"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6},
+            4,
+            r"num_attention_heads=6 and num_key_value_heads=6.*\[1, 2, 3, 6\]",
+        ),
     ],
 )
 def test_heads_not_divisible_by_tp_size(overrides, tp_size, message):
@@ -116,7 +125,9 @@ def test_plain_module_needs_a_plan_and_takes_torch_styles():
     module = nn.Sequential(MLP())
     with pytest.raises(ValueError, match="not a Transformers model"):
         resolve_plan(module, "auto", tp_size=2)
-    plan = resolve_plan(module, {"0.up": ColwiseParallel(), "0.down": RowwiseParallel(), "0.head": "replicate"}, tp_size=2)
+    plan = resolve_plan(
+        module, {"0.up": ColwiseParallel(), "0.down": RowwiseParallel(), "0.head": "replicate"}, tp_size=2
+    )
     assert set(plan.torch_styles) == {"0.up", "0.down"}
     assert plan.transformers_styles == {"0.head.weight": "replicate", "0.head.bias": "replicate", "0.head": "replicate"}
 
@@ -129,7 +140,9 @@ def test_user_override_wins_over_a_more_specific_model_rule():
 
 def test_norm_gradients_are_summed_only_behind_a_sharded_projection():
     gathered = {f"model.layers.*.self_attn.{p}": "colwise_rep" for p in ("q_proj", "k_proj", "v_proj")}
-    plan = resolve_plan(meta_model("qwen3"), {**gathered, "model.layers.*.self_attn.o_proj": "rowwise_split_input"}, tp_size=2)
+    plan = resolve_plan(
+        meta_model("qwen3"), {**gathered, "model.layers.*.self_attn.o_proj": "rowwise_split_input"}, tp_size=2
+    )
     assert plan.grad_allreduce == []
     only_k = resolve_plan(meta_model("qwen3"), {"model.layers.*.self_attn.q_proj": "colwise_rep"}, tp_size=2)
     assert only_k.grad_allreduce == [f"model.layers.{i}.self_attn.k_norm" for i in range(2)]

@@ -58,12 +58,12 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors(norm_type):
     for p in params:
         p.grad = torch.randn_like(p) * 3
     clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for c, p in zip(clones, params):
+    for c, p in zip(clones, params, strict=True):
         c.grad = p.grad.clone()
     expected = torch.nn.utils.clip_grad_norm_(clones, 1.0, norm_type)
     total = clip_grad_norm_(params, 1.0, norm_type)
     torch.testing.assert_close(total, expected)
-    for c, p in zip(clones, params):
+    for c, p in zip(clones, params, strict=True):
         torch.testing.assert_close(p.grad, c.grad)
     assert grad_norm([]).item() == 0.0
 
