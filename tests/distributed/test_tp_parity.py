@@ -57,7 +57,7 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     assert tp2_results[1][name]["losses"] == result["losses"]
 
 
-@pytest.mark.parametrize("name", [name for name in TWO_D_CASES if name != "features"])
+@pytest.mark.parametrize("name", [name for name in TWO_D_CASES if name not in ("features", "qwen3_meta_init")])
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """dp_shard 2 x tp 2: each data-parallel rank trains on half of the global batch."""
     _assert_parity(_result(two_d_results, name), _reference(name), name)
@@ -180,3 +180,24 @@ def test_meta_loading_gives_the_plain_weights_and_rotary_buffers(
     for key, value in expected.items():
         torch.testing.assert_close(initial[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
     assert any("inv_freq" in key for key in expected)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+def test_meta_model_without_checkpoint_is_initialised_after_sharding(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str
+) -> None:
+    """Transformers' own initialisation runs on the shards: norms at one, linear weights at the config's std, the
+    rotary tables computed (not the garbage `to_empty` leaves), and training runs."""
+    result = _result(tp2_results if layout == "tp2" else two_d_results, "qwen3_meta_init")
+    initial = result["initial_state"]
+    plain = build_causal_lm(tiny_config("qwen3"))
+    for name, buffer in plain.named_buffers():
+        torch.testing.assert_close(initial[f"buffer:{name}"], buffer, rtol=0, atol=0)
+    for name, value in plain.state_dict().items():
+        got = initial[name]
+        assert got.shape == value.shape and torch.isfinite(got).all(), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(got, torch.ones_like(got)), name
+        elif name.endswith("proj.weight"):
+            assert 0.015 < got.std().item() < 0.025, (name, got.std())  # initializer_range 0.02
+    assert all(torch.isfinite(torch.tensor(result["losses"])))

@@ -75,7 +75,7 @@ def run_case(name: str, layout: dict) -> dict:
         accumulate_grad_batches=case.accumulate,
     )
     initial: dict = {}
-    if name.endswith("meta_load"):  # the weights and buffers as loaded, before any step
+    if "meta" in name:  # the weights and buffers as loaded or initialised, before any step
 
         class Snapshot(L.Callback):
             def on_train_start(self, trainer, pl_module) -> None:

@@ -53,6 +53,15 @@ def _from_checkpoint(sharded: bool, kind: str = "qwen3") -> Any:
     return model.train()
 
 
+def _meta_from_config(kind: str) -> Any:
+    """Built on the meta device with no checkpoint: the strategy initialises it after sharding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(kind))
+
+
 def _meta_from_checkpoint(kind: str) -> Any:
     import lightning_tp
 
@@ -135,6 +144,8 @@ CASES: dict[str, Case] = {
         partial(lm_batches, 3),
         reference_build=partial(_from_checkpoint, False, "tied"),
     ),
+    # Random initialisation after sharding (no reference values: the test checks the initialisation itself).
+    "qwen3_meta_init": Case(partial(_meta_from_config, "qwen3"), partial(lm_batches, 2)),
     "qwen3_activation_checkpointing": lm(
         "qwen3",
         3,
