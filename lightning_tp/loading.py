@@ -119,6 +119,9 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
 
     available = checkpoint_keys(directory)
     state = _unique_state_dict(model, prefer=available)
+    # PEFT applied to the meta model: base weights sit under `<layer>.base_layer.` and the adapters (initialised by
+    # PEFT after loading) are in no base checkpoint.
+    state = {_base_name(name): t for name, t in state.items() if not _is_adapter(name)}
     missing = sorted(set(state) - available)
     if missing:
         raise ValueError(
@@ -131,6 +134,14 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
     return set(state)
 
 
+def _base_name(name: str) -> str:
+    return name.replace(".base_layer.", ".")
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_" in name
+
+
 def _unique_state_dict(model: nn.Module, *, prefer: set[str]) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers with each shared tensor once, as checkpoints store them: under
     a name in ``prefer`` where one of its names is, else under its first name. Loading writes into these tensors."""
@@ -141,7 +152,7 @@ def _unique_state_dict(model: nn.Module, *, prefer: set[str]) -> dict[str, torch
         tensors[id(tensor)] = tensor
     state = {}
     for key, aliases in names.items():
-        name = next((n for n in aliases if n in prefer), aliases[0])
+        name = next((n for n in aliases if _base_name(n) in prefer), aliases[0])
         state[name] = tensors[key]
     return state
 
@@ -156,8 +167,8 @@ def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str])
         model.get_submodule(owner_name)._parameters[param_name] = model.get_parameter(source)
     directory = getattr(model, CHECKPOINT_ATTR, None)
     loaded = load_sharded(model, directory) if directory is not None else set()
-    state = model.state_dict(keep_vars=True)
-    for name in loaded:
-        state[name]._is_hf_initialized = True  # Transformers' initialisation skips what is marked
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if _base_name(name) in loaded and not _is_adapter(name):
+            tensor._is_hf_initialized = True  # Transformers' initialisation skips what is marked
     if hasattr(model, "initialize_weights"):
         model.initialize_weights()

@@ -30,6 +30,14 @@ from lightning_tp.fsdp import apply_fsdp, block_classes, fsdp_mixed_precision
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.loading import materialize
+from lightning_tp.lora import (
+    check_peft_supported,
+    extend_plan_to_adapters,
+    has_peft,
+    initialize_adapters,
+    install_distributed_save,
+    peft_models,
+)
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -248,10 +256,16 @@ class TensorParallelStrategy(ModelParallelStrategy):
         #    checkpoint slice by slice: no rank ever holds the whole model.
         #    With CPU offload, FSDP2 keeps the sharded parameters on the CPU.
         init_device = torch.device("cpu") if self._cpu_offload else self.root_device
+        materialized = False
         for module, plan, _ in targets:
             if on_meta(module) and is_transformers_model(module):
                 materialize(module, init_device, tied=plan.tied)
+                materialized = True
         _materialize_distributed_module(self.model, init_device)
+        for peft_model in peft_models(self.model):
+            if materialized:
+                initialize_adapters(peft_model)  # PEFT's own initialisation, on the shards
+            install_distributed_save(peft_model)
 
         self.model_to_device()
         self._reduce_metrics_over_data_parallel_group()
@@ -301,6 +315,16 @@ class TensorParallelStrategy(ModelParallelStrategy):
             plan = resolve_plan(
                 module, "auto" if presharded_mesh is not None else self._tp_plan, tp_size=self.layout.tp_size
             )
+            if has_peft(module):
+                # PEFT was applied to the whole model (in `configure_model` or `__init__`): shard each adapter with
+                # its base layer, and refuse what cannot be sharded, before anything moves.
+                check_peft_supported(module)
+                if presharded_mesh is not None:
+                    raise ValueError(
+                        f"{type(module).__name__} carries PEFT adapters but was sharded by Transformers at load time, "
+                        "when the adapters did not exist yet. Load it without `distributed_config`."
+                    )
+                plan = extend_plan_to_adapters(module, plan)
             targets.append((module, plan, presharded_mesh))
         extras = [
             m

@@ -156,7 +156,8 @@ def replicate_unsharded_parameters(
     gradients summed over the TP group in backward (Transformers' ``replicated_with_grad_allreduce``)."""
     summed = set(grad_allreduce)
     replaced: dict[int, nn.Parameter] = {}  # a parameter shared by several modules (tied) is wrapped once
-    for name, submodule in module.named_modules():
+    modules = dict(module.named_modules())
+    for name, submodule in modules.items():
         local_names = []
         for param_name, param in list(submodule._parameters.items()):
             if param is None:
@@ -170,7 +171,12 @@ def replicate_unsharded_parameters(
             local_names.append(param_name)
         if local_names:
             view = _local_view(tp_mesh.get_group() if name in summed else None)
-            _run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
+            if isinstance(submodule, (nn.ParameterDict, nn.ParameterList)) and name:
+                # A parameter container has no forward: its owner (e.g. PEFT's LoRA embedding) reads it in its own.
+                owner = modules[name.rpartition(".")[0]]
+                _run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
+            else:
+                _run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
 
 
 class _GradInParameterLayout(torch.autograd.Function):
@@ -224,22 +230,25 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
     return view
 
 
-def _run_on_parameter_views(module: nn.Module, views: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> None:
-    """Wrap ``module.forward`` so that, during each call, the named parameters are replaced by ``view(parameter)``
-    (and put back afterwards, also on error)."""
+def _run_on_parameter_views(
+    module: nn.Module, views: dict[str, Callable[[torch.Tensor], torch.Tensor]], *, holder: nn.Module | None = None
+) -> None:
+    """Wrap ``module.forward`` so that, during each call, the named parameters of ``holder`` (default: ``module``)
+    are replaced by ``view(parameter)``, and put back afterwards, also on error."""
     original_forward = module.forward
+    holder = module if holder is None else holder
 
     def forward(*args, **kwargs):
         swapped = {}
         for name, view in views.items():
-            param = module._parameters[name]
+            param = holder._parameters[name]
             if param is None:
                 continue
             swapped[name] = param
-            module._parameters[name] = view(param)
+            holder._parameters[name] = view(param)
         try:
             return original_forward(*args, **kwargs)
         finally:
-            module._parameters.update(swapped)
+            holder._parameters.update(swapped)
 
     module.forward = forward

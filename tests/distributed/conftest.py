@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cases import CASES, CHECKPOINT_ENV, ERROR_CASES
+from tests.helpers.cases import CASES, CHECKPOINT_ENV, ERROR_CASES, _lora
 from tests.helpers.launch import torchrun
 from tests.helpers.models import build_causal_lm, tiny_config
 
@@ -26,12 +26,15 @@ TWO_D_CASES = [
     "tied_replicated",
     "qwen3_no_reshard",
     "qwen3_meta_init",
+    "qwen3_lora",
+    "llama_rslora",
+    "qwen3_meta_lora",
     "features",
 ]
 #: Cases that only make sense with data parallelism.
 DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard"}
 #: Cases trained from a random initialisation, which no single process can reproduce: checked on their own.
-UNREFERENCED_CASES = {"qwen3_meta_init"}
+UNREFERENCED_CASES = {"qwen3_meta_init", "qwen3_meta_lora"}
 TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | UNREFERENCED_CASES]
 TP_CASES = [*TP_PARITY_CASES, *UNREFERENCED_CASES, "features", *(f"error:{name}" for name in ERROR_CASES)]
 
@@ -41,6 +44,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("checkpoint")
     for kind in ("qwen3", "tied"):
         build_causal_lm(tiny_config(kind)).save_pretrained(path / kind)
+    _lora("qwen3").save_pretrained(path / "qwen3_adapter")
     return path
 
 

