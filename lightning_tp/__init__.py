@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_tp.grad import clip_grad_norm_, grad_norm
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
+from lightning_tp.lora import save_merged
 from lightning_tp.plan import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
 from lightning_tp.strategy import TensorParallelStrategy
 from lightning_tp.tensor_parallel import apply_tensor_parallel
@@ -23,6 +24,7 @@ __all__ = [
     "load_sharded",
     "grad_norm",
     "resolve_plan",
+    "save_merged",
 ]
 
 # `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI.

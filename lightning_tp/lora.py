@@ -171,11 +171,12 @@ def install_distributed_save(peft_model: nn.Module) -> None:
         if is_main is None:
             is_main = not distributed or dist.get_rank() == 0
         kwargs.setdefault("save_embedding_layers", False)  # "auto" may ask the hub about the base model
-        if is_main:
+
+        def write() -> None:
             with publish_directory(save_directory) as tmp:
                 original(tmp, *args, state_dict=state, is_main_process=True, **kwargs)
-        if distributed:
-            dist.barrier()
+
+        run_on_main_and_share_failure(write, is_main=is_main)
 
     peft_model.save_pretrained = save_pretrained
     peft_model._lightning_tp_save = True
@@ -200,3 +201,73 @@ def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
     os.replace(tmp, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def merged_state_dict(peft_model: nn.Module) -> dict[str, Any]:
+    """The base model's state dict with every LoRA adapter merged in (``W + scaling * B @ A``), whole, on the CPU of
+    rank 0 (empty elsewhere), under the base model's own names: what ``merge_and_unload`` would give, without
+    changing the sharded model that keeps training. Every rank must call it (gathering a shard is a collective)."""
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.tensor import DTensor
+
+    keep = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    base = peft_model.get_base_model()
+    # Checked on every rank before any collective, so that all raise together.
+    layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    unmergeable = [n for n, m in layers.items() if not isinstance(m.get_base_layer(), (nn.Linear, nn.Embedding))]
+    if unmergeable:
+        raise ValueError(f"Cannot merge the adapters of {unmergeable[:4]}: only LoRA on linear and embedding layers.")
+    full: dict[str, Any] = {}
+    for name, tensor in base.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # one tensor at a time
+        if keep:
+            full[name] = tensor.detach().cpu()
+    if not keep:
+        return {}
+    for name, module in layers.items():
+        weight = full[f"{name}.base_layer.weight"].float()
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:  # linear: W[out, in] += s * B[out, r] @ A[r, in]
+                a = full.pop(f"{name}.lora_A.{adapter}.weight").float()
+                b = full.pop(f"{name}.lora_B.{adapter}.weight").float()
+                weight = weight + module.scaling[adapter] * (b @ a)
+            elif adapter in module.lora_embedding_A:  # embedding: W[vocab, dim] += s * (B[dim, r] @ A[r, vocab]).T
+                a = full.pop(f"{name}.lora_embedding_A.{adapter}").float()
+                b = full.pop(f"{name}.lora_embedding_B.{adapter}").float()
+                weight = weight + module.scaling[adapter] * (b @ a).T
+        full[f"{name}.base_layer.weight"] = weight.to(full[f"{name}.base_layer.weight"].dtype)
+    # Inactive adapters are left out, as merge_and_unload drops them.
+    return {k.replace(".base_layer.", "."): v for k, v in full.items() if ".lora_" not in k}
+
+
+def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwargs: Any) -> None:
+    """Write the model with its LoRA adapters merged as a standard Transformers directory (``config.json``,
+    safetensors), loadable with ``AutoModelForCausalLM.from_pretrained`` on one process. Call it on every rank; rank 0
+    gathers one tensor at a time and writes, through a temporary directory renamed into place."""
+    state = merged_state_dict(peft_model)
+
+    def write() -> None:
+        with publish_directory(directory) as tmp:
+            peft_model.get_base_model().save_pretrained(tmp, state_dict=state, is_main_process=True, **save_kwargs)
+
+    run_on_main_and_share_failure(write, is_main=bool(state))
+
+
+def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
+    """Run ``fn`` on the main rank; every rank then learns whether it failed and raises with it. A failed write on
+    rank 0 (a full disk, say) must not leave the other ranks waiting in a barrier."""
+    error = None
+    if is_main:
+        try:
+            fn()
+        except Exception as err:  # shared below, then raised on every rank
+            error = f"{type(err).__name__}: {err}"
+            if not (dist.is_available() and dist.is_initialized()):
+                raise
+    if dist.is_available() and dist.is_initialized():
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RuntimeError(f"Writing failed on rank {failed[0][0]}: {failed[0][1]}")

@@ -36,7 +36,13 @@ DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard"}
 #: Cases trained from a random initialisation, which no single process can reproduce: checked on their own.
 UNREFERENCED_CASES = {"qwen3_meta_init", "qwen3_meta_lora"}
 TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | UNREFERENCED_CASES]
-TP_CASES = [*TP_PARITY_CASES, *UNREFERENCED_CASES, "features", *(f"error:{name}" for name in ERROR_CASES)]
+TP_CASES = [
+    *TP_PARITY_CASES,
+    *UNREFERENCED_CASES,
+    "features",
+    "save_failure",
+    *(f"error:{name}" for name in ERROR_CASES),
+]
 
 
 @pytest.fixture(scope="session")

@@ -89,3 +89,29 @@ def test_meta_model_with_new_lora_starts_from_the_base_model(
 
         ref = reference_run(ParityModule(partial(copy.deepcopy, base)), lm_batches(1))
         assert abs(result["losses"][0] - ref["losses"][0]) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+def test_merged_model_is_a_standard_transformers_directory(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str
+) -> None:
+    """lightning_tp.save_merged on every rank: one directory that AutoModelForCausalLM loads on one process, giving
+    the sharded LoRA model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.worker import PROBE
+
+    result = _result(_results(tp2_results, two_d_results, layout), "llama_rslora")
+    model = AutoModelForCausalLM.from_pretrained(result["adapter"]["merged"], dtype=torch.float32).eval()
+    assert not any("lora" in name for name in model.state_dict())
+    with torch.no_grad():
+        logits = model(input_ids=PROBE).logits
+    torch.testing.assert_close(result["adapter"]["logits"], logits, atol=1e-5, rtol=0)
+
+
+def test_a_failed_save_raises_on_every_rank(tp2_results: list[dict]) -> None:
+    """Rank 0 cannot write the adapter: each rank raises the same error instead of waiting for rank 0."""
+    for results in tp2_results:
+        error = results["save_failure"]
+        assert error["type"] == "RuntimeError", error
+        assert "Writing failed on rank 0" in error["message"]

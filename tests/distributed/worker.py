@@ -18,9 +18,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES
-from tests.helpers.models import ParityModule
+from tests.helpers.models import ParityModule, lm_batches
 
 
 def trainer(strategy: TensorParallelStrategy, **kwargs) -> L.Trainer:
@@ -92,10 +93,12 @@ def run_case(name: str, layout: dict, out: Path) -> dict:
     adapter = {}
     if "lora" in name:  # saved the PEFT way on every rank; logits of the sharded model to compare a reload with
         model.save_pretrained(out / f"{name}_adapter")
+        lightning_tp.save_merged(model, out / f"{name}_merged")
         model.eval()
         with torch.no_grad():
             adapter["logits"] = model(input_ids=PROBE).logits.detach().cpu().clone()
         adapter["dir"] = str(out / f"{name}_adapter")
+        adapter["merged"] = str(out / f"{name}_merged")
     return {
         "adapter": adapter,
         "initial_state": initial,
@@ -157,6 +160,19 @@ def run_features(layout: dict) -> dict:
     return out
 
 
+def run_save_failure() -> dict:
+    """Saving into a path rank 0 cannot write: every rank raises, none waits in a barrier."""
+    from tests.helpers.cases import _lora
+
+    module = ParityModule(partial(_lora, "qwen3"))
+    trainer(TensorParallelStrategy(), max_steps=1).fit(module, DataLoader(lm_batches(1), batch_size=None))
+    try:
+        module.model.save_pretrained("/dev/null/adapter")
+    except Exception as err:
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": "no error"}
+
+
 def run_error(name: str) -> dict:
     build, kwargs, _ = ERROR_CASES[name]
     module = ParityModule(build)
@@ -182,6 +198,8 @@ def main() -> None:
         try:
             if name == "features":
                 results[name] = run_features(layout)
+            elif name == "save_failure":
+                results[name] = run_save_failure()
             elif name.startswith("error:"):
                 results[name] = run_error(name.split(":", 1)[1])
             else:

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 900, env: dict | None = None) -> str:
+def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:
     """Run ``script`` on ``nprocs`` processes; return its output, or fail the test with it."""
     env = {
         **os.environ,
