@@ -10,6 +10,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_script(script: str | Path, *args: str, timeout: float = 600) -> str:
+    """Run ``script`` as a user would (``python script ...``, Lightning starting any other process); return its
+    standard output, or fail the test with everything it printed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:
     """Run ``script`` on ``nprocs`` processes; return its output, or fail the test with it."""
     env = {
