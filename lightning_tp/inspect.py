@@ -1,0 +1,195 @@
+"""``python -m lightning_tp.inspect MODEL --tp-size 4 [--dp-shard-size 2] [--lora-r 16]``: will this model shard, and
+what will each rank hold? Builds the model on the meta device from its config (no weights, no GPU, no processes),
+resolves its plan as the strategy would, and prints each planned module with its per-rank shape, what stays
+replicated, rules that matched nothing, divisibility problems with the sizes that would work, and per-rank memory for
+parameters, gradients and AdamW states. Exit code 0 when the layout is valid, 1 with the reasons when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_tp.plan import ResolvedPlan, model_plan, resolve_plan
+
+_SPLIT_DIM = {  # which dim of a parameter a style splits, from the end for weights (None: kept whole)
+    "colwise": "out",
+    "colwise_rep": "out",
+    "colwise_gather_output": "out",
+    "packed_colwise": "out",
+    "rowwise": "in",
+    "rowwise_rep": "in",
+    "rowwise_split_input": "in",
+    "embedding_rowwise": 0,
+    "embedding_colwise": 1,
+}
+
+
+@dataclass
+class Report:
+    rows: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    replicated: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+def local_shape(shape: tuple[int, ...], style: str, tp_size: int, *, is_bias: bool) -> tuple[int, ...]:
+    """The largest per-rank shape of a parameter of ``shape`` under ``style`` (uneven splits give rank 0 the most)."""
+    split = _SPLIT_DIM.get(style)
+    if split is None or not shape:
+        return shape
+    if split == "in" and is_bias:
+        return shape  # a row-wise bias is added after the reduction: replicated
+    if split == "out":
+        dim = 0 if len(shape) == 1 else len(shape) - 2
+    elif split == "in":
+        dim = len(shape) - 1
+    else:
+        dim = split
+    out = list(shape)
+    out[dim] = math.ceil(shape[dim] / tp_size)
+    return tuple(out)
+
+
+def _fsdp_shape(shape: tuple[int, ...], dp_shard: int) -> tuple[int, ...]:
+    if dp_shard == 1 or not shape:
+        return shape
+    return (math.ceil(shape[0] / dp_shard), *shape[1:])
+
+
+def inspect_model(
+    model: nn.Module, *, tp_size: int, dp_shard_size: int = 1, tp_plan: str | dict[str, Any] = "auto"
+) -> Report:
+    """The report for a (meta) model: no process group needed."""
+    report = Report()
+    try:
+        plan = resolve_plan(model, tp_plan, tp_size=tp_size)
+    except ValueError as err:
+        report.problems.append(str(err))
+        plan = _permissive_plan(model, tp_size)
+    try:
+        from lightning_tp.lora import check_peft_supported, extend_plan_to_adapters, has_peft
+
+        if has_peft(model):
+            check_peft_supported(model)
+            plan = extend_plan_to_adapters(model, plan)
+    except ValueError as err:
+        report.problems.append(str(err))
+    report.problems += _uneven_splits(model, plan, tp_size)
+    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    report.unmatched = [key for key in model_plan(model) if not any(re.fullmatch(_regex(key), n) for n in names)]
+    styles = plan.transformers_styles
+    counts = {"params": 0, "trainable": 0}
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        style = styles.get(name)
+        local = local_shape(shape, style, tp_size, is_bias=name.endswith("bias")) if style else shape
+        local = _fsdp_shape(local, dp_shard_size)
+        if style and local_shape(shape, style, tp_size, is_bias=name.endswith("bias")) != shape:
+            report.rows.append((name, style, shape, local))
+        else:
+            report.replicated.append((name, local))
+        numel = math.prod(local)
+        counts["params"] += numel
+        counts["trainable"] += numel if param.requires_grad else 0
+    for dtype, size in (("fp32", 4), ("bf16", 2)):
+        report.memory[dtype] = {
+            "parameters": counts["params"] * size,
+            "gradients": counts["trainable"] * size,
+            "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
+        }
+    return report
+
+
+def _regex(key: str) -> str:
+    return r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split("."))
+
+
+def _permissive_plan(model: nn.Module, tp_size: int) -> ResolvedPlan:
+    """The plan without the checks that failed, so the rest of the report can still be shown."""
+    try:
+        return resolve_plan(model, "auto", tp_size=1)
+    except ValueError:
+        return ResolvedPlan()
+
+
+def _uneven_splits(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
+    """Vocabulary (embedding, lm_head) sizes the TP size does not divide: they work, with uneven shards, but pad."""
+    notes = []
+    params = dict(model.named_parameters())
+    for name, style in plan.transformers_styles.items():
+        if style in ("embedding_rowwise",) and name in params and params[name].shape[0] % tp_size:
+            vocab = params[name].shape[0]
+            notes.append(
+                f"warning: {name} has a vocabulary of {vocab}, not divisible by tp_size={tp_size}: shards are uneven "
+                f"(pad the vocabulary to a multiple of {tp_size}, e.g. {math.ceil(vocab / tp_size) * tp_size})."
+            )
+    return notes
+
+
+def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targets: str = "all-linear") -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        if lora_r:
+            from peft import LoraConfig, get_peft_model
+
+            targets = lora_targets if lora_targets == "all-linear" else lora_targets.split(",")
+            model = get_peft_model(model, LoraConfig(r=lora_r, target_modules=targets)).base_model.model
+    return model
+
+
+def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:
+    lines = [f"Layout: tp={tp_size} x dp_shard={dp_shard_size}", "", "Sharded parameters (per-rank shape):"]
+    for name, style, shape, local in report.rows:
+        lines.append(f"  {name:<60} {style:<24} {list(shape)} -> {list(local)}")
+    lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
+    lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
+    if len(report.replicated) > 40:
+        lines.append(f"  ... and {len(report.replicated) - 40} more")
+    if report.unmatched:
+        lines += ["", "Rules of the model's plan that match nothing:"] + [f"  {key}" for key in report.unmatched]
+    lines += ["", "Per-rank memory (MiB):", f"  {'':<6} {'parameters':>12} {'gradients':>12} {'AdamW states':>14}"]
+    for dtype, values in report.memory.items():
+        lines.append(
+            f"  {dtype:<6} {values['parameters'] / 2**20:>12.1f} {values['gradients'] / 2**20:>12.1f} "
+            f"{values['adamw_states'] / 2**20:>14.1f}"
+        )
+    errors = [p for p in report.problems if not p.startswith("warning:")]
+    warnings = [p for p in report.problems if p.startswith("warning:")]
+    if warnings:
+        lines += ["", *warnings]
+    lines += ["", "Problems:" if errors else "The layout is valid."] + [f"  - {p}" for p in errors]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_tp.inspect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a local directory with config.json, or a hub id (needs the network)")
+    parser.add_argument("--tp-size", type=int, required=True)
+    parser.add_argument("--dp-shard-size", type=int, default=1)
+    parser.add_argument("--lora-r", type=int, default=None, help="add LoRA adapters of this rank")
+    parser.add_argument("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
+    args = parser.parse_args(argv)
+    model = build_meta_model(args.model, lora_r=args.lora_r, lora_targets=args.lora_targets)
+    report = inspect_model(model, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size)
+    print(format_report(report, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size))
+    return 0 if not [p for p in report.problems if not p.startswith("warning:")] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+import pytest
+
+from lightning_tp.inspect import build_meta_model, inspect_model, local_shape, main
+from tests.helpers.models import build_causal_lm, tiny_config
+
+
+@pytest.fixture(scope="module")
+def config_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    for name, config in {"qwen3": tiny_config("qwen3"), "kv1": tiny_config("llama", num_key_value_heads=1)}.items():
+        config.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("shape", "style", "is_bias", "expected"),
+    [
+        ((64, 32), "colwise", False, (32, 32)),
+        ((64,), "colwise", True, (32,)),
+        ((64, 32), "rowwise", False, (64, 16)),
+        ((64,), "rowwise", True, (64,)),
+        ((95, 16), "embedding_rowwise", False, (48, 16)),  # uneven: rank 0 holds the most
+        ((95, 16), "embedding_colwise", False, (95, 8)),
+        ((4, 64, 32), "packed_colwise", False, (4, 32, 32)),  # stacked experts
+        ((64, 32), "replicate", False, (64, 32)),
+    ],
+)
+def test_local_shape(shape, style, is_bias, expected):
+    assert local_shape(shape, style, 2, is_bias=is_bias) == expected
+
+
+def test_valid_layout_exit_code_and_report(config_dirs, capsys):
+    assert main([str(config_dirs / "qwen3"), "--tp-size", "2", "--dp-shard-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj.weight" in out and "[64, 64] -> [16, 64]" in out  # tp 2, then fsdp 2
+    assert "model.norm.weight" in out  # replicated
+    assert "The layout is valid." in out
+
+
+def test_invalid_layout_names_the_problem_and_the_sizes_that_work(config_dirs, capsys):
+    assert main([str(config_dirs / "kv1"), "--tp-size", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "num_key_value_heads=1 not divisible by tp_size=2" in out and "one of [1]" in out
+
+
+def test_memory_per_rank_divides_and_lora_counts_trainable_only(config_dirs):
+    full = build_causal_lm(tiny_config("qwen3"))
+    total = sum(p.numel() for p in full.parameters())
+    one = inspect_model(build_meta_model(str(config_dirs / "qwen3")), tp_size=1).memory["fp32"]
+    four = inspect_model(build_meta_model(str(config_dirs / "qwen3")), tp_size=2, dp_shard_size=2).memory["fp32"]
+    assert one["parameters"] == 4 * total
+    norms = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)
+    assert four["parameters"] <= (total - norms) * 4 / 4 + norms * 4 / 2  # shards, plus norms (FSDP-sharded only)
+    lora = inspect_model(build_meta_model(str(config_dirs / "qwen3"), lora_r=4), tp_size=2).memory["fp32"]
+    assert lora["gradients"] < one["gradients"] / 10  # r=4 adapters on a 86k-parameter model
+    assert lora["adamw_states"] == 2 * lora["gradients"]
