@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 def _group_key(grad: torch.Tensor) -> object:
     if isinstance(grad, DTensor):
-        return ("dtensor", id(grad.device_mesh), tuple(grad.placements), grad.device, grad.dtype)
+        return ("dtensor", grad.device_mesh, tuple(grad.placements), grad.device, grad.dtype)
     return ("tensor", grad.device, grad.dtype)
 
 
@@ -41,7 +41,10 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     total: torch.Tensor | None = None
     for grads in groups.values():
         locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(locals_, norm_type)), norm_type).float()
+        # fp32 norms of bf16 gradients: their squares would lose precision in bf16.
+        local = torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(locals_, norm_type, dtype=torch.float32)), norm_type
+        )
         value = local if is_inf else local.pow(norm_type)
         if isinstance(grads[0], DTensor):
             mesh, placements = grads[0].device_mesh, grads[0].placements

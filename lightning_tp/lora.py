@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -29,9 +30,10 @@ from lightning_tp.plan import ResolvedPlan, Style
 _COLUMN = ("colwise", "colwise_rep", "colwise_gather_output")
 _ROW = ("rowwise", "rowwise_rep", "rowwise_split_input")
 
-#: LoRA configuration options this strategy cannot shard correctly, with the reason.
+#: LoRA configuration options this strategy cannot shard, merge or save correctly, with the reason.
 _REFUSED_OPTIONS = {
     "use_dora": "DoRA normalises each output row of W + BA over the input dimension, which row-wise layers shard",
+    "lora_bias": "the adapter's bias is not merged or sharded by this strategy yet",
 }
 
 
@@ -70,6 +72,12 @@ def check_peft_supported(model: nn.Module) -> None:
                         f"LoRA adapter(s) {adapters} on {name} use `{option}=True`, which is not supported under "
                         f"tensor parallelism: {reason}. Use plain LoRA (rsLoRA and lora_dropout work)."
                     )
+        if isinstance(module, LoraLayer) and getattr(module, "lora_variant", None):
+            variants = {a: type(v).__name__ for a, v in module.lora_variant.items()}
+            raise ValueError(
+                f"LoRA variant(s) {variants} on {name} are not supported under tensor parallelism (their forward and "
+                "merge read the whole base weight). Use plain LoRA (rsLoRA and lora_dropout work)."
+            )
         if isinstance(module, ModulesToSaveWrapper):
             raise ValueError(
                 f"{name} is in PEFT's `modules_to_save` (a full trainable copy): not supported under tensor "
@@ -99,7 +107,10 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
         styles.update({f"{base}.{p}": style for p, _ in wrapper.base_layer.named_parameters(recurse=False)})
         styles[base] = style
         if not isinstance(style, str):
-            continue
+            raise ValueError(
+                f"tp_plan[{name!r}] is a torch ParallelStyle on a LoRA-wrapped layer: its adapters cannot follow it. "
+                "Use a Transformers style name for LoRA targets, or leave this layer out of `target_modules`."
+            )
         half = "lora_B" if style in _COLUMN else "lora_A" if style in _ROW else None
         if half is None or not isinstance(wrapper.get_base_layer(), nn.Linear):
             continue  # embeddings and replicated targets keep their adapters whole
@@ -135,17 +146,24 @@ def initialize_adapters(peft_model: nn.Module) -> None:
             else:
                 module.reset_lora_parameters(adapter, init)
         for adapter in getattr(module, "lora_embedding_A", {}):
-            module.reset_lora_parameters(adapter, peft_model.peft_config[adapter].init_lora_weights)
+            init = peft_model.peft_config[adapter].init_lora_weights
+            if init is False:  # PEFT's "random" for embeddings: both halves from a standard normal
+                torch.nn.init.normal_(module.lora_embedding_A[adapter])
+                torch.nn.init.normal_(module.lora_embedding_B[adapter])
+            else:
+                module.reset_lora_parameters(adapter, init)
 
 
 def gather_adapter_state_dict(peft_model: nn.Module) -> dict[str, Any]:
-    """The adapter tensors (``lora_`` entries of the state dict), whole, on the CPU of every rank. Every rank must
-    call it: gathering a shard is a collective."""
+    """The adapter tensors (``lora_`` entries of the state dict) and other trainable tensors, whole, on the CPU of
+    every rank. Every rank must call it: gathering a shard is a collective."""
     from torch.distributed.tensor import DTensor
 
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     state = {}
     for name, tensor in peft_model.state_dict().items():
-        if "lora_" not in name:
+        # PEFT selects what to save from these: adapters, and trainable biases (`bias="all"` / `"lora_only"`).
+        if "lora_" not in name and name not in trainable:
             continue
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
@@ -184,47 +202,51 @@ def install_distributed_save(peft_model: nn.Module) -> None:
 
 @contextmanager
 def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
-    """Yield a temporary sibling of ``directory`` to write into; on success it replaces ``directory`` by renames, so a
-    reader never sees a half-written directory (on failure the temporary one is removed and ``directory`` kept)."""
+    """Yield a temporary sibling of ``directory`` to write into; on success each written file is renamed into
+    ``directory`` (an atomic replace per file), so no reader sees a half-written file, and files already there that
+    this write does not produce (a tokenizer, logs) are kept. On failure the temporary directory is removed and
+    ``directory`` is left as it was."""
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         yield str(tmp)
-    except BaseException:
+        target.mkdir(exist_ok=True)
+        for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            destination = target / file.relative_to(tmp)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, destination)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.{os.getpid()}.old")
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
-def merged_state_dict(peft_model: nn.Module) -> dict[str, Any]:
-    """The base model's state dict with every LoRA adapter merged in (``W + scaling * B @ A``), whole, on the CPU of
-    rank 0 (empty elsewhere), under the base model's own names: what ``merge_and_unload`` would give, without
-    changing the sharded model that keeps training. Every rank must call it (gathering a shard is a collective)."""
+def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any]]:
+    """The LoRA layers of the base model, and its state dict whole on the CPU of rank 0 (empty elsewhere). Every
+    rank must call it (gathering a shard is a collective); what can be wrong is checked before, on every rank."""
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
     keep = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     base = peft_model.get_base_model()
-    # Checked on every rank before any collective, so that all raise together.
     layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
     unmergeable = [n for n, m in layers.items() if not isinstance(m.get_base_layer(), (nn.Linear, nn.Embedding))]
+    unmergeable += [n for n, m in layers.items() if m.merged]
     if unmergeable:
-        raise ValueError(f"Cannot merge the adapters of {unmergeable[:4]}: only LoRA on linear and embedding layers.")
+        raise ValueError(
+            f"Cannot merge the adapters of {unmergeable[:4]}: only unmerged LoRA on linear and embedding layers."
+        )
     full: dict[str, Any] = {}
     for name, tensor in base.state_dict().items():
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()  # one tensor at a time
         if keep:
             full[name] = tensor.detach().cpu()
-    if not keep:
-        return {}
+    return layers, full
+
+
+def _merge(layers: dict[str, nn.Module], full: dict[str, Any]) -> dict[str, Any]:
+    """``W + scaling * B @ A`` for each active adapter, under the base model's own names (what ``merge_and_unload``
+    gives); inactive adapters are left out, as ``merge_and_unload`` drops them."""
     for name, module in layers.items():
         weight = full[f"{name}.base_layer.weight"].float()
         for adapter in module.active_adapters:
@@ -237,21 +259,23 @@ def merged_state_dict(peft_model: nn.Module) -> dict[str, Any]:
                 b = full.pop(f"{name}.lora_embedding_B.{adapter}").float()
                 weight = weight + module.scaling[adapter] * (b @ a).T
         full[f"{name}.base_layer.weight"] = weight.to(full[f"{name}.base_layer.weight"].dtype)
-    # Inactive adapters are left out, as merge_and_unload drops them.
     return {k.replace(".base_layer.", "."): v for k, v in full.items() if ".lora_" not in k}
 
 
 def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwargs: Any) -> None:
-    """Write the model with its LoRA adapters merged as a standard Transformers directory (``config.json``,
-    safetensors), loadable with ``AutoModelForCausalLM.from_pretrained`` on one process. Call it on every rank; rank 0
-    gathers one tensor at a time and writes, through a temporary directory renamed into place."""
-    state = merged_state_dict(peft_model)
+    """Write the model with its LoRA adapters merged (``W + scaling * B @ A``) as a standard Transformers directory
+    (``config.json``, safetensors), loadable with ``AutoModelForCausalLM.from_pretrained`` on one process, without
+    changing the sharded model that keeps training. Call it on every rank: they gather one tensor at a time; rank 0
+    merges and writes, and a failure there raises on every rank."""
+    layers, full = _gather_base_state(peft_model)
+    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
     def write() -> None:
+        state = _merge(layers, full)
         with publish_directory(directory) as tmp:
             peft_model.get_base_model().save_pretrained(tmp, state_dict=state, is_main_process=True, **save_kwargs)
 
-    run_on_main_and_share_failure(write, is_main=bool(state))
+    run_on_main_and_share_failure(write, is_main=is_main)
 
 
 def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:

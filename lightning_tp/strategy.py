@@ -228,9 +228,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         targets, extras = self._resolve_targets()
         # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
         self.model = self.precision_plugin.convert_module(self.model)
-        # 3. Every TP rank must hold the same weights before each slices its own copy: one checksum all-gather.
+        # 3. Every rank must hold the same weights before TP and FSDP2 each slice their own copy: one checksum
+        #    all-gather.
         for module in [m for m, _, presharded in targets if presharded is None] + extras:
-            check_replicas_identical(module, self.tp_mesh)
+            check_replicas_identical(module)
         # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
         #    A model Transformers sharded at load time keeps its shards and only gets the replicated DTensors; modules
         #    outside the models (a value head, say) are replicated over the TP group.
@@ -256,14 +257,19 @@ class TensorParallelStrategy(ModelParallelStrategy):
         #    checkpoint slice by slice: no rank ever holds the whole model.
         #    With CPU offload, FSDP2 keeps the sharded parameters on the CPU.
         init_device = torch.device("cpu") if self._cpu_offload else self.root_device
-        materialized = False
+        materialized = set()
         for module, plan, _ in targets:
             if on_meta(module) and is_transformers_model(module):
                 materialize(module, init_device, tied=plan.tied)
-                materialized = True
+                materialized.add(id(module))
         _materialize_distributed_module(self.model, init_device)
         for peft_model in peft_models(self.model):
-            if materialized:
+            if id(peft_model.get_base_model()) in materialized:
+                rank_zero_warn(
+                    "LoRA adapters on a model built on the meta device are initialised fresh after sharding; an "
+                    "adapter loaded with `PeftModel.from_pretrained` onto such a model is not kept. To continue "
+                    "training a saved adapter, load the base with `AutoModelForCausalLM.from_pretrained`."
+                )
                 initialize_adapters(peft_model)  # PEFT's own initialisation, on the shards
             install_distributed_save(peft_model)
 

@@ -85,14 +85,14 @@ def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: Res
 
 
 @torch.no_grad()
-def check_replicas_identical(module: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Raise on every rank when the module's weights differ between the ranks of the TP group.
+def check_replicas_identical(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank when the module's weights differ between the ranks of ``group`` (default: all ranks).
 
-    Sharding slices each rank's own copy, so ranks built with different seeds would silently train a model that is
-    no single model. One all-gather of a checksum per tensor; every rank compares the same gathered values, so
-    every rank raises (or none does).
+    TP and FSDP2 both slice each rank's own copy, so ranks built with different seeds would silently train a model
+    that is no single model. One all-gather of a checksum per tensor; every rank compares the same gathered values,
+    so every rank raises (or none does).
     """
-    if tp_mesh.size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     names, sums = [], []
     for name, tensor in module.state_dict().items():
@@ -104,15 +104,16 @@ def check_replicas_identical(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         )
     if not sums:
         return
-    local = torch.stack(sums).to(tp_mesh.device_type)
-    gathered = [torch.empty_like(local) for _ in range(tp_mesh.size())]
-    dist.all_gather(gathered, local, group=tp_mesh.get_group())
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    local = torch.stack(sums).to(device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
     for other in gathered[1:]:
         differs = ~torch.isclose(gathered[0], other, rtol=1e-6, atol=1e-6).all(dim=1)
         if differs.any():
             first = names[int(differs.nonzero()[0])]
             raise ValueError(
-                f"{type(module).__name__}'s weights differ between the ranks of a tensor-parallel group (first: "
+                f"{type(module).__name__}'s weights differ between ranks (first: "
                 f"{first!r}). Each rank shards its own copy, so they must start identical: seed before building the "
                 "model (`lightning.seed_everything(...)` or `torch.manual_seed(...)` in `configure_model`), or load "
                 "the same checkpoint on every rank."

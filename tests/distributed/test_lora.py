@@ -91,9 +91,11 @@ def test_meta_model_with_new_lora_starts_from_the_base_model(
         assert abs(result["losses"][0] - ref["losses"][0]) < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "2d"])
+@pytest.mark.parametrize(
+    ("layout", "name"), [("tp2", "llama_rslora"), ("2d", "llama_rslora"), ("tp2", "qwen3_lora_embedding")]
+)
 def test_merged_model_is_a_standard_transformers_directory(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str
+    tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str
 ) -> None:
     """lightning_tp.save_merged on every rank: one directory that AutoModelForCausalLM loads on one process, giving
     the sharded LoRA model's logits."""
@@ -101,7 +103,7 @@ def test_merged_model_is_a_standard_transformers_directory(
 
     from tests.distributed.worker import PROBE
 
-    result = _result(_results(tp2_results, two_d_results, layout), "llama_rslora")
+    result = _result(_results(tp2_results, two_d_results, layout), name)
     model = AutoModelForCausalLM.from_pretrained(result["adapter"]["merged"], dtype=torch.float32).eval()
     assert not any("lora" in name for name in model.state_dict())
     with torch.no_grad():

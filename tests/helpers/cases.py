@@ -249,7 +249,7 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
     ),
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
     "dora": (partial(_lora, "qwen3", use_dora=True), {}, "use `use_dora=True`, which is not supported"),
-    "replicas_differ": (_rank_seeded_llama, {}, "weights differ between the ranks of a tensor-parallel group"),
+    "replicas_differ": (_rank_seeded_llama, {}, "weights differ between ranks"),
     # FSDP2's CPU offload pins host memory: it needs an accelerator, and data parallelism.
     "cpu_offload_on_cpu": (
         partial(build_causal_lm, tiny_config("qwen3")),

@@ -34,6 +34,7 @@ def test_gathered_base_gathers_its_adapter():
         (LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), r"use `use_dora=True`, which is not supported"),
         (IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]), "only LoRA adapters"),
         (LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
+        (LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True), r"use `lora_bias=True`"),
     ],
 )
 def test_unsupported_peft_is_refused_by_name(config, message):
@@ -41,16 +42,17 @@ def test_unsupported_peft_is_refused_by_name(config, message):
         check_peft_supported(peft(config))
 
 
-def test_publish_directory_replaces_whole_or_not_at_all(tmp_path):
+def test_publish_directory_writes_whole_files_and_keeps_the_others(tmp_path):
     target = tmp_path / "adapter"
     target.mkdir()
-    (target / "old.txt").write_text("old")
+    (target / "tokenizer.json").write_text("kept")
+    (target / "adapter_config.json").write_text("old")
     with pytest.raises(RuntimeError), publish_directory(target) as tmp:
-        (torch.ones(1).numpy()).tofile(f"{tmp}/half")
+        (torch.ones(1).numpy()).tofile(f"{tmp}/adapter_config.json")
         raise RuntimeError("killed midway")
-    assert (target / "old.txt").read_text() == "old"  # the previous one is intact
+    assert (target / "adapter_config.json").read_text() == "old"  # nothing half-written was published
     with publish_directory(target) as tmp:
-        (tmp_path / "x").write_text("")
-        open(f"{tmp}/new.txt", "w").write("new")
-    assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "x"]  # no temporary or old directory left
+        open(f"{tmp}/adapter_config.json", "w").write("new")
+    assert (target / "adapter_config.json").read_text() == "new"
+    assert (target / "tokenizer.json").read_text() == "kept"  # a file the save does not write is left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no temporary directory left
