@@ -6,6 +6,7 @@ from lightning_tp.grad import clip_grad_norm_, grad_norm
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
 from lightning_tp.lora import save_merged
+from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
 from lightning_tp.strategy import TensorParallelStrategy
 from lightning_tp.tensor_parallel import apply_tensor_parallel
@@ -18,6 +19,7 @@ __all__ = [
     "ParallelLayout",
     "ResolvedPlan",
     "TensorParallelStrategy",
+    "ThroughputMonitor",
     "apply_tensor_parallel",
     "clip_grad_norm_",
     "from_pretrained",

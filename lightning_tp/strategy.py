@@ -38,6 +38,7 @@ from lightning_tp.lora import (
     install_distributed_save,
     peft_models,
 )
+from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -82,6 +83,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
             all-gather in backward).
         cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
         fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
+        throughput_monitor: Add :class:`lightning_tp.ThroughputMonitor` (tokens/s, step time, peak memory, MFU on
+            GPU) to the Trainer's callbacks when it has none.
         save_distributed_checkpoint: Each rank writes its shards (``True``) or rank 0 writes one full file.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
         timeout: Timeout of collective operations.
@@ -101,6 +104,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         fsdp_blocks: list[str] | None = None,
+        throughput_monitor: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -134,6 +138,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._activation_checkpointing = activation_checkpointing
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
+        self._throughput_monitor = throughput_monitor
         self._layout: ParallelLayout | None = None
         self._dp_mesh: DeviceMesh | None = None
 
@@ -279,6 +284,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self._throughput_monitor and not any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks):
+                trainer.callbacks.append(ThroughputMonitor())
         self.setup_precision_plugin()
         self._clip_with_dtensor_support()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -206,3 +206,21 @@ def test_meta_model_without_checkpoint_is_initialised_after_sharding(
         elif name.endswith("proj.weight"):
             assert 0.015 < got.std().item() < 0.025, (name, got.std())  # initializer_range 0.02
     assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+@pytest.mark.parametrize(("layout", "dp_size"), [("tp2", 1), ("2d", 2)])
+def test_throughput_monitor_sums_over_data_parallel_ranks_only(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str, dp_size: int
+) -> None:
+    """On by default: tokens/s of each replica (a TP group) summed over the data-parallel ranks, never over TP."""
+    results = tp2_results if layout == "tp2" else two_d_results
+    tp = len(results) // dp_size
+    figures = [r["features"]["throughput"] for r in results]
+    for f in figures:
+        assert f["step_time_s"] > 0 and f["peak_memory_mb"] > 100
+    for rank, f in enumerate(figures):
+        # Reduced over this rank's data-parallel group: the ranks at the same TP position, one per replica.
+        group = [figures[r]["tokens_per_sec_per_replica"] for r in range(len(results)) if r % tp == rank % tp]
+        assert len(group) == dp_size
+        assert f["tokens_per_sec"] == pytest.approx(sum(group), rel=1e-6)
+        assert f["tokens_per_sec_per_device"] == pytest.approx(f["tokens_per_sec"] / len(results), rel=1e-6)

@@ -145,6 +145,9 @@ def run_features(layout: dict) -> dict:
     gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, sums)
     out["batch_sums"] = [g.tolist() for g in gathered]
+    out["throughput"] = {
+        k: float(v) for k, v in t.callback_metrics.items() if k.startswith(("tokens_per_sec", "step_time", "peak_mem"))
+    }
     out["q_proj_local_shape_after_fit"] = tuple(module.model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
     out["decisions"] = module.logged["decisions"]
     for precision in ("bf16-mixed", "bf16-true"):

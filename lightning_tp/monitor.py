@@ -1,0 +1,96 @@
+"""Throughput and memory while training: tokens/s (per data-parallel replica and global), step time, peak memory per
+rank and, on GPU, MFU. Added by ``TensorParallelStrategy`` unless ``throughput_monitor=False``.
+
+The ranks of a TP group work on the same tokens, so the global figure sums over the data-parallel group only (the
+strategy's ``reduce`` default), never over the world.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import lightning as L
+import torch
+
+
+class ThroughputMonitor(L.Callback):
+    """Logs ``tokens_per_sec`` (global, shown in the progress bar), ``tokens_per_sec_per_replica`` (this
+    data-parallel replica, i.e. its TP group), ``tokens_per_sec_per_device`` (global / world size), ``step_time_s``,
+    ``peak_memory_mb`` (CUDA allocator on GPU, peak RSS on CPU) and, on GPU, ``mfu``.
+
+    Tokens are counted from the batch's ``attention_mask`` when there is one, else from ``input_ids``; batches without
+    either are skipped. FLOPs per token for MFU are ``6 x trainable-or-not parameters`` (forward and backward of the
+    matmuls, attention's quadratic term left out), against the device's peak from Lightning's table.
+    """
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._flops_per_token: float | None = None
+        self._peak_flops: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        if device.type != "cuda":
+            return
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        # Parameters counted whole (TP and FSDP shards of one replica add up to the model).
+        params = sum(_global_numel(p) for p in pl_module.parameters())
+        dtype = next(pl_module.parameters()).dtype
+        self._flops_per_token = 6.0 * params
+        self._peak_flops = get_available_flops(device, dtype)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        tokens = _count_tokens(batch)
+        if self._start is None or tokens is None:
+            return
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        else:
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        step = time.perf_counter() - self._start
+        per_replica = tokens / step
+        # Summed over the data-parallel ranks (each a different share of the batch) by the strategy's reduce: the
+        # ranks of a TP group work on the same tokens and are not counted twice.
+        total = trainer.strategy.reduce(torch.tensor(per_replica, device=device), reduce_op="sum")
+        total = float(total)
+        per_device = total / trainer.world_size
+        metrics = {
+            "tokens_per_sec_per_replica": per_replica,
+            "tokens_per_sec_per_device": per_device,
+            "step_time_s": step,
+            "peak_memory_mb": peak_mb,
+        }
+        if self._flops_per_token and self._peak_flops:
+            metrics["mfu"] = per_device * self._flops_per_token / self._peak_flops
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("tokens_per_sec", total, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+
+def _count_tokens(batch: Any) -> int | None:
+    if isinstance(batch, dict):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            return int(mask.sum())
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return ids.numel()
+    return None
+
+
+def _global_numel(param: torch.Tensor) -> int:
+    return param.numel()  # a DTensor's numel is its global size
