@@ -14,7 +14,7 @@ CONFIGS = {"tp.yaml": 2, "lora.yaml": 2, "2d.yaml": 4}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_config_trains(config: str) -> None:
+def test_config_trains(config: str, tmp_path) -> None:
     out = torchrun(
         ROOT / "examples/cli.py",
         CONFIGS[config],
@@ -24,6 +24,7 @@ def test_config_trains(config: str) -> None:
         "--trainer.max_steps=3",
         "--trainer.val_check_interval=3",
         "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",  # where LightningCLI saves the config it ran
     )
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in out
 
