@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tp.plan import ResolvedPlan, model_plan, resolve_plan
+from lightning_tp.plan import ResolvedPlan, key_regex, model_plan, resolve_plan
 
 _SPLIT_DIM = {  # which dim of a parameter a style splits, from the end for weights (None: kept whole)
     "colwise": "out",
@@ -89,7 +88,7 @@ def inspect_model(
         report.problems.append(str(err))
     report.problems += _uneven_splits(model, plan, tp_size)
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
-    report.unmatched = [key for key in model_plan(model) if not any(re.fullmatch(_regex(key), n) for n in names)]
+    report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
     styles = plan.transformers_styles
     counts = {"params": 0, "trainable": 0}
     for name, param in model.named_parameters():
@@ -111,10 +110,6 @@ def inspect_model(
             "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
         }
     return report
-
-
-def _regex(key: str) -> str:
-    return r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split("."))
 
 
 def _permissive_plan(model: nn.Module, tp_size: int) -> ResolvedPlan:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tp.tensor_parallel import retie
+
 #: Attribute set on a meta model by :func:`from_pretrained`: the directory of its safetensors files.
 CHECKPOINT_ATTR = "_lightning_tp_checkpoint"
 
@@ -161,10 +163,7 @@ def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str])
     """Allocate a meta (and already sharded) Transformers model on ``device``, load its checkpoint when it came from
     :func:`from_pretrained`, and let Transformers initialise everything else (all of it without a checkpoint)."""
     model.to_empty(device=device)
-    # `to_empty` gives every alias of a shared parameter its own storage: tie them again.
-    for alias, source in tied.items():
-        owner_name, _, param_name = alias.rpartition(".")
-        model.get_submodule(owner_name)._parameters[param_name] = model.get_parameter(source)
+    retie(model, tied)
     directory = getattr(model, CHECKPOINT_ATTR, None)
     loaded = load_sharded(model, directory) if directory is not None else set()
     for name, tensor in model.state_dict(keep_vars=True).items():

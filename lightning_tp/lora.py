@@ -121,6 +121,14 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
     return ResolvedPlan(styles=styles, grad_allreduce=plan.grad_allreduce, tied=plan.tied)
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
 def peft_models(root: nn.Module) -> list[nn.Module]:
     """The ``PeftModel`` instances inside ``root``."""
     try:
@@ -181,13 +189,12 @@ def install_distributed_save(peft_model: nn.Module) -> None:
     original = peft_model.save_pretrained
 
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        distributed = dist.is_available() and dist.is_initialized()
         state = kwargs.pop("state_dict", None)
         if state is None:
             state = gather_adapter_state_dict(peft_model)
         is_main = kwargs.pop("is_main_process", None)
         if is_main is None:
-            is_main = not distributed or dist.get_rank() == 0
+            is_main = _is_main()
         kwargs.setdefault("save_embedding_layers", False)  # "auto" may ask the hub about the base model
 
         def write() -> None:
@@ -226,7 +233,7 @@ def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dic
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
-    keep = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    keep = _is_main()
     base = peft_model.get_base_model()
     layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
     unmergeable = [n for n, m in layers.items() if not isinstance(m.get_base_layer(), (nn.Linear, nn.Embedding))]
@@ -268,7 +275,7 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     changing the sharded model that keeps training. Call it on every rank: they gather one tensor at a time; rank 0
     merges and writes, and a failure there raises on every rank."""
     layers, full = _gather_base_state(peft_model)
-    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    is_main = _is_main()
 
     def write() -> None:
         state = _merge(layers, full)
@@ -287,9 +294,9 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
             fn()
         except Exception as err:  # shared below, then raised on every rank
             error = f"{type(err).__name__}: {err}"
-            if not (dist.is_available() and dist.is_initialized()):
+            if not _distributed():
                 raise
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         errors: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]

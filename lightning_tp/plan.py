@@ -128,7 +128,8 @@ def check_style(key: str, style: Any) -> None:
         )
 
 
-def _key_regex(key: str) -> re.Pattern[str]:
+def key_regex(key: str) -> re.Pattern[str]:
+    """A plan key as a pattern over module/parameter paths: ``*`` stands for one path component."""
     return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")))
 
 
@@ -208,7 +209,7 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     unique_params = {name for name, _ in module.named_parameters()}
     names = set(module_names) | {name for name, _ in all_params}
 
-    patterns = [(key, _key_regex(key), style, key in overrides) for key, style in plan.items()]
+    patterns = [(key, key_regex(key), style, key in overrides) for key, style in plan.items()]
     unmatched = [
         key for key, regex, _, is_override in patterns if is_override and not any(regex.fullmatch(n) for n in names)
     ]

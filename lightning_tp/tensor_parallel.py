@@ -47,7 +47,7 @@ def apply_tensor_parallel(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, tp_mesh, plan.torch_styles)
-    _retie(module, plan.tied)
+    retie(module, plan.tied)
     if device is not None and not on_meta(module):
         module.to(device)
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
@@ -125,8 +125,9 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters())
 
 
-def _retie(module: nn.Module, tied: dict[str, str]) -> None:
-    """Sharding replaces the parameter held under its first name; point every alias at the new one again."""
+def retie(module: nn.Module, tied: dict[str, str]) -> None:
+    """Point every alias of a shared parameter at the one held under its first name again: sharding and ``to_empty``
+    replace that parameter (``to_empty`` gives every alias its own storage)."""
     for alias, source in tied.items():
         owner_name, _, param_name = alias.rpartition(".")
         owner = module.get_submodule(owner_name)
