@@ -7,10 +7,12 @@ import types
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _distributed_is_initialized,
@@ -26,6 +28,21 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_tp.checkpoint import (
+    META_FILENAME,
+    MODELS_KEY,
+    RNG_KEY,
+    check_checkpoint,
+    clear_partial,
+    frozen_parameter_names,
+    gather_rng_states,
+    install_distributed_save_pretrained,
+    match_model_state,
+    partial_path,
+    publish,
+    set_rng_state,
+    stored_entries,
+)
 from lightning_tp.fsdp import apply_fsdp, block_classes, fsdp_mixed_precision
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
@@ -37,6 +54,7 @@ from lightning_tp.lora import (
     initialize_adapters,
     install_distributed_save,
     peft_models,
+    run_on_main_and_share_failure,
 )
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
@@ -85,7 +103,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
         fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
         throughput_monitor: Add :class:`lightning_tp.ThroughputMonitor` (tokens/s, step time, peak memory, MFU on
             GPU) to the Trainer's callbacks when it has none.
-        save_distributed_checkpoint: Each rank writes its shards (``True``) or rank 0 writes one full file.
+        save_distributed_checkpoint: Each rank writes its shards (``True``, a directory that loads on any layout) or
+            rank 0 writes one full file. Either way the checkpoint is written under a hidden temporary name and
+            renamed into place once complete.
+        save_frozen_weights: Write parameters that do not train (the base model of a LoRA run) into checkpoints.
+            ``False`` keeps checkpoints to the trained weights; on resume the frozen ones come from where
+            ``configure_model`` loaded them.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
         timeout: Timeout of collective operations.
     """
@@ -106,6 +129,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         fsdp_blocks: list[str] | None = None,
         throughput_monitor: bool = True,
         save_distributed_checkpoint: bool = True,
+        save_frozen_weights: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -139,6 +163,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._throughput_monitor = throughput_monitor
+        self._save_frozen_weights = save_frozen_weights
+        self._rng_to_restore: list[dict[str, Any]] | None = None
         self._layout: ParallelLayout | None = None
         self._dp_mesh: DeviceMesh | None = None
 
@@ -277,6 +303,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 )
                 initialize_adapters(peft_model)  # PEFT's own initialisation, on the shards
             install_distributed_save(peft_model)
+        for module, _, _ in targets:
+            if is_transformers_model(module):
+                install_distributed_save_pretrained(module)
 
         self.model_to_device()
         self._reduce_metrics_over_data_parallel_group()
@@ -417,6 +446,159 @@ class TensorParallelStrategy(ModelParallelStrategy):
             flag, group=torch.distributed.group.WORLD if _distributed_is_initialized() else None, reduce_op="sum"
         )
         return bool(flag == self.world_size) if all else bool(flag > 0)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(
+            full_state_dict=not self._save_distributed_checkpoint,
+            cpu_offload=True,
+            ignore_frozen_params=not self._save_frozen_weights,
+        )
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=options)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """Write to ``.NAME.partial`` and rename it to ``NAME`` once every rank has finished: a run killed during a
+        save leaves the previous checkpoint whole. Adds every rank's random states and what export needs to rebuild
+        a Transformers directory (configs, PEFT settings)."""
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options` (it writes with DCP).")
+        from torch.distributed.checkpoint import save
+
+        from lightning_tp.export import describe_models
+
+        path = Path(self.broadcast(filepath))
+        if path.is_dir() and not self._save_distributed_checkpoint and not (path / META_FILENAME).is_file():
+            raise IsADirectoryError(f"The checkpoint path {path} is a directory that is not a checkpoint.")
+        # Gathered on every rank (a collective), written by rank 0.
+        checkpoint[RNG_KEY] = {
+            "world_size": self.world_size,
+            "dp_size": self.layout.dp_size,
+            "states": gather_rng_states(),
+        }
+        checkpoint[MODELS_KEY] = describe_models(self.lightning_module)
+        staged = partial_path(path)
+        # The rank-0 steps run through `run_on_main_and_share_failure`: a failure there raises on every rank, and
+        # the exchange it ends with keeps the ranks in step (nobody writes into a stale staging directory).
+        run_on_main_and_share_failure(lambda: clear_partial(path), is_main=self.is_global_zero)
+        if self._save_distributed_checkpoint:
+            tensors = {"state_dict": checkpoint.pop("state_dict")}
+            for idx, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                tensors[f"optimizer_{idx}"] = optimizer_state
+            save(tensors, checkpoint_id=staged)  # every rank writes its shards; DCP shares failures itself
+            run_on_main_and_share_failure(
+                lambda: torch.save(checkpoint, staged / META_FILENAME), is_main=self.is_global_zero
+            )
+        else:
+            run_on_main_and_share_failure(
+                lambda: self.checkpoint_io.save_checkpoint(checkpoint, staged), is_main=self.is_global_zero
+            )
+        run_on_main_and_share_failure(lambda: publish(path), is_main=self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole."""
+        path = Path(self.broadcast(checkpoint_path))
+        check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
+        if path.is_file():
+            metadata = super().load_checkpoint(path, weights_only=weights_only)
+        else:
+            metadata = self._load_distributed_checkpoint(path, weights_only=weights_only)
+        metadata.pop(MODELS_KEY, None)
+        rng = metadata.pop(RNG_KEY, None)
+        if rng is not None and rng.get("dp_size", self.layout.dp_size) != self.layout.dp_size:
+            self._drop_data_position(metadata, saved_dp_size=rng["dp_size"])
+        self._rng_to_restore = None
+        if rng is not None and rng["world_size"] == self.world_size:
+            self._rng_to_restore = rng["states"]
+        elif rng is not None:
+            rank_zero_warn(
+                f"The checkpoint was written by {rng['world_size']} ranks and this run has {self.world_size}: the "
+                "random states (dropout masks) are not restored; the weights, optimizer and loops are."
+            )
+        return metadata
+
+    def _drop_data_position(self, metadata: dict[str, Any], *, saved_dp_size: int) -> None:
+        """A data loader's position (samples read per rank) means nothing for another number of data-parallel
+        ranks, and torchdata's loaders fail restoring it; the epoch in progress restarts from its beginning."""
+        fit_loop = metadata.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        if fit_loop.pop("combined_loader", None):
+            rank_zero_warn(
+                f"The checkpoint was written with {saved_dp_size} data-parallel rank(s) and this run has "
+                f"{self.layout.dp_size}: the data loader's position is not restored, the epoch in progress restarts "
+                "from its first batch. Weights, optimizer, scheduler and loop counters are restored."
+            )
+
+    def _load_distributed_checkpoint(self, path: Path, *, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's DCP load, with the model's entries checked against the checkpoint's index first (names and
+        shapes, with clear errors) and frozen weights the checkpoint left out skipped."""
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        stored = stored_entries(path)
+        template = get_model_state_dict(self.model)
+        keys = match_model_state(
+            template,
+            stored,
+            frozen=frozen_parameter_names(list(template), self.model),
+            strict=self.lightning_module.strict_loading,
+            path=path,
+        )
+        written = {key.split(".", 1)[0] for key in stored if key.startswith("optimizer_")}
+        missing_optimizers = [f"optimizer_{i}" for i in range(len(self.optimizers)) if f"optimizer_{i}" not in written]
+        if missing_optimizers:
+            raise ValueError(
+                f"The checkpoint {path} holds the state of {len(written)} optimizer(s), this run has "
+                f"{len(self.optimizers)}: nothing for {missing_optimizers}."
+            )
+        model_state = {"state_dict": {key: template[key] for key in keys}}
+        load(model_state, checkpoint_id=path)
+        self.model.load_state_dict(model_state["state_dict"], strict=False)  # completeness was checked above
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            load(optimizer_state, checkpoint_id=path)
+            set_optimizer_state_dict(
+                self.model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
+            )
+        return torch.load(path / META_FILENAME, weights_only=weights_only)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        self._continue_data_order(dataloader)
+        return super().process_dataloader(dataloader)
+
+    def _continue_data_order(self, dataloader: object) -> None:
+        """Lightning 2.6 builds the training data iterator of a resumed run before it sets the sampler's epoch, so a
+        run resumed mid-epoch replays epoch 0's order (torchdata's ``StatefulDataLoader`` then skips the batches
+        already seen, of the wrong order). Set the epoch first."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not trainer.fit_loop.restarting:
+            return
+        _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Random states are restored here, not at load: between the load and the first step Lightning builds the data
+        # iterator, which draws its base seed from the global generator; the uninterrupted run had drawn it before
+        # it saved mid-epoch.
+        if self._rng_to_restore is not None:
+            set_rng_state(self._rng_to_restore[self.global_rank])
+            self._rng_to_restore = None
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def model_to_device(self) -> None:

@@ -1,0 +1,267 @@
+"""Checkpoints that survive a crash and load on any layout.
+
+torch's distributed checkpointing (DCP) already reshards on load: each tensor is stored with its global shape and
+every rank reads the slices its own layout needs, so a checkpoint written with TP 2 loads on one process, on TP 4 or
+on 2-D. What DCP and Lightning leave to us:
+
+- **Crash safety.** Both write in place: a run killed mid-save leaves a directory (or file) that looks like a
+  checkpoint and is not. Here every save goes to a hidden sibling (``.NAME.partial``) that is renamed over ``NAME``
+  only after every rank has finished writing.
+- **Clear errors.** Loading a checkpoint whose ``.metadata``, ``meta.pt`` or shard files are missing or short fails
+  deep in torch with a shape or unpickling error, on some ranks only. :func:`check_checkpoint` reads the index on
+  every rank (no collective) and names what is missing.
+- **Random states.** Lightning does not checkpoint them; dropout after a resume would draw different masks. Each
+  rank's states are gathered into the checkpoint and restored on the same layout.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: Lightning's name for the file with everything that is not a model or optimizer tensor.
+META_FILENAME = "meta.pt"
+#: DCP's index of a checkpoint directory.
+DCP_INDEX = ".metadata"
+#: The entries this strategy adds to Lightning's checkpoint dict.
+MODELS_KEY = "lightning_tp"
+RNG_KEY = "lightning_tp_rng"
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint is missing files or holds fewer bytes than its index says."""
+
+
+def partial_path(path: Path) -> Path:
+    """Where a save to ``path`` writes until every rank has finished."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def _previous_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.previous")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def clear_partial(path: Path) -> None:
+    """Remove what an interrupted save to ``path`` left behind (main rank only, before the save starts)."""
+    _remove(partial_path(path))
+
+
+def publish(path: Path) -> None:
+    """Make the finished ``.NAME.partial`` the checkpoint at ``path`` (main rank only, after every rank wrote).
+
+    Two renames: the old checkpoint moves aside, the new one takes its name; the old one is deleted last. A crash
+    between the renames leaves ``.NAME.previous`` whole, and :func:`check_checkpoint` points to it."""
+    staged = partial_path(path)
+    previous = _previous_path(path)
+    _remove(previous)
+    if path.exists():
+        os.replace(path, previous)
+    os.replace(staged, path)
+    _remove(previous)
+
+
+def check_checkpoint(path: Path) -> None:
+    """Raise a clear error if the checkpoint at ``path`` is absent or incomplete. Reads only the index and file sizes:
+    run it on every rank before any collective of the load, so that every rank raises the same error."""
+    if not path.exists():
+        hint = ""
+        if _previous_path(path).exists():
+            hint = (
+                f" A save was replacing it when the run stopped; the previous checkpoint is whole at "
+                f"{_previous_path(path)}: rename it to {path.name} to resume from it."
+            )
+        elif partial_path(path).exists():
+            hint = f" Only an unfinished save ({partial_path(path)}) is there; it cannot be loaded."
+        raise FileNotFoundError(f"No checkpoint at {path}.{hint}")
+    if path.is_file():
+        _check_file(path)
+        return
+    missing = [name for name in (DCP_INDEX, META_FILENAME) if not (path / name).is_file()]
+    if missing:
+        raise IncompleteCheckpointError(
+            f"The checkpoint directory {path} is incomplete: {', '.join(missing)} missing. A save that did not "
+            "finish, or a copy that was cut short; resume from an earlier checkpoint."
+        )
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        raise IncompleteCheckpointError(f"The index {path / DCP_INDEX} cannot be read ({err}).") from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{name} holds {file.stat().st_size} bytes, the index needs {size}")
+    if problems:
+        raise IncompleteCheckpointError(
+            f"The checkpoint directory {path} is incomplete: {'; '.join(problems[:5])}"
+            f"{' ...' if len(problems) > 5 else ''}. Resume from an earlier checkpoint."
+        )
+
+
+def _check_file(path: Path) -> None:
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        raise IncompleteCheckpointError(
+            f"The checkpoint file {path} ({path.stat().st_size} bytes) is not a complete torch.save archive: it was "
+            "cut short or is not a checkpoint. Resume from an earlier checkpoint."
+        )
+
+
+def stored_entries(path: Path) -> dict[str, torch.Size | None]:
+    """Every entry of a DCP checkpoint directory by its flattened key (``state_dict.<name>``), with the global shape
+    of tensors (``None`` for other values)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {
+        key: value.size if isinstance(value, TensorStorageMetadata) else None
+        for key, value in metadata.state_dict_metadata.items()
+    }
+
+
+def match_model_state(
+    template: Mapping[str, Any],
+    stored: Mapping[str, torch.Size | None],
+    *,
+    frozen: set[str],
+    strict: bool,
+    path: Path,
+    prefix: str = "state_dict.",
+) -> list[str]:
+    """The model keys to load from ``stored``. Frozen parameters the checkpoint left out (``save_frozen_weights=False``)
+    are skipped: they come from where the model was loaded. A missing trainable key, a key the model lacks (with
+    ``strict``) or a shape that differs raises, naming the keys."""
+    missing = [k for k in template if prefix + k not in stored and k not in frozen]
+    if missing:
+        raise ValueError(
+            f"The checkpoint {path} has no entry for {len(missing)} weight(s) of this model, e.g. {missing[:3]}. "
+            "It was written for another model (or another PEFT configuration)."
+        )
+    if strict:
+        model_keys = {prefix + k for k in template}
+        extra = [k[len(prefix) :] for k in stored if k.startswith(prefix) and k not in model_keys]
+        if extra:
+            raise ValueError(
+                f"The checkpoint {path} holds {len(extra)} weight(s) this model does not have, e.g. {extra[:3]}. Load "
+                "the model it was written for, or set `LightningModule.strict_loading = False`."
+            )
+    wrong = []
+    for key, value in template.items():
+        shape = stored.get(prefix + key)
+        if shape is not None and hasattr(value, "shape") and tuple(shape) != tuple(value.shape):
+            wrong.append(f"{key}: checkpoint {tuple(shape)}, model {tuple(value.shape)}")
+    if wrong:
+        raise ValueError(f"The checkpoint {path} was written for a model of other sizes: {'; '.join(wrong[:3])}.")
+    return [k for k in template if prefix + k in stored]
+
+
+def frozen_parameter_names(state_dict_names: list[str], module: nn.Module) -> set[str]:
+    """The state-dict names of ``module``'s parameters that do not train."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    # The state dict may name a parameter through a wrapper (activation checkpointing); compare without it.
+    return {name for name in state_dict_names if name.replace("_checkpoint_wrapped_module.", "") in frozen}
+
+
+# ---------------------------------------------------------------------------------------------------- random states
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's random states, as tensors and plain values (loadable with ``torch.load(weights_only=True)``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's random states, on every rank (a collective: call it on all ranks)."""
+    state = rng_state()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+# ---------------------------------------------------------------------------------------------------- save_pretrained
+
+
+def install_distributed_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(dir)``, called on every rank of a sharded Transformers model, write one standard
+    directory (whole tensors, ``config.json``, generation config) from rank 0, published by renames once complete.
+
+    Transformers' own ``save_pretrained`` fails on DTensor parameters ("invalid python storage"). The ranks gather one
+    tensor at a time; rank 0 keeps them on the CPU and hands them to Transformers' writer (which names, shards and
+    de-duplicates tied weights), so the peak on rank 0 is the model's size in host memory. For a checkpoint of any
+    size, ``python -m lightning_tp.export`` streams one tensor at a time instead."""
+    if getattr(model, "_lightning_tp_save", False):
+        return
+    from lightning_tp.lora import _is_main, publish_directory, run_on_main_and_share_failure
+
+    original = model.save_pretrained
+
+    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        state = kwargs.pop("state_dict", None)
+        is_main = kwargs.pop("is_main_process", None)
+        is_main = _is_main() if is_main is None else is_main
+        if state is None:
+            state = {}
+            for name, tensor in model.state_dict().items():
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()  # a collective, on every rank
+                if is_main:
+                    state[name] = tensor.detach().cpu()
+
+        def write() -> None:
+            with publish_directory(save_directory) as tmp:
+                original(tmp, *args, state_dict=state, is_main_process=True, **kwargs)
+
+        run_on_main_and_share_failure(write, is_main=is_main)
+
+    model.save_pretrained = save_pretrained
+    model._lightning_tp_save = True

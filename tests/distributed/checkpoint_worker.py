@@ -1,0 +1,148 @@
+"""Runs under torchrun: trains, saves, kills and resumes the checkpoint cases; writes what each rank saw.
+
+Usage: checkpoint_worker.py OUT_DIR PHASE [--from CHECKPOINT] [--truncated CHECKPOINT]
+
+Phases: ``tp2`` (2 processes: exact resume, full-file checkpoints, 1 -> TP 2, LoRA, in-run save_pretrained),
+``crash`` (2 processes: a save killed midway; the launch fails on purpose), ``one`` (1 process: TP 2 -> 1) and ``2d``
+(4 processes: TP 2 -> 2-D, and a truncated checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_tp import TensorParallelStrategy
+from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+
+
+def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=(), **strategy_kwargs: Any) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=TensorParallelStrategy(throughput_monitor=False, **strategy_kwargs),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def resumed_losses(path: Path, **kwargs: Any) -> dict[int, float]:
+    module = ResumeModule(**{k: kwargs.pop(k) for k in ("dropout", "lora", "stateful_data") if k in kwargs})
+    fit(module, ckpt_path=path, **kwargs)
+    return module.losses
+
+
+def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    # Exact resume mid-epoch with dropout (the random states and the data position matter).
+    module = ResumeModule(dropout=0.1)
+    fit(module, callbacks=[SaveAt(steps={6: out / "dropout_mid"})])
+    results["dropout"] = {"reference": module.losses, "mid": resumed_losses(out / "dropout_mid", dropout=0.1)}
+    # A single-file checkpoint, then the final sharded one with the model's logits, for export.
+    module = ResumeModule()
+    trainer = fit(module, save_distributed_checkpoint=False, callbacks=[SaveAt(steps={5: out / "full_mid.ckpt"})])
+    results["full"] = {
+        "reference": module.losses,
+        "mid": resumed_losses(out / "full_mid.ckpt", save_distributed_checkpoint=False),
+    }
+    trainer.save_checkpoint(out / "final_full.ckpt")
+    results["final_full_logits"] = probe_logits(module.model)
+    module = ResumeModule()
+    trainer = fit(module)
+    trainer.save_checkpoint(out / "final")
+    module.model.save_pretrained(out / "pretrained")  # on every rank of the sharded model
+    results["final_logits"] = probe_logits(module.model)
+    # One process -> TP 2: a checkpoint a plain single-device Trainer wrote.
+    results["from_single"] = resumed_losses(single_checkpoint, stateful_data=False)
+    # LoRA, frozen base weights left out of the checkpoints: exact resume, and logits for export.
+    module = ResumeModule(lora=True)
+    trainer = fit(module, save_frozen_weights=False, callbacks=[SaveAt(steps={6: out / "lora_mid"})])
+    results["lora"] = {
+        "reference": module.losses,
+        "mid": resumed_losses(out / "lora_mid", lora=True, save_frozen_weights=False),
+    }
+    trainer.save_checkpoint(out / "lora_final")
+    results["lora_logits"] = probe_logits(module.model)
+    return results
+
+
+class KillDuringSave(L.Callback):
+    """On the second save, rank 1 dies after writing its shards: the checkpoint being replaced must survive."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        self.saves += 1
+        if self.saves == 2 and trainer.global_rank == 1:
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            original = FileSystemWriter.write_data
+
+            def write_then_die(self, *a: Any, **k: Any) -> Any:
+                original(self, *a, **k).wait()
+                os._exit(17)
+
+            FileSystemWriter.write_data = write_then_die
+
+
+def phase_crash(out: Path) -> dict[str, Any]:
+    module = ResumeModule(stateful_data=False)
+    fit(module, callbacks=[SaveAt(steps={6: out / "last"}, epochs={0: out / "last"}), KillDuringSave()])
+    raise AssertionError("the run was meant to be killed during its second save")
+
+
+def phase_one(checkpoint: Path) -> dict[str, Any]:
+    return {"resumed": resumed_losses(checkpoint, stateful_data=False)}
+
+
+def phase_2d(checkpoint: Path, truncated: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"resumed": resumed_losses(checkpoint, tp_size=2, stateful_data=False)}
+    try:
+        resumed_losses(truncated, tp_size=2, stateful_data=False)
+        results["truncated"] = {"type": None}
+    except Exception as err:  # every rank must raise it, none hang
+        results["truncated"] = {"type": type(err).__name__, "message": str(err)}
+    results["dp_rank"] = dist.get_rank() // 2
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("phase", choices=["tp2", "crash", "one", "2d"])
+    parser.add_argument("--from", dest="source", type=Path)
+    parser.add_argument("--truncated", type=Path)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    try:
+        if args.phase == "tp2":
+            results = phase_tp2(args.out, args.source)
+        elif args.phase == "crash":
+            results = phase_crash(args.out)
+        elif args.phase == "one":
+            results = phase_one(args.source)
+        else:
+            results = phase_2d(args.source, args.truncated)
+    except Exception:
+        results = {"crash": traceback.format_exc()}
+    torch.save(results, args.out / f"{args.phase}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

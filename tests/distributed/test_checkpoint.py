@@ -1,0 +1,199 @@
+"""Checkpoints: exact resume (mid-epoch, with dropout; single-file), resume on other layouts
+(1 -> TP 2, TP 2 -> 1, TP 2 -> 2-D), a save killed midway, a truncated checkpoint, and export round trips.
+
+Four launches in all: TP 2 (most cases), a TP 2 run killed during a save, one process and 4 processes resuming from
+what the killed run left. The reference is one process with a plain Lightning Trainer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_tp.checkpoint import IncompleteCheckpointError, check_checkpoint, partial_path, stored_entries
+from tests.helpers.launch import torchrun
+from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+EXACT = 1e-6  # the same layout: the same operations, in the same order
+ACROSS = 1e-5  # another layout: TP splits the matmuls, so fp32 rounding differs (as in the parity tests)
+
+
+def _load(out: Path, phase: str, nprocs: int) -> list[dict[str, Any]]:
+    results = [torch.load(out / f"{phase}_rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
+    for rank, result in enumerate(results):
+        assert "crash" not in result, f"rank {rank}:\n{result['crash']}"
+    return results
+
+
+def _after(losses: dict[int, float], step: int) -> dict[int, float]:
+    return {s: v for s, v in losses.items() if s > step}
+
+
+def _assert_close(actual: dict[int, float], expected: dict[int, float], tol: float) -> None:
+    assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
+    gaps = {step: abs(actual[step] - expected[step]) for step in expected}
+    assert max(gaps.values()) <= tol, gaps
+
+
+def _single_process_fit(ckpt_path: Path | None = None, callbacks=()) -> dict[int, float]:
+    module = ResumeModule(stateful_data=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module.losses
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> dict[str, Any]:
+    """One process, plain Trainer: a checkpoint file written at the end of epoch 0, and the losses of the run
+    resumed from it: the reference for every resume at that point, on any layout.
+
+    Not the uninterrupted run's: Lightning 2.6 resumes from an end-of-epoch checkpoint into epoch 2 (it counts the
+    finished epoch twice), so the next epoch's data order is epoch 2's, with this strategy or without."""
+    out = tmp_path_factory.mktemp("single")
+    uninterrupted = _single_process_fit(callbacks=[SaveAt(epochs={0: out / "epoch0.ckpt"})])
+    resumed = _single_process_fit(out / "epoch0.ckpt")
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "checkpoint": out / "epoch0.ckpt"}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory, single: dict[str, Any]) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("ckpt_tp2")
+    torchrun(WORKER, 2, str(out), "tp2", "--from", str(single["checkpoint"]))
+    return {"out": out, "ranks": _load(out, "tp2", 2)}
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> Path:
+    """A TP 2 run that saved ``last`` at the end of epoch 0, then was killed while replacing it at step 6."""
+    out = tmp_path_factory.mktemp("ckpt_crash")
+    with pytest.raises(AssertionError, match="failed"):
+        torchrun(WORKER, 2, str(out), "crash")
+    return out
+
+
+@pytest.fixture(scope="module")
+def truncated(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    copy = tmp_path_factory.mktemp("truncated") / "last"
+    shutil.copytree(crashed / "last", copy)
+    shard = sorted(copy.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return copy
+
+
+def test_exact_resume_mid_epoch_with_dropout(tp2: dict[str, Any]) -> None:
+    for result in tp2["ranks"]:
+        reference = result["dropout"]["reference"]
+        assert sorted(reference) == list(range(1, STEPS + 1))
+        _assert_close(result["dropout"]["mid"], _after(reference, 6), EXACT)
+
+
+def test_exact_resume_from_a_single_file_checkpoint(tp2: dict[str, Any]) -> None:
+    for result in tp2["ranks"]:
+        _assert_close(result["full"]["mid"], _after(result["full"]["reference"], 5), EXACT)
+
+
+def test_one_process_checkpoint_resumes_on_tp2(tp2: dict[str, Any], single: dict[str, Any]) -> None:
+    for result in tp2["ranks"]:
+        _assert_close(result["from_single"], single["resumed"], ACROSS)
+
+
+def test_lora_resume_without_frozen_weights(tp2: dict[str, Any]) -> None:
+    stored = stored_entries(tp2["out"] / "lora_mid")
+    assert not [k for k in stored if "base_layer" in k or "embed_tokens" in k], "frozen weights were written"
+    assert [k for k in stored if "lora_A" in k]
+    for result in tp2["ranks"]:
+        _assert_close(result["lora"]["mid"], _after(result["lora"]["reference"], 6), EXACT)
+
+
+def test_killed_save_leaves_the_previous_checkpoint(crashed: Path) -> None:
+    check_checkpoint(crashed / "last")  # whole
+    assert partial_path(crashed / "last").is_dir()  # the unfinished save, under its hidden name
+    assert torch.load(crashed / "last" / "meta.pt", weights_only=True)["global_step"] == 4
+
+
+def test_tp2_checkpoint_resumes_on_one_process(crashed: Path, single: dict[str, Any]) -> None:
+    torchrun(WORKER, 1, str(crashed), "one", "--from", str(crashed / "last"))
+    (result,) = _load(crashed, "one", 1)
+    _assert_close(result["resumed"], single["resumed"], ACROSS)
+
+
+def test_tp2_checkpoint_resumes_on_2d_and_truncated_fails_on_every_rank(
+    crashed: Path, truncated: Path, single: dict[str, Any]
+) -> None:
+    torchrun(WORKER, 4, str(crashed), "2d", "--from", str(crashed / "last"), "--truncated", str(truncated))
+    ranks = _load(crashed, "2d", 4)
+    # Each data-parallel rank trains on half of each global batch: their mean is the global loss.
+    by_dp = {r["dp_rank"]: r["resumed"] for r in ranks}
+    mean = {step: sum(losses[step] for losses in by_dp.values()) / len(by_dp) for step in by_dp[0]}
+    _assert_close(mean, single["resumed"], ACROSS)
+    for result in ranks:
+        assert result["truncated"]["type"] == IncompleteCheckpointError.__name__, result["truncated"]
+        assert "holds" in result["truncated"]["message"] and ".distcp" in result["truncated"]["message"]
+
+
+def test_truncated_and_missing_checkpoints_name_what_is_wrong(crashed: Path, truncated: Path, tmp_path: Path) -> None:
+    with pytest.raises(IncompleteCheckpointError, match=r"__\d_\d\.distcp holds \d+ bytes, the index needs"):
+        check_checkpoint(truncated)
+    copy = tmp_path / "no_meta"
+    shutil.copytree(crashed / "last", copy)
+    (copy / "meta.pt").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="meta.pt missing"):
+        check_checkpoint(copy)
+    with pytest.raises(FileNotFoundError, match="No checkpoint at"):
+        check_checkpoint(crashed / "never_published")
+    partial_path(crashed / "never_published").mkdir()
+    with pytest.raises(FileNotFoundError, match="Only an unfinished save"):
+        check_checkpoint(crashed / "never_published")
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(b"PK\x03\x04 not a whole archive")
+    with pytest.raises(IncompleteCheckpointError, match="not a complete torch.save archive"):
+        check_checkpoint(cut)
+
+
+def test_save_pretrained_inside_the_run(tp2: dict[str, Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tp2["out"] / "pretrained")
+    torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["final", "final_full.ckpt"])
+def test_export_round_trip(tp2: dict[str, Any], name: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lightning_tp.export import export_checkpoint
+
+    out = export_checkpoint(tp2["out"] / name, tmp_path / "exported")
+    expected = tp2["ranks"][0]["final_full_logits" if name.endswith(".ckpt") else "final_logits"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(probe_logits(model), expected, atol=1e-5, rtol=0)
+
+
+def test_export_lora_run_adapter_and_merged(tp2: dict[str, Any], tmp_path: Path) -> None:
+    """The LoRA run left its frozen base out of the checkpoint: export reads it from where the run loaded it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_tp.export import export_checkpoint
+    from tests.helpers.cases import _checkpoint
+
+    expected = tp2["ranks"][0]["lora_logits"]
+    adapter = export_checkpoint(tp2["out"] / "lora_final", tmp_path / "adapter")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(_checkpoint("qwen3")), adapter)
+    torch.testing.assert_close(probe_logits(model), expected, atol=1e-5, rtol=0)
+    merged = export_checkpoint(tp2["out"] / "lora_final", tmp_path / "merged", merge=True)
+    torch.testing.assert_close(probe_logits(AutoModelForCausalLM.from_pretrained(merged)), expected, atol=1e-5, rtol=0)

@@ -1,0 +1,100 @@
+"""What the checkpoint tests train: a tiny Qwen3 with AdamW and a per-step LR schedule, over a shuffled data set
+read through torchdata's ``StatefulDataLoader`` (so Lightning can continue mid-epoch; a plain ``DataLoader`` for
+the resumes at an epoch's end on other layouts), saving at chosen steps."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.helpers.cases import CHECKPOINT_ENV
+from tests.helpers.models import lm_batches
+
+SAMPLES = 16
+GLOBAL_BATCH = 4
+EPOCHS = 2
+STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS  # 8: 4 per epoch
+PROBE = torch.arange(24).reshape(2, 12) % 90  # a fixed batch for logits
+
+
+def samples() -> list[dict[str, torch.Tensor]]:
+    rows = lm_batches(SAMPLES, batch_size=1, seed=7)
+    return [{k: v[0] for k, v in row.items()} for row in rows]
+
+
+class ResumeModule(L.LightningModule):
+    """Records each step's local loss by global step; ``dropout`` makes the run depend on the random states."""
+
+    def __init__(self, *, dropout: float = 0.0, lora: bool = False, stateful_data: bool = True) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.lora = lora
+        self.stateful_data = stateful_data
+        self.model: Any = None
+        self.losses: dict[int, float] = {}
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            Path(os.environ[CHECKPOINT_ENV]) / "qwen3", attention_dropout=self.dropout, dtype=torch.float32
+        )
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(3)
+            config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+            self.model = get_peft_model(self.model, config)
+        self.model.train()  # `from_pretrained` returns the model in eval mode, where dropout does nothing
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.losses[self.global_step + 1] = loss.item()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        strategy = self.trainer.strategy
+        replicas, rank = 1, 0
+        if hasattr(strategy, "dp_mesh"):
+            replicas, rank = strategy.dp_mesh.size(), strategy.dp_mesh.get_local_rank()
+        # The same global batches on every layout: rank r of n reads samples r, r+n, ... of one shuffled order.
+        sampler = DistributedSampler(samples(), num_replicas=replicas, rank=rank, shuffle=True, seed=0)
+        loader = StatefulDataLoader if self.stateful_data else DataLoader
+        return loader(samples(), batch_size=GLOBAL_BATCH // replicas, sampler=sampler)
+
+
+class SaveAt(L.Callback):
+    """``trainer.save_checkpoint`` after the given global steps (mid-epoch, as ``ModelCheckpoint(every_n_train_steps)``
+    does) and at the end of the given epochs (as ``ModelCheckpoint`` does by default)."""
+
+    def __init__(self, steps: dict[int, Path] | None = None, epochs: dict[int, Path] | None = None) -> None:
+        self.steps = steps or {}
+        self.epochs = epochs or {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step in self.steps:
+            trainer.save_checkpoint(self.steps[trainer.global_step])
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.current_epoch in self.epochs:
+            trainer.save_checkpoint(self.epochs[trainer.current_epoch])
+
+
+def probe_logits(model: Any) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits.detach().cpu().clone()
