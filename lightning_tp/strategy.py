@@ -56,8 +56,10 @@ from lightning_tp.lora import (
     peft_models,
     run_on_main_and_share_failure,
 )
+from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.sequence_parallel import parallelize_sequence_and_loss
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
     adopt_transformers_sharding,
@@ -106,6 +108,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: Each rank writes its shards (``True``, a directory that loads on any layout) or
             rank 0 writes one full file. Either way the checkpoint is written under a hidden temporary name and
             renamed into place once complete.
+        sequence_parallel: Split the activations between the TP regions (norms, residuals) on the sequence dim:
+            all-gathers and reduce-scatters instead of all-reduces, 1/tp of their memory. Sequence lengths must be
+            divisible by ``tp_size``. Transformers decoder models with column-/row-wise plans.
+        loss_parallel: Keep the ``lm_head`` output sharded on the vocabulary and compute the cross-entropy of
+            ``model(..., labels=...)`` on the shards: no rank holds the full logits. ``outputs.logits`` is then a
+            DTensor when ``labels`` are passed (``.full_tensor()`` gathers it).
         save_frozen_weights: Write parameters that do not train (the base model of a LoRA run) into checkpoints.
             ``False`` keeps checkpoints to the trained weights; on resume the frozen ones come from where
             ``configure_model`` loaded them.
@@ -128,6 +136,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         fsdp_blocks: list[str] | None = None,
         throughput_monitor: bool = True,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
         process_group_backend: str | None = None,
@@ -164,6 +174,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._cpu_offload = cpu_offload
         self._throughput_monitor = throughput_monitor
         self._save_frozen_weights = save_frozen_weights
+        self._sequence_parallel = sequence_parallel
+        self._loss_parallel = loss_parallel
         self._rng_to_restore: list[dict[str, Any]] | None = None
         self._layout: ParallelLayout | None = None
         self._dp_mesh: DeviceMesh | None = None
@@ -269,6 +281,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         for module, plan, presharded_mesh in targets:
             if presharded_mesh is None:
                 apply_tensor_parallel(module, self.tp_mesh, plan, device=self.root_device)
+                if self._loss_parallel:
+                    install_loss_parallel(module)  # the logits stay vocabulary-sharded: the loss runs on the shards
             else:
                 adopt_transformers_sharding(module, presharded_mesh, plan)
         for module in extras:
@@ -367,6 +381,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
                         "when the adapters did not exist yet. Load it without `distributed_config`."
                     )
                 plan = extend_plan_to_adapters(module, plan)
+            if self._sequence_parallel or self._loss_parallel:
+                plan = self._sequence_and_loss_parallel_plan(module, plan, presharded=presharded_mesh is not None)
             targets.append((module, plan, presharded_mesh))
         extras = [
             m
@@ -376,6 +392,22 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if self._cpu_offload and extras:
             raise ValueError("`cpu_offload=True` supports parameters inside the Transformers models only.")
         return targets, extras
+
+    def _sequence_and_loss_parallel_plan(
+        self, module: nn.Module, plan: ResolvedPlan, *, presharded: bool
+    ) -> ResolvedPlan:
+        options = {"sequence_parallel": self._sequence_parallel, "loss_parallel": self._loss_parallel}
+        asked = ", ".join(f"{k}=True" for k, v in options.items() if v)
+        if not is_transformers_model(module):
+            raise ValueError(f"{asked} applies to Transformers causal LMs; {type(module).__name__} is not one.")
+        if presharded:
+            raise ValueError(
+                f"{asked} rewrites the plan, but {type(module).__name__} was sharded by Transformers at load "
+                "time. Load it without `distributed_config`."
+            )
+        if self._sequence_parallel and has_peft(module):
+            raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")
+        return parallelize_sequence_and_loss(module, plan, **options, blocks=block_classes(module, self._fsdp_blocks))
 
     def _check_sharded_size(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """A model sharded before this setup must be sharded over exactly this rank's TP group."""

@@ -29,6 +29,7 @@ TWO_D_CASES = [
     "qwen3_lora",
     "llama_rslora",
     "qwen3_meta_lora",
+    "qwen3_sp_lp_adamw_clip",
     "features",
 ]
 #: Cases that only make sense with data parallelism.
@@ -41,6 +42,8 @@ TP_CASES = [
     *UNREFERENCED_CASES,
     "features",
     "save_failure",
+    "collectives",
+    "loss_parallel_checks",
     *(f"error:{name}" for name in ERROR_CASES),
 ]
 

@@ -224,3 +224,41 @@ def test_throughput_monitor_sums_over_data_parallel_ranks_only(
         assert len(group) == dp_size
         assert f["tokens_per_sec"] == pytest.approx(sum(group), rel=1e-6)
         assert f["tokens_per_sec_per_device"] == pytest.approx(f["tokens_per_sec"] / len(results), rel=1e-6)
+
+
+def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
+    """One forward and backward of the 2-layer Qwen3, counted with CommDebugMode. Functional collectives
+    (``all_reduce``, ...) come from the TP layers, ``allreduce_`` from the gradient sums of replicated norms."""
+    counts = _result(tp2_results, "collectives")
+    layers = 2
+    # Plain TP: per layer 2 all-reduces forward (o_proj, down_proj) and, backward, one per column-wise projection
+    # (Transformers' layers reduce each input gradient on its own: q, k, v, gate, up); the vocabulary-sharded
+    # embedding reduces its output, lm_head gathers its output and reduces its input gradient; q/k norms sum grads.
+    assert counts["plain"] == {
+        "all_reduce": layers * (2 + 5) + 1 + 1,
+        "all_gather_into_tensor": 1,
+        "allreduce_": layers * 2,
+    }
+    # Sequence parallelism: per layer 2 all-gathers and 2 reduce-scatters each way, no all-reduce. Around them: the
+    # first layer cuts its input (free), its backward gathers the gradient; lm_head gathers its input (reduce-scatter
+    # backward) and its output; the embedding still reduces. Norms outside the regions see one sequence shard each:
+    # 2 per layer and the final norm sum their gradients, with the q/k norms.
+    sp = {"all_reduce": 1, "all_gather_into_tensor": layers * 4 + 1 + 1 + 1, "reduce_scatter_tensor": layers * 4 + 1}
+    assert counts["sequence_parallel"] == {**sp, "allreduce_": layers * 2 + layers * 2 + 1}
+    # Loss parallelism: no gather of the logits; the cross-entropy all-reduces the row max and the sums.
+    lp = {**sp, "all_gather_into_tensor": sp["all_gather_into_tensor"] - 1}
+    assert counts["sp_lp"] == {**lp, "allreduce_": layers * 2 + layers * 2 + 1 + 2}
+
+
+def test_sequence_length_not_divisible_names_both(tp2_results: list[dict]) -> None:
+    for rank in tp2_results:
+        error = rank["collectives"]["odd_length"]
+        assert error["type"] == "ValueError" and "sequence length 15" in error["message"]
+        assert "tp_size=2" in error["message"]
+
+
+def test_vocab_parallel_cross_entropy_matches_torch(tp2_results: list[dict]) -> None:
+    """Forward and backward against F.cross_entropy on the full logits: even and uneven vocabularies, ignored
+    labels, every reduction, fp32 and bf16 (see tests/distributed/loss_parallel_checks.py)."""
+    lines = _result(tp2_results, "loss_parallel_checks")["lines"]
+    assert any("vocab=11" in line for line in lines) and any("collectives" in line for line in lines)

@@ -176,6 +176,45 @@ def run_save_failure() -> dict:
     return {"type": None, "message": "no error"}
 
 
+def run_collectives(layout: dict) -> dict:
+    """Collectives of one training step's forward and backward (CommDebugMode), by kind, without and with
+    sequence parallelism, on the 2-layer model; and the error for a sequence length tp_size does not divide."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, *args) -> None:
+            self.mode = CommDebugMode()
+            self.mode.__enter__()
+
+        def on_after_backward(self, *args) -> None:
+            self.mode.__exit__(None, None, None)
+            self.counts = {str(k).split(".")[-1]: v for k, v in self.mode.get_comm_counts().items()}
+
+    out = {}
+    build = partial(build_causal_lm, tiny_config("qwen3"))
+    for name, kwargs in {
+        "plain": {},
+        "sequence_parallel": {"sequence_parallel": True},
+        "sp_lp": {"sequence_parallel": True, "loss_parallel": True},
+    }.items():
+        counter = Count()
+        trainer(TensorParallelStrategy(**layout, **kwargs), max_steps=1, callbacks=[counter]).fit(
+            ParityModule(build), DataLoader(lm_batches(1), batch_size=None)
+        )
+        out[name] = counter.counts
+    odd = [{k: v[:, :15] for k, v in batch.items()} for batch in lm_batches(1)]
+    try:
+        trainer(TensorParallelStrategy(**layout, sequence_parallel=True), max_steps=1).fit(
+            ParityModule(build), DataLoader(odd, batch_size=None)
+        )
+        out["odd_length"] = {"type": None}
+    except Exception as err:
+        out["odd_length"] = {"type": type(err).__name__, "message": str(err)}
+    return out
+
+
 def run_error(name: str) -> dict:
     build, kwargs, _ = ERROR_CASES[name]
     module = ParityModule(build)
@@ -203,6 +242,12 @@ def main() -> None:
                 results[name] = run_features(layout)
             elif name == "save_failure":
                 results[name] = run_save_failure()
+            elif name == "collectives":
+                results[name] = run_collectives(layout)
+            elif name == "loss_parallel_checks":
+                from tests.distributed.loss_parallel_checks import run_loss_parallel_checks
+
+                results[name] = {"lines": run_loss_parallel_checks()}
             elif name.startswith("error:"):
                 results[name] = run_error(name.split(":", 1)[1])
             else:

@@ -232,6 +232,24 @@ CASES: dict[str, Case] = {
         lr=1e-3,
         opt_kwargs={"fused": True},
     ),
+    # Sequence parallelism, loss parallelism, both (with foreach AdamW and clipping), and loss parallelism on a tied
+    # model whose vocabulary (97) the TP size does not divide; -100 labels in every batch (see `lm_batches`).
+    "qwen3_sequence_parallel": lm("qwen3", 4, strategy_kwargs={"sequence_parallel": True}),
+    "llama_loss_parallel": lm("llama", 4, strategy_kwargs={"loss_parallel": True}),
+    "qwen3_sp_lp_adamw_clip": lm(
+        "qwen3",
+        4,
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        clip=0.5,
+        strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
+    "tied_uneven_vocab_sp_lp": Case(
+        partial(build_causal_lm, tiny_config("tied", vocab_size=97)),
+        partial(lm_batches, 4),
+        strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
 }
 
 #: Cases that must fail, with the strategy kwargs / model that trigger it and a fragment the message must contain.
@@ -248,6 +266,7 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
         "model.layers.*.mlp.nope",
     ),
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
+    "sequence_parallel_plain_module": (_mlp, {"tp_plan": MLP_PLAN, "sequence_parallel": True}, "is not one"),
     "dora": (partial(_lora, "qwen3", use_dora=True), {}, "use `use_dora=True`, which is not supported"),
     "replicas_differ": (_rank_seeded_llama, {}, "weights differ between ranks"),
     # FSDP2's CPU offload pins host memory: it needs an accelerator, and data parallelism.

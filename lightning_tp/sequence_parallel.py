@@ -1,0 +1,179 @@
+"""Sequence parallelism and loss parallelism: rewriting a resolved Transformers plan.
+
+With plain TP every rank holds the whole ``(batch, seq, hidden)`` activation between the TP regions (norms, residual
+adds), and each region ends in an all-reduce. With sequence parallelism (Megatron-SP, as in torchtitan) the activations
+between regions are split on the sequence dim: each region starts with an all-gather (sequence shards to the whole
+sequence) and ends with a reduce-scatter (partial sums to sequence shards), the same bytes as the all-reduce it
+replaces, and the norms, residuals and their saved activations take 1/tp of the memory. Transformers' own
+``sequence_parallel`` style is not wired up (5.24), so the plan is rewritten here with torch's styles:
+
+- each decoder layer's column-wise projections become ``ColwiseParallel`` and its row-wise ones
+  ``RowwiseParallel(output_layouts=Shard(1))`` (the reduce-scatter);
+- the parent of each row-wise projection (``self_attn``, ``mlp``) gathers its input once (:class:`GatherSequence`),
+  and keeps it a DTensor so that the backward of that gather is a reduce-scatter of the partial gradients;
+- the first decoder layer cuts its (replicated) input into sequence shards (:class:`ShardSequence`, no communication):
+  the embedding stays replicated so that Transformers computes the attention mask and positions from the whole
+  sequence;
+- the norms between the regions see one sequence shard each: their gradients are summed over the TP group;
+- ``lm_head`` gathers the sequence shards of its input.
+
+With loss parallelism ``lm_head`` keeps its output sharded on the vocabulary and the cross-entropy runs on the shards
+(:mod:`lightning_tp.loss_parallel`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_tp.loss_parallel import lm_head_style
+from lightning_tp.plan import ResolvedPlan
+
+SEQUENCE_DIM = 1
+#: Transformers styles that sequence parallelism can rewrite; any other in a decoder layer is refused by name.
+_REWRITABLE = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
+
+
+class GatherSequence(ParallelStyle):
+    """The module's ``hidden_states`` (first positional argument or keyword) arrive as sequence shards and enter as
+    the whole sequence, a replicated DTensor (all-gather; its backward reduce-scatters the partial gradients)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(local: Any) -> Any:
+            return DTensor.from_local(local, device_mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
+                device_mesh, [Replicate()]
+            )
+
+        module.register_forward_pre_hook(_on_hidden_states(gather), with_kwargs=True)
+        return module
+
+
+class ShardSequence(ParallelStyle):
+    """The module's replicated ``hidden_states`` enter as this rank's sequence shard (a local slice; its backward
+    all-gathers the gradient)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(local: Any) -> Any:
+            length, tp_size = local.shape[SEQUENCE_DIM], device_mesh.size()
+            if length % tp_size:
+                raise ValueError(
+                    f"sequence_parallel=True splits the sequence over the TP ranks, but the sequence length {length} "
+                    f"is not divisible by tp_size={tp_size}. Pad the batches to a multiple of {tp_size} (e.g. "
+                    f"`pad_to_multiple_of={tp_size}` in the tokenizer or collator)."
+                )
+            return (
+                DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
+                .redistribute(device_mesh, [Shard(SEQUENCE_DIM)])
+                .to_local()
+            )
+
+        module.register_forward_pre_hook(_on_hidden_states(shard), with_kwargs=True)
+        return module
+
+
+def _on_hidden_states(fn: Any) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        raise ValueError(
+            f"{type(module).__name__} was called without `hidden_states`; sequence parallelism needs them."
+        )
+
+    return hook
+
+
+def parallelize_sequence_and_loss(
+    model: nn.Module, plan: ResolvedPlan, *, sequence_parallel: bool, loss_parallel: bool, blocks: set[type]
+) -> ResolvedPlan:
+    """``plan`` rewritten for sequence and/or loss parallelism (see the module docstring). ``blocks``: class names
+    of the decoder layers. Refuses, naming the module and style, what it cannot rewrite."""
+    if not sequence_parallel and not loss_parallel:
+        return plan
+    styles: dict[str, Any] = dict(plan.styles)
+    grad_allreduce = list(plan.grad_allreduce)
+    if sequence_parallel:
+        layers = [name for name, m in model.named_modules() if type(m) in blocks]
+        if not layers:
+            classes = sorted(b.__name__ for b in blocks)
+            raise ValueError(
+                f"sequence_parallel=True needs the decoder layers of {type(model).__name__} (classes {classes}), "
+                "and found none. Pass `fsdp_blocks=[<decoder layer class>]`, or drop `sequence_parallel`."
+            )
+        for index, layer in enumerate(layers):
+            _rewrite_layer(model, layer, styles, grad_allreduce, first=index == 0)
+        grad_allreduce += _norms_after_layers(model, layers, styles)
+    head = _output_head(model, styles)
+    input_layouts = Shard(SEQUENCE_DIM) if sequence_parallel else None
+    if loss_parallel:
+        head_style: ParallelStyle = lm_head_style(input_layouts=input_layouts)
+    else:
+        head_style = ColwiseParallel(input_layouts=input_layouts or Replicate(), output_layouts=Replicate())
+    styles.pop(f"{head}.weight", None)
+    styles[head] = head_style
+    return ResolvedPlan(styles=styles, grad_allreduce=grad_allreduce, tied=plan.tied)
+
+
+def _rewrite_layer(
+    model: nn.Module, layer: str, styles: dict[str, Any], grad_allreduce: list[str], *, first: bool
+) -> None:
+    inside = {k: v for k, v in styles.items() if k.startswith(f"{layer}.") and not k.endswith((".weight", ".bias"))}
+    refused = {k: v for k, v in inside.items() if not (isinstance(v, str) and v in _REWRITABLE)}
+    if refused:
+        key, style = next(iter(refused.items()))
+        raise ValueError(
+            f"sequence_parallel=True rewrites column-wise/row-wise pairs, but {key!r} has style {style!r}. Drop "
+            "`sequence_parallel` for this model, or override that entry in `tp_plan`."
+        )
+    rowwise = [k for k, v in inside.items() if v == "rowwise"]
+    if not rowwise:
+        raise ValueError(f"sequence_parallel=True found no row-wise projection in decoder layer {layer!r}.")
+    for key in [k for k in styles if k.startswith(f"{layer}.") and k.endswith((".weight", ".bias"))]:
+        if styles[key] in ("colwise", "rowwise"):
+            del styles[key]  # torch's styles shard the parameters of the module entry
+    for key, style in inside.items():
+        if style == "colwise":
+            styles[key] = ColwiseParallel()
+        elif style == "rowwise":
+            styles[key] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM))
+    for region in {key.rsplit(".", 1)[0] for key in rowwise}:
+        styles[region] = GatherSequence()
+    if first:
+        styles[layer] = ShardSequence()
+    # Replicated parameters outside the regions (the norms) see one sequence shard each.
+    regions = {key.rsplit(".", 1)[0] for key in rowwise}
+    for name, module in model.get_submodule(layer).named_modules(prefix=layer):
+        if any(name == r or name.startswith(f"{r}.") for r in regions) or name in inside:
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            grad_allreduce.append(name)
+
+
+def _norms_after_layers(model: nn.Module, layers: list[str], styles: dict[str, Any]) -> list[str]:
+    """Modules with parameters that run on the last layer's output shards: the final norm."""
+    base = layers[-1].rsplit(".", 2)[0]  # "model.layers.N" -> "model"
+    found = []
+    for name, module in model.get_submodule(base).named_children():
+        path = f"{base}.{name}"
+        if path in styles or isinstance(module, nn.ModuleList) or isinstance(module, nn.Embedding):
+            continue
+        if any(True for _ in module.parameters()):
+            found.append(path)
+    return found
+
+
+def _output_head(model: nn.Module, styles: dict[str, Any]) -> str:
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if get_output is not None else None
+    names = [name for name, m in model.named_modules() if m is head]
+    if head is None or not names or names[0] not in styles:
+        raise ValueError(
+            f"loss_parallel/sequence_parallel need a sharded output head (`lm_head`); {type(model).__name__} has "
+            "none in its plan."
+        )
+    return names[0]
