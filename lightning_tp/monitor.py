@@ -38,9 +38,10 @@ class ThroughputMonitor(L.Callback):
 
         # Parameters counted whole (TP and FSDP shards of one replica add up to the model).
         params = sum(_global_numel(p) for p in pl_module.parameters())
-        dtype = next(pl_module.parameters()).dtype
+        # The dtype the matmuls run in: bf16 under bf16-mixed, although the parameters are fp32.
+        dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else next(pl_module.parameters()).dtype
         self._flops_per_token = 6.0 * params
-        self._peak_flops = get_available_flops(device, dtype)
+        self._peak_flops = get_available_flops(device, dtype) or _h200_flops(device, dtype)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -94,3 +95,15 @@ def _count_tokens(batch: Any) -> int | None:
 
 def _global_numel(param: torch.Tensor) -> int:
     return param.numel()  # a DTensor's numel is its global size
+
+
+def _h200_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Lightning 2.6 knows the H200 only by names with "SXM1"/"NVL1" (and quotes sparse figures for it); CUDA reports
+    a plain "NVIDIA H200" (seen here), which then gets no MFU. The H200 has the H100 SXM's compute: take its dense
+    figures."""
+    from lightning.fabric.utilities.throughput import _CUDA_FLOPS
+
+    if "h200" not in torch.cuda.get_device_name(device).lower():
+        return None
+    return _CUDA_FLOPS["h100 sxm"].get(dtype)
+

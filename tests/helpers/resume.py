@@ -97,4 +97,5 @@ class SaveAt(L.Callback):
 def probe_logits(model: Any) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
-        return model(input_ids=PROBE).logits.detach().cpu().clone()
+        device = next(model.parameters()).device
+        return model(input_ids=PROBE.to(device)).logits.detach().cpu().clone()
