@@ -652,13 +652,13 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit("The TP runs need 2 GPUs; this machine has fewer. Use --device cpu.")
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = set(names) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown runs {sorted(unknown)}; choose from {list(VARIANTS)}")
     element_size = 2 if args.device == "cuda" else 4
+    if args.device == "cuda" and torch.cuda.device_count() < max(VARIANTS[n] for n in names):
+        raise SystemExit("The TP runs need 2 GPUs; this machine has fewer. Use --device cpu or --variants single.")
     skipped = {name: reason for name in names if (reason := skip_reason(name))}
     to_run = [name for name in names if name not in skipped]
 
