@@ -19,7 +19,9 @@ Runs (same model built from a config with the same seed, same token batches, Ada
 * ``hf_native_tp2``: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(tp_size=2))``
   and a plain PyTorch loop (no Lightning), the model saved with ``save_pretrained`` from the seeded build;
 * ``tp2_sp``, ``tp2_loss_parallel``, ``tp2_sp_lp``: ``TensorParallelStrategy(tp_size=2, sequence_parallel=True)``,
-  ``loss_parallel=True``, both; recorded as skipped while the strategy does not accept the keyword.
+  ``loss_parallel=True``, both; recorded as skipped while the strategy does not accept the keyword;
+* ``tp2_no_monitor`` (only when named in ``--variants``): ``tp2`` with ``throughput_monitor=False``, to price the
+  monitor the strategy adds by default.
 
 Method. Each run is its own launch (``torchrun`` for 2 ranks, plain ``python`` for one), one thread per process on CPU
 (``OMP_NUM_THREADS=1``: a core is a device; ``single`` uses one core, the TP runs two). Launches are interleaved in
@@ -70,13 +72,16 @@ VARIANTS = {
     "tp2_sp": 2,
     "tp2_loss_parallel": 2,
     "tp2_sp_lp": 2,
+    "tp2_no_monitor": 2,  # not run by default: tp2 without its ThroughputMonitor, to price the monitor
 }
+DEFAULT_VARIANTS = [name for name in VARIANTS if name != "tp2_no_monitor"]
 #: Strategy keywords of the variants the strategy may not offer yet.
 STRATEGY_OPTIONS = {
     "tp2": {},
     "tp2_sp": {"sequence_parallel": True},
     "tp2_loss_parallel": {"loss_parallel": True},
     "tp2_sp_lp": {"sequence_parallel": True, "loss_parallel": True},
+    "tp2_no_monitor": {"throughput_monitor": False},
 }
 DEFAULTS = {
     "cpu": dict(hidden=256, layers=4, heads=8, vocab=4096, seq_len=256, batch_size=4, steps=8, warmup=2, rounds=2),
@@ -193,6 +198,7 @@ def theory(name: str, args: argparse.Namespace, element_size: int, tp: int = 2) 
 
     if name == "single":
         return {"forward": {}, "backward": {}}
+    name = "tp2" if name == "tp2_no_monitor" else name
     sp = name in ("tp2_sp", "tp2_sp_lp")
     lp = name in ("tp2_loss_parallel", "tp2_sp_lp")
     logits = dict(all_reduce=(3, 3 * S)) if lp else dict(all_gather=(1, G))
@@ -615,7 +621,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (and results.md)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 layers, few steps, one round")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the runs")
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated runs (default: all but tp2_no_monitor), from {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int, default=None, help="default: 2.75 x hidden, rounded to 64")
     parser.add_argument("--layers", type=int)
