@@ -28,6 +28,7 @@ def test_quick_benchmark_writes_every_run(report: dict) -> None:
             assert run["skipped"]
             continue
         assert run["step_time_s"] > 0 and run["tokens_per_s"] > 0, run["name"]
+        assert 0 < run["step_time_min_s"] <= run["step_time_best_round_s"] <= max(run["step_time_per_round_s"])
         assert len(run["peak_mem_mb"]) == run["ranks"]
         for kind, value in run["collectives"].items():
             assert set(value) == {"count", "bytes"} and value["count"] > 0, (run["name"], kind)
