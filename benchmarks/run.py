@@ -811,9 +811,8 @@ def markdown(report: dict) -> str:
                 f"{r[f'tp2_over_{other}_best_round']:.3f} best round, {r[f'tp2_over_{other}_min']:.3f} fastest{target}"
             )
     if "speedup_tp2_over_single" in r:
-        notes.append(
-            f"single / tp2: {r['speedup_tp2_over_single']:.2f} median, {r['speedup_tp2_over_single_min']:.2f} fastest"
-        )
+        single = [r[f"speedup_tp2_over_single{key}"] for key in ("", "_best_round", "_min")]
+        notes.append(f"single / tp2: {single[0]:.2f} median, {single[1]:.2f} best round, {single[2]:.2f} fastest")
     if notes:
         lines += ["", "; ".join(notes) + "."]
     return "\n".join(lines)
