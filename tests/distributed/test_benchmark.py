@@ -1,0 +1,72 @@
+"""``benchmarks/run.py --quick`` as CI runs it: the JSON it writes, and the collectives of the strategy's TP step
+against the count the plan implies (the step's real communication, measured with ``benchmarks.comm``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.launch import run_script
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    run_script("benchmarks/run.py", "--quick", "--out", str(out), timeout=300)
+    assert out.with_name("results.md").read_text().startswith("Llama-style")
+    return json.loads(out.read_text())
+
+
+def test_quick_benchmark_writes_every_run(report: dict) -> None:
+    assert set(report) >= {"machine", "config", "runs", "ratios"}
+    names = [run["name"] for run in report["runs"]]
+    assert names[:5] == ["single", "tp2", "hand_tp2", "hand_tp2_prepared", "hf_native_tp2"]
+    assert {"tp2_sp", "tp2_loss_parallel", "tp2_sp_lp"} <= set(names)
+    for run in report["runs"]:
+        if "skipped" in run:
+            assert run["skipped"]
+            continue
+        assert run["step_time_s"] > 0 and run["tokens_per_s"] > 0, run["name"]
+        assert 0 < run["step_time_min_s"] <= run["step_time_best_round_s"] <= max(run["step_time_per_round_s"])
+        assert len(run["peak_mem_mb"]) == run["ranks"]
+        for kind, value in run["collectives"].items():
+            assert set(value) == {"count", "bytes"} and value["count"] > 0, (run["name"], kind)
+        assert run["theory"] is not None
+        # Same model, same batches: every run computes the same losses.
+        assert run["loss_max_abs_diff_vs_first"] < 1e-4, run["name"]
+    assert "tp2_over_hand_tp2" in report["ratios"]
+
+
+def test_tp2_collectives_per_step_match_the_plan(report: dict) -> None:
+    """For 2 decoder layers, forward: the embedding's partial sums and o_proj/down_proj per layer (5 all-reduces of
+    one activation) and lm_head's gathered logits (1 all-gather); backward: the input gradients of q, k, v, gate and
+    up per layer and of lm_head (11 all-reduces)."""
+    cfg = report["config"]
+    assert cfg["layers"] == 2
+    activation = cfg["batch_size"] * cfg["seq_len"] * cfg["hidden"] * 4  # fp32
+    logits = cfg["batch_size"] * cfg["seq_len"] * cfg["vocab"] * 4
+    tp2 = next(run for run in report["runs"] if run["name"] == "tp2")
+    assert tp2["collectives_by_phase"]["forward"] == {
+        "all_gather": {"count": 1, "bytes": logits},
+        "all_reduce": {"count": 5, "bytes": 5 * activation},
+    }
+    assert tp2["collectives_by_phase"]["backward"] == {"all_reduce": {"count": 11, "bytes": 11 * activation}}
+    assert tp2["optimizer"] == "AdamW(lr=1e-4)" and not tp2["collectives_by_phase"]["optimizer"]
+    assert tp2["theory_matches"] and tp2["collectives_stable_over_rounds_and_ranks"]
+    # The hand-written plan does the same communication; with one input DTensor per sub-layer, 2 per layer + 1.
+    hand = next(run for run in report["runs"] if run["name"] == "hand_tp2")
+    assert hand["collectives"] == tp2["collectives"]
+    prepared = next(run for run in report["runs"] if run["name"] == "hand_tp2_prepared")
+    assert prepared["collectives_by_phase"]["backward"]["all_reduce"]["count"] == 5
+
+
+def test_counter_sees_dtensor_and_plain_collectives(report: dict) -> None:
+    """DTensor's collectives (Transformers' native TP issues only those in training) and plain ``torch.distributed``
+    calls (Lightning's per-step SIGTERM broadcast; the ThroughputMonitor's barrier and all-reduce over the
+    data-parallel group) are both counted."""
+    runs = {run["name"]: run for run in report["runs"] if "skipped" not in run}
+    assert runs["hf_native_tp2"]["collectives"] == runs["tp2"]["collectives"]
+    after_step = runs["tp2"]["collectives_by_phase"]["after_step"]
+    assert after_step["broadcast"]["count"] == 1 and after_step["all_reduce"]["count"] == 1
+    assert runs["hand_tp2"]["collectives_by_phase"]["after_step"] == {"broadcast": {"count": 1, "bytes": 8}}
