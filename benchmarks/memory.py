@@ -238,7 +238,8 @@ def main() -> None:
 def report(runs: dict, loads: dict, size_mb: float, out: Path | None) -> None:
     base = runs["1 process"][0]
     lines = [
-        "| layout | params / rank | grads / rank | AdamW states / rank | sum, ratio to 1 process | peak RSS / rank (MiB) |",
+        "| layout | params / rank | grads / rank | AdamW states / rank | sum, ratio to 1 process "
+        "| peak RSS / rank (MiB) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     base_total = base["param_bytes"] + base["grad_bytes"] + base["optimizer_bytes"]
@@ -252,10 +253,10 @@ def report(runs: dict, loads: dict, size_mb: float, out: Path | None) -> None:
         )
     lines += [
         "",
-        f"Loading a {size_mb:.0f} MiB checkpoint (S) on 2-D 2x2 (4 ranks, so S/4 = {size_mb / 4:.0f} MiB): peak resident "
-        "memory per rank while the model is built, sharded and filled, above what the rank held before. Anonymous memory "
-        "is what the process allocated; file-backed is the checkpoint's pages mapped by safetensors (shared by the ranks "
-        "of a node, reclaimable by the kernel).",
+        f"Loading a {size_mb:.0f} MiB checkpoint (S) on 2-D 2x2 (4 ranks, so S/4 = {size_mb / 4:.0f} MiB): peak "
+        "resident memory per rank while the model is built, sharded and filled, above what the rank held before. "
+        "Anonymous memory is what the process allocated; file-backed is the checkpoint's pages mapped by safetensors "
+        "(shared by the ranks of a node, reclaimable by the kernel).",
         "",
         "| loading | anonymous (MiB) | / S | file-backed (MiB) | sum of both peaks (MiB) | / S |",
         "| --- | --- | --- | --- | --- | --- |",

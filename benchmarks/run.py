@@ -179,20 +179,20 @@ def theory(name: str, args: argparse.Namespace, element_size: int, tp: int = 2) 
 
     ``A`` = one activation ``batch x seq x hidden``, ``G`` = the logits ``batch x seq x vocab``, ``L`` layers.
 
-    TP without sequence parallelism, the plan of Transformers' Llama (``tp2``, ``hf_native_tp2``) and the hand plan:
-    forward: the vocabulary-sharded embedding's partial sums (1 all-reduce of A), per layer the row-wise o_proj and
-    down_proj (2 L all-reduces of A), ``lm_head`` column-wise gathering its output (1 all-gather of G). Backward: a
-    column-wise layer's input gradient is a partial sum, all-reduced where its input DTensor was made; each of q, k, v,
-    gate and up makes its own (5 L all-reduces of A), plus ``lm_head`` (1). Row-wise layers, the embedding and the
-    logits' gather need nothing in backward (a replicated gradient is sliced locally).
-    With one input DTensor per sub-layer (``hand_tp2_prepared``, Megatron): 2 L + 1 all-reduces in backward.
+    TP without sequence parallelism, forward: the vocabulary-sharded embedding's partial sums (1 all-reduce of A), per
+    layer the row-wise o_proj and down_proj (2 L all-reduces of A), ``lm_head`` column-wise gathering its output
+    (1 all-gather of G). Backward: a column-wise layer's input gradient is a partial sum, all-reduced where its input
+    DTensor was made. With Transformers' layers (``hf_native_tp2``) and a plain hand plan (``hand_tp2``) each of q, k,
+    v, gate and up makes its own: 5 L all-reduces of A, plus ``lm_head`` (1). ``tp2`` (and ``hand_tp2_prepared``)
+    make one input DTensor per attention and MLP: 2 L + 1 (Megatron's count).
 
-    Sequence parallelism (Megatron-SP, activations sharded on the sequence between sub-layers), per layer 2
-    all-gathers (before attention and MLP) and 2 reduce-scatters (after o_proj and down_proj) each way; plus the
-    embedding (reduce-scatter forward, all-gather backward) and the final norm's output gathered for ``lm_head``
-    (all-gather forward, reduce-scatter backward). Same bytes as the all-reduces they replace (an all-reduce is a
-    reduce-scatter plus an all-gather). Loss parallelism replaces the gather of the logits (G) by 3 all-reduces of
-    ``batch x seq`` values (max, sum of exponentials, target logit) in forward.
+    Sequence parallelism as ``TensorParallelStrategy`` does it: per layer 2 all-gathers (attention and MLP inputs) and
+    2 reduce-scatters (o_proj, down_proj) each way. The embedding stays replicated (1 all-reduce of A forward) and the
+    first layer cuts its input (its backward all-gathers); ``lm_head`` gathers its sequence-sharded input (all-gather
+    forward, reduce-scatter backward) and, without loss parallelism, its output (G). The norms between the regions see
+    one sequence shard each: 2 L + 1 all-reduces of their (hidden-sized) gradients. Loss parallelism replaces the
+    gather of the logits by 2 all-reduces of per-token fp32 statistics (the row max; the sum of exponentials with the
+    target logit).
     """
     L = args.layers
     A = args.batch_size * args.seq_len * args.hidden * element_size
@@ -207,13 +207,18 @@ def theory(name: str, args: argparse.Namespace, element_size: int, tp: int = 2) 
     name = "tp2" if name == "tp2_no_monitor" else name
     sp = name in ("tp2_sp", "tp2_sp_lp")
     lp = name in ("tp2_loss_parallel", "tp2_sp_lp")
-    logits = dict(all_reduce=(3, 3 * S)) if lp else dict(all_gather=(1, G))
+    H = args.hidden * element_size
+    logits = dict(all_reduce=(2, 3 * S)) if lp else dict(all_gather=(1, G))
     if sp:
-        forward = kinds(all_gather=(2 * L + 1, (2 * L + 1) * A), reduce_scatter=(2 * L + 1, (2 * L + 1) * A))
-        backward = kinds(all_gather=(2 * L + 1, (2 * L + 1) * A), reduce_scatter=(2 * L + 1, (2 * L + 1) * A))
+        forward = kinds(all_reduce=(1, A), all_gather=(2 * L + 1, (2 * L + 1) * A), reduce_scatter=(2 * L, 2 * L * A))
+        backward = kinds(
+            all_gather=(2 * L + 1, (2 * L + 1) * A),
+            reduce_scatter=(2 * L + 1, (2 * L + 1) * A),
+            all_reduce=(2 * L + 1, (2 * L + 1) * H),
+        )
     else:
         forward = kinds(all_reduce=(2 * L + 1, (2 * L + 1) * A))
-        per_layer = 2 if name == "hand_tp2_prepared" else 5
+        per_layer = 5 if name in ("hand_tp2", "hf_native_tp2") else 2
         backward = kinds(all_reduce=(per_layer * L + 1, (per_layer * L + 1) * A))
     for kind, (count, size) in logits.items():
         entry = forward.setdefault(kind, {"count": 0, "bytes": 0})

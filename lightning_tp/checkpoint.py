@@ -246,16 +246,19 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         from torch.distributed.tensor import DTensor
 
-        state = kwargs.pop("state_dict", None)
+        if kwargs.get("state_dict") is not None:
+            # The caller gathered the tensors already and may call from one rank only (`save_merged` does): no
+            # collective here.
+            return original(save_directory, *args, **kwargs)
+        kwargs.pop("state_dict", None)
         is_main = kwargs.pop("is_main_process", None)
         is_main = _is_main() if is_main is None else is_main
-        if state is None:
-            state = {}
-            for name, tensor in model.state_dict().items():
-                if isinstance(tensor, DTensor):
-                    tensor = tensor.full_tensor()  # a collective, on every rank
-                if is_main:
-                    state[name] = tensor.detach().cpu()
+        state = {}
+        for name, tensor in model.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # a collective, on every rank
+            if is_main:
+                state[name] = tensor.detach().cpu()
 
         def write() -> None:
             with publish_directory(save_directory) as tmp:

@@ -106,4 +106,3 @@ def _h200_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if "h200" not in torch.cuda.get_device_name(device).lower():
         return None
     return _CUDA_FLOPS["h100 sxm"].get(dtype)
-

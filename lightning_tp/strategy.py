@@ -59,7 +59,7 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
-from lightning_tp.sequence_parallel import parallelize_sequence_and_loss
+from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
     adopt_transformers_sharding,
@@ -381,8 +381,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                         "when the adapters did not exist yet. Load it without `distributed_config`."
                     )
                 plan = extend_plan_to_adapters(module, plan)
-            if self._sequence_parallel or self._loss_parallel:
-                plan = self._sequence_and_loss_parallel_plan(module, plan, presharded=presharded_mesh is not None)
+            plan = self._rewrite_plan(module, plan, presharded=presharded_mesh is not None)
             targets.append((module, plan, presharded_mesh))
         extras = [
             m
@@ -393,21 +392,25 @@ class TensorParallelStrategy(ModelParallelStrategy):
             raise ValueError("`cpu_offload=True` supports parameters inside the Transformers models only.")
         return targets, extras
 
-    def _sequence_and_loss_parallel_plan(
-        self, module: nn.Module, plan: ResolvedPlan, *, presharded: bool
-    ) -> ResolvedPlan:
+    def _rewrite_plan(self, module: nn.Module, plan: ResolvedPlan, *, presharded: bool) -> ResolvedPlan:
+        """Dense decoder layers with one input DTensor per attention/MLP (2 backward all-reduces per layer instead of
+        5), and the sequence/loss parallelism asked for. See :func:`lightning_tp.sequence_parallel.rewrite_plan`."""
         options = {"sequence_parallel": self._sequence_parallel, "loss_parallel": self._loss_parallel}
         asked = ", ".join(f"{k}=True" for k, v in options.items() if v)
-        if not is_transformers_model(module):
-            raise ValueError(f"{asked} applies to Transformers causal LMs; {type(module).__name__} is not one.")
-        if presharded:
-            raise ValueError(
-                f"{asked} rewrites the plan, but {type(module).__name__} was sharded by Transformers at load "
-                "time. Load it without `distributed_config`."
-            )
+        if not is_transformers_model(module) or presharded:
+            if asked and not is_transformers_model(module):
+                raise ValueError(f"{asked} applies to Transformers causal LMs; {type(module).__name__} is not one.")
+            if asked:
+                raise ValueError(
+                    f"{asked} rewrites the plan, but {type(module).__name__} was sharded by Transformers at load "
+                    "time. Load it without `distributed_config`."
+                )
+            return plan
         if self._sequence_parallel and has_peft(module):
             raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")
-        return parallelize_sequence_and_loss(module, plan, **options, blocks=block_classes(module, self._fsdp_blocks))
+        return rewrite_plan(
+            module, plan, **options, blocks=block_classes(module, self._fsdp_blocks), dense_layers=not has_peft(module)
+        )
 
     def _check_sharded_size(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """A model sharded before this setup must be sharded over exactly this rank's TP group."""

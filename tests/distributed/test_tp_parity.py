@@ -231,11 +231,12 @@ def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
     (``all_reduce``, ...) come from the TP layers, ``allreduce_`` from the gradient sums of replicated norms."""
     counts = _result(tp2_results, "collectives")
     layers = 2
-    # Plain TP: per layer 2 all-reduces forward (o_proj, down_proj) and, backward, one per column-wise projection
-    # (Transformers' layers reduce each input gradient on its own: q, k, v, gate, up); the vocabulary-sharded
-    # embedding reduces its output, lm_head gathers its output and reduces its input gradient; q/k norms sum grads.
+    # Plain TP: per layer 2 all-reduces forward (o_proj, down_proj) and 2 backward (the attention's and the MLP's
+    # input gradients, summed over their column-wise projections first; Transformers' own layers would reduce one
+    # per projection: 5); the vocabulary-sharded embedding reduces its output, lm_head gathers its output and reduces
+    # its input gradient; q/k norms sum their gradients.
     assert counts["plain"] == {
-        "all_reduce": layers * (2 + 5) + 1 + 1,
+        "all_reduce": layers * (2 + 2) + 1 + 1,
         "all_gather_into_tensor": 1,
         "allreduce_": layers * 2,
     }

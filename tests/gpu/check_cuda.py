@@ -30,9 +30,17 @@ def report(name: str, **values) -> None:
 def fit(module, strategy=None, ckpt_path=None, callbacks=(), precision="32-true", steps=8):
     kwargs = {"strategy": strategy} if strategy is not None else {}
     trainer = L.Trainer(
-        accelerator="gpu", devices=1, max_steps=steps, precision=precision, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=list(callbacks), **kwargs,
+        accelerator="gpu",
+        devices=1,
+        max_steps=steps,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=list(callbacks),
+        **kwargs,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
@@ -46,6 +54,7 @@ def main() -> None:
 
     try:
         import torchdata  # noqa: F401
+
         stateful = True
     except ImportError:
         stateful = False
