@@ -103,15 +103,22 @@ def run_layout(ranks: int, args: argparse.Namespace, tmp: Path, tag: str) -> dic
     return json.loads(result.read_text())
 
 
-def peak_rss_mb(command: list[str]) -> float:
-    """Peak RSS of a child process (``ru_maxrss`` of the children, in MiB)."""
-    import resource
-
+def peak_rss_mb(module: str, *argv: str) -> float:
+    """Peak RSS (MiB) of a fresh process that imports the libraries and runs ``python -m module argv...``
+    (``module`` empty: only the imports)."""
+    code = (
+        "import resource, runpy, sys\n"
+        "import torch, transformers, lightning_tp.export\n"
+        f"sys.argv = {[module, *argv]!r}\n"
+        "try:\n"
+        f"    {module!r} and runpy.run_module({module!r}, run_name='__main__')\n"
+        "except SystemExit as exit:\n"
+        "    assert not exit.code, exit.code\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run(command, env=env, check=True, capture_output=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(after, before) / 1024
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
+    return int(out.strip().splitlines()[-1]) / 1024
 
 
 def main() -> None:
@@ -140,8 +147,8 @@ def main() -> None:
     }
     exported = tmp / "exported"
     checkpoint = tmp / "2_0.ckpt"
-    baseline = peak_rss_mb([sys.executable, "-c", "import lightning_tp.export, transformers, torch"])
-    export = peak_rss_mb([sys.executable, "-m", "lightning_tp.export", str(checkpoint), str(exported)])
+    baseline = peak_rss_mb("")
+    export = peak_rss_mb("lightning_tp.export", str(checkpoint), str(exported))
     model_bytes = sum(f.stat().st_size for f in exported.glob("*.safetensors"))
     report = {
         "config": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "rounds": args.rounds},

@@ -3,8 +3,8 @@
     python benchmarks/run.py --out benchmarks/results.json     # CPU/gloo: a few minutes on 2 cores
     python benchmarks/run.py --quick --out /tmp/bench.json     # tiny model, one round: a smoke run (< 2 min)
 
-Writes the JSON and, next to it, ``results.md`` (the markdown table, also printed). On a machine with CUDA the runs
-use NCCL, bf16 (``bf16-true``) and a larger model; ``--device cpu`` keeps them on the CPU.
+Writes the JSON and, next to it, the same name with ``.md`` (the markdown table, also printed). On a machine with
+CUDA the runs use NCCL, bf16 (``bf16-true``) and a larger model; ``--device cpu`` keeps them on the CPU.
 
 Runs (same model built from a config with the same seed, same token batches, AdamW(lr=1e-4), foreach default):
 
@@ -630,7 +630,7 @@ def machine_info(device: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (and results.md)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (and .md)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 layers, few steps, one round")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument(
@@ -736,7 +736,7 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
-        args.out.with_name("results.md").write_text(table + "\n")
+        args.out.with_suffix(".md").write_text(table + "\n")
 
 
 def ratios(runs: list[dict]) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -38,18 +39,69 @@ SEQUENCE_DIM = 1
 _REWRITABLE = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
 
 
+class SequenceSplit:
+    """Whether the model's current forward runs on sequence shards: decided by :class:`ShardSequence` at the first
+    decoder layer, read by the other hooks of the same model. A forward whose length ``tp_size`` does not divide
+    (a decoding step of ``generate``, say) runs unsplit outside training, on whole sequences: correct, without the
+    memory saving."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+
 class GatherSequence(ParallelStyle):
     """The module's ``hidden_states`` (first positional argument or keyword) arrive as sequence shards and enter as
     the whole sequence, a replicated DTensor (all-gather; its backward reduce-scatters the partial gradients)."""
 
+    def __init__(self, split: SequenceSplit, *, prepend: bool = False) -> None:
+        super().__init__()
+        self.split = split
+        self.prepend = prepend
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(local: Any) -> Any:
+            if not self.split.active:
+                return DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
             return DTensor.from_local(local, device_mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
                 device_mesh, [Replicate()]
             )
 
-        module.register_forward_pre_hook(_on_hidden_states(gather), with_kwargs=True)
+        module.register_forward_pre_hook(_on_hidden_states(gather), with_kwargs=True, prepend=self.prepend)
         return module
+
+
+class ScatterSequence(ParallelStyle):
+    """``RowwiseParallel`` whose partial sums are reduce-scattered into sequence shards (all-reduced in an unsplit
+    forward)."""
+
+    def __init__(self, split: SequenceSplit) -> None:
+        super().__init__()
+        self.split = split
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)._apply(module, device_mesh)
+
+        def to_local(module: nn.Module, args: Any, output: DTensor) -> Any:
+            if self.split.active:
+                return output.to_local()
+            return output.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.register_forward_hook(to_local)
+        return module
+
+
+class HeadAfterSequence(ParallelStyle):
+    """The output head's style, after a gather of its sequence-sharded input."""
+
+    def __init__(self, split: SequenceSplit, head: ParallelStyle) -> None:
+        super().__init__()
+        self.split = split
+        self.head = head
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.head._apply(module, device_mesh)
+        # Before the head's own input hook, which then finds the replicated DTensor it wants.
+        return GatherSequence(self.split, prepend=True)._apply(module, device_mesh)
 
 
 class ReplicateRegionInput(ParallelStyle):
@@ -66,17 +118,24 @@ class ReplicateRegionInput(ParallelStyle):
 
 class ShardSequence(ParallelStyle):
     """The module's replicated ``hidden_states`` enter as this rank's sequence shard (a local slice; its backward
-    all-gathers the gradient)."""
+    all-gathers the gradient). Decides :class:`SequenceSplit` for the whole forward."""
+
+    def __init__(self, split: SequenceSplit) -> None:
+        super().__init__()
+        self.split = split
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard(local: Any) -> Any:
             length, tp_size = local.shape[SEQUENCE_DIM], device_mesh.size()
-            if length % tp_size:
-                raise ValueError(
-                    f"sequence_parallel=True splits the sequence over the TP ranks, but the sequence length {length} "
-                    f"is not divisible by tp_size={tp_size}. Pad the batches to a multiple of {tp_size} (e.g. "
-                    f"`pad_to_multiple_of={tp_size}` in the tokenizer or collator)."
-                )
+            self.split.active = length % tp_size == 0
+            if not self.split.active:
+                if module.training and torch.is_grad_enabled():
+                    raise ValueError(
+                        f"sequence_parallel=True splits the sequence over the TP ranks, but the sequence length "
+                        f"{length} is not divisible by tp_size={tp_size}. Pad the batches to a multiple of {tp_size} "
+                        f"(e.g. `pad_to_multiple_of={tp_size}` in the tokenizer or collator)."
+                    )
+                return local
             return (
                 DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
                 .redistribute(device_mesh, [Shard(SEQUENCE_DIM)])
@@ -119,6 +178,7 @@ def rewrite_plan(
     Layers with other styles keep Transformers' layers."""
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
+    split = SequenceSplit()
     layers = [name for name, m in model.named_modules() if type(m) in blocks]
     problems = [problem for layer in layers if (problem := _unrewritable(styles, layer))]
     if sequence_parallel and not layers:
@@ -131,18 +191,19 @@ def rewrite_plan(
         raise ValueError(f"sequence_parallel=True rewrites column-wise/row-wise pairs, but {problems[0]}.")
     if layers and not problems and (sequence_parallel or dense_layers):
         for index, layer in enumerate(layers):
-            _rewrite_layer(model, layer, styles, grad_allreduce, first=index == 0, sequence=sequence_parallel)
+            _rewrite_layer(
+                model, layer, styles, grad_allreduce, first=index == 0, split=split if sequence_parallel else None
+            )
         if sequence_parallel:
             grad_allreduce += _norms_after_layers(model, layers, styles)
     if sequence_parallel or loss_parallel:
         head = _output_head(model, styles)
-        input_layouts = Shard(SEQUENCE_DIM) if sequence_parallel else None
         if loss_parallel:
-            head_style: ParallelStyle = lm_head_style(input_layouts=input_layouts)
+            head_style: ParallelStyle = lm_head_style()
         else:
-            head_style = ColwiseParallel(input_layouts=input_layouts or Replicate(), output_layouts=Replicate())
+            head_style = ColwiseParallel(output_layouts=Replicate())
         styles.pop(f"{head}.weight", None)
-        styles[head] = head_style
+        styles[head] = HeadAfterSequence(split, head_style) if sequence_parallel else head_style
     return ResolvedPlan(styles=styles, grad_allreduce=grad_allreduce, tied=plan.tied)
 
 
@@ -162,8 +223,15 @@ def _unrewritable(styles: dict[str, Any], layer: str) -> str | None:
 
 
 def _rewrite_layer(
-    model: nn.Module, layer: str, styles: dict[str, Any], grad_allreduce: list[str], *, first: bool, sequence: bool
+    model: nn.Module,
+    layer: str,
+    styles: dict[str, Any],
+    grad_allreduce: list[str],
+    *,
+    first: bool,
+    split: SequenceSplit | None,
 ) -> None:
+    """One input DTensor per attention/MLP; with ``split``, sequence parallelism around them."""
     inside = _layer_entries(styles, layer)
     rowwise = [k for k, v in inside.items() if v == "rowwise"]
     for key in [k for k in styles if k.startswith(f"{layer}.") and k.endswith((".weight", ".bias"))]:
@@ -173,14 +241,14 @@ def _rewrite_layer(
         if style == "colwise":
             styles[key] = ColwiseParallel()
         elif style == "rowwise":
-            styles[key] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM) if sequence else Replicate())
+            styles[key] = ScatterSequence(split) if split is not None else RowwiseParallel()
     regions = {key.rsplit(".", 1)[0] for key in rowwise}
     for region in regions:
-        styles[region] = GatherSequence() if sequence else ReplicateRegionInput()
-    if not sequence:
+        styles[region] = GatherSequence(split) if split is not None else ReplicateRegionInput()
+    if split is None:
         return
     if first:
-        styles[layer] = ShardSequence()
+        styles[layer] = ShardSequence(split)
     # Replicated parameters outside the regions (the norms) see one sequence shard each.
     for name, module in model.get_submodule(layer).named_modules(prefix=layer):
         if any(name == r or name.startswith(f"{r}.") for r in regions) or name in inside:

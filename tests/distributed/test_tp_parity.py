@@ -251,6 +251,14 @@ def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
     assert counts["sp_lp"] == {**lp, "allreduce_": layers * 2 + layers * 2 + 1 + 2}
 
 
+def test_generate_under_sequence_and_loss_parallelism(tp2_results: list[dict]) -> None:
+    """Decoding steps have length 1, which tp_size does not divide: outside training they run unsplit."""
+    for rank in tp2_results:
+        for name in ("sequence_parallel_generate", "sp_lp_generate"):
+            generated = rank["collectives"][name]
+            assert generated["sharded"] == generated["whole"], name
+
+
 def test_sequence_length_not_divisible_names_both(tp2_results: list[dict]) -> None:
     for rank in tp2_results:
         error = rank["collectives"]["odd_length"]

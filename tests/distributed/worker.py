@@ -200,10 +200,20 @@ def run_collectives(layout: dict) -> dict:
         "sp_lp": {"sequence_parallel": True, "loss_parallel": True},
     }.items():
         counter = Count()
+        module = ParityModule(build)
         trainer(TensorParallelStrategy(**layout, **kwargs), max_steps=1, callbacks=[counter]).fit(
-            ParityModule(build), DataLoader(lm_batches(1), batch_size=None)
+            module, DataLoader(lm_batches(1), batch_size=None)
         )
         out[name] = counter.counts
+        if kwargs:  # greedy generation (odd prompt length, decoding steps of 1) against the same weights, whole
+            plain = build()
+            plain.load_state_dict(full_state(module.model))
+            module.model.eval()
+            prompt = torch.arange(5).reshape(1, 5) + 3
+            with torch.no_grad():
+                sharded = module.model.generate(prompt, max_new_tokens=4, do_sample=False)
+                whole = plain.eval().generate(prompt, max_new_tokens=4, do_sample=False)
+            out[f"{name}_generate"] = {"sharded": sharded.tolist(), "whole": whole.tolist()}
     odd = [{k: v[:, :15] for k, v in batch.items()} for batch in lm_batches(1)]
     try:
         trainer(TensorParallelStrategy(**layout, sequence_parallel=True), max_steps=1).fit(
