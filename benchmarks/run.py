@@ -188,11 +188,11 @@ def theory(name: str, args: argparse.Namespace, element_size: int, tp: int = 2) 
 
     Sequence parallelism as ``TensorParallelStrategy`` does it: per layer 2 all-gathers (attention and MLP inputs) and
     2 reduce-scatters (o_proj, down_proj) each way. The embedding stays replicated (1 all-reduce of A forward) and the
-    first layer cuts its input (its backward all-gathers); ``lm_head`` gathers its sequence-sharded input (all-gather
-    forward, reduce-scatter backward) and, without loss parallelism, its output (G). The norms between the regions see
-    one sequence shard each: 2 L + 1 all-reduces of their (hidden-sized) gradients. Loss parallelism replaces the
-    gather of the logits by 2 all-reduces of per-token fp32 statistics (the row max; the sum of exponentials with the
-    target logit).
+    first layer cuts its input (its backward all-gathers); the final norm gathers its output (all-gather forward, a
+    local slice backward), so ``lm_head`` is unchanged: it gathers the logits (G) and all-reduces its input gradient.
+    The norms between the regions see one sequence shard each: 2 L + 1 all-reduces of their (hidden-sized) gradients.
+    Loss parallelism replaces the gather of the logits by 2 all-reduces of per-token fp32 statistics (the row max; the
+    sum of exponentials with the target logit).
     """
     L = args.layers
     A = args.batch_size * args.seq_len * args.hidden * element_size
@@ -213,8 +213,8 @@ def theory(name: str, args: argparse.Namespace, element_size: int, tp: int = 2) 
         forward = kinds(all_reduce=(1, A), all_gather=(2 * L + 1, (2 * L + 1) * A), reduce_scatter=(2 * L, 2 * L * A))
         backward = kinds(
             all_gather=(2 * L + 1, (2 * L + 1) * A),
-            reduce_scatter=(2 * L + 1, (2 * L + 1) * A),
-            all_reduce=(2 * L + 1, (2 * L + 1) * H),
+            reduce_scatter=(2 * L, 2 * L * A),
+            all_reduce=(2 * L + 2, A + (2 * L + 1) * H),
         )
     else:
         forward = kinds(all_reduce=(2 * L + 1, (2 * L + 1) * A))

@@ -51,10 +51,10 @@ def _previous_path(path: Path) -> Path:
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
+    if path.is_symlink() or path.is_file():  # a link (ModelCheckpoint's `save_last="link"`) is removed, not followed
         path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def clear_partial(path: Path) -> None:
@@ -65,12 +65,16 @@ def clear_partial(path: Path) -> None:
 def publish(path: Path) -> None:
     """Make the finished ``.NAME.partial`` the checkpoint at ``path`` (main rank only, after every rank wrote).
 
-    Two renames: the old checkpoint moves aside, the new one takes its name; the old one is deleted last. A crash
-    between the renames leaves ``.NAME.previous`` whole, and :func:`check_checkpoint` points to it."""
+    A file replaces a file in one atomic rename. A directory takes two: the old checkpoint moves aside, the new one
+    takes its name; the old one is deleted last. A crash between those renames leaves ``.NAME.previous`` whole, and
+    :func:`check_checkpoint` points to it (``ckpt_path="last"`` does not look there: resume from it by name)."""
     staged = partial_path(path)
+    if staged.is_file() and not path.is_dir():
+        os.replace(staged, path)  # one atomic rename: no moment without a checkpoint
+        return
     previous = _previous_path(path)
     _remove(previous)
-    if path.exists():
+    if path.exists() or path.is_symlink():
         os.replace(path, previous)
     os.replace(staged, path)
     _remove(previous)
@@ -199,7 +203,7 @@ def rng_state() -> dict[str, Any]:
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: another node may have fewer GPUs
     return state
 
 
@@ -209,7 +213,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _as_tuple(value: Any) -> Any:

@@ -15,7 +15,8 @@ replaces, and the norms, residuals and their saved activations take 1/tp of the 
   the embedding stays replicated so that Transformers computes the attention mask and positions from the whole
   sequence;
 - the norms between the regions see one sequence shard each: their gradients are summed over the TP group;
-- ``lm_head`` gathers the sequence shards of its input.
+- the final norm gathers its output, so the model's hidden states, ``logits_to_keep`` and ``lm_head`` see the whole
+  sequence.
 
 With loss parallelism ``lm_head`` keeps its output sharded on the vocabulary and the cross-entropy runs on the shards
 (:mod:`lightning_tp.loss_parallel`).
@@ -53,10 +54,9 @@ class GatherSequence(ParallelStyle):
     """The module's ``hidden_states`` (first positional argument or keyword) arrive as sequence shards and enter as
     the whole sequence, a replicated DTensor (all-gather; its backward reduce-scatters the partial gradients)."""
 
-    def __init__(self, split: SequenceSplit, *, prepend: bool = False) -> None:
+    def __init__(self, split: SequenceSplit) -> None:
         super().__init__()
         self.split = split
-        self.prepend = prepend
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(local: Any) -> Any:
@@ -66,7 +66,7 @@ class GatherSequence(ParallelStyle):
                 device_mesh, [Replicate()]
             )
 
-        module.register_forward_pre_hook(_on_hidden_states(gather), with_kwargs=True, prepend=self.prepend)
+        module.register_forward_pre_hook(_on_hidden_states(gather), with_kwargs=True)
         return module
 
 
@@ -90,18 +90,23 @@ class ScatterSequence(ParallelStyle):
         return module
 
 
-class HeadAfterSequence(ParallelStyle):
-    """The output head's style, after a gather of its sequence-sharded input."""
+class GatherOutput(ParallelStyle):
+    """The final norm's output, sequence shards, is gathered into the whole sequence (a plain tensor): the model's
+    ``last_hidden_state``, ``logits_to_keep`` and the head then see every position."""
 
-    def __init__(self, split: SequenceSplit, head: ParallelStyle) -> None:
+    def __init__(self, split: SequenceSplit) -> None:
         super().__init__()
         self.split = split
-        self.head = head
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.head._apply(module, device_mesh)
-        # Before the head's own input hook, which then finds the replicated DTensor it wants.
-        return GatherSequence(self.split, prepend=True)._apply(module, device_mesh)
+        def gather(module: nn.Module, args: Any, output: Any) -> Any:
+            if not self.split.active:
+                return output
+            whole = DTensor.from_local(output, device_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+            return whole.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.register_forward_hook(gather)
+        return module
 
 
 class ReplicateRegionInput(ParallelStyle):
@@ -179,8 +184,12 @@ def rewrite_plan(
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
     split = SequenceSplit()
-    layers = [name for name, m in model.named_modules() if type(m) in blocks]
+    # Decoder layers with plan entries: `_no_split_modules` also lists vision and audio blocks, which the plan
+    # leaves alone.
+    layers = [name for name, m in model.named_modules() if type(m) in blocks and _layer_entries(styles, name)]
     problems = [problem for layer in layers if (problem := _unrewritable(styles, layer))]
+    if sequence_parallel and not problems:
+        problems = [problem for layer in layers if (problem := _outside_regions(model, styles, layer))]
     if sequence_parallel and not layers:
         classes = sorted(b.__name__ for b in blocks)
         raise ValueError(
@@ -195,15 +204,18 @@ def rewrite_plan(
                 model, layer, styles, grad_allreduce, first=index == 0, split=split if sequence_parallel else None
             )
         if sequence_parallel:
-            grad_allreduce += _norms_after_layers(model, layers, styles)
-    if sequence_parallel or loss_parallel:
+            norms = _norms_after_layers(model, layers, styles)
+            if len(norms) != 1:
+                raise ValueError(
+                    f"sequence_parallel=True gathers the sequence after the final norm, but found {norms or 'none'} "
+                    f"after the decoder layers of {type(model).__name__}."
+                )
+            grad_allreduce += norms
+            styles[norms[0]] = GatherOutput(split)
+    if loss_parallel:
         head = _output_head(model, styles)
-        if loss_parallel:
-            head_style: ParallelStyle = lm_head_style()
-        else:
-            head_style = ColwiseParallel(output_layouts=Replicate())
         styles.pop(f"{head}.weight", None)
-        styles[head] = HeadAfterSequence(split, head_style) if sequence_parallel else head_style
+        styles[head] = lm_head_style()
     return ResolvedPlan(styles=styles, grad_allreduce=grad_allreduce, tied=plan.tied)
 
 
@@ -219,6 +231,18 @@ def _unrewritable(styles: dict[str, Any], layer: str) -> str | None:
             return f"{key!r} has style {style!r}. Drop `sequence_parallel` for this model, or override that entry"
     if not any(style == "rowwise" for style in inside.values()):
         return f"decoder layer {layer!r} has no row-wise projection"
+    return None
+
+
+def _outside_regions(model: nn.Module, styles: dict[str, Any], layer: str) -> str | None:
+    """A module of the layer with parameters that would run on sequence shards and is not a norm (an attention the
+    plan leaves whole, say), or ``None``."""
+    regions = {key.rsplit(".", 1)[0] for key, style in _layer_entries(styles, layer).items() if style == "rowwise"}
+    for name, child in model.get_submodule(layer).named_children():
+        path = f"{layer}.{name}"
+        if path in regions or "norm" in type(child).__name__.lower() or not any(True for _ in child.parameters()):
+            continue
+        return f"{path!r} ({type(child).__name__}) would run on sequence shards; only norms can"
     return None
 
 

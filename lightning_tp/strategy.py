@@ -164,6 +164,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 check_style(key, style)
         elif tp_plan != "auto":
             raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')
+        if not save_frozen_weights and not save_distributed_checkpoint:
+            raise ValueError(
+                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
+                "loaded weight by weight and must hold every weight."
+            )
         self._tp_size = tp_size
         self._tp_plan = tp_plan
         self._dp_shard_size = dp_shard_size
@@ -317,8 +322,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 )
                 initialize_adapters(peft_model)  # PEFT's own initialisation, on the shards
             install_distributed_save(peft_model)
-        for module, _, _ in targets:
-            if is_transformers_model(module):
+        for module, _, presharded_mesh in targets:
+            # A model Transformers sharded at load time saves itself on every rank (its own barrier included).
+            if is_transformers_model(module) and presharded_mesh is None:
                 install_distributed_save_pretrained(module)
 
         self.model_to_device()
@@ -516,6 +522,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         checkpoint[RNG_KEY] = {
             "world_size": self.world_size,
             "dp_size": self.layout.dp_size,
+            "layout": self._layout_sizes(),
             "states": gather_rng_states(),
         }
         checkpoint[MODELS_KEY] = describe_models(self.lightning_module)
@@ -532,6 +539,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 lambda: torch.save(checkpoint, staged / META_FILENAME), is_main=self.is_global_zero
             )
         else:
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+            if isinstance(self.checkpoint_io, AsyncCheckpointIO):
+                raise ValueError(
+                    "`AsyncCheckpointIO` returns before the file is written, so the checkpoint cannot be renamed into "
+                    "place once complete. Drop it, or keep `save_distributed_checkpoint=True`."
+                )
             run_on_main_and_share_failure(
                 lambda: self.checkpoint_io.save_checkpoint(checkpoint, staged), is_main=self.is_global_zero
             )
@@ -551,14 +565,20 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if rng is not None and rng.get("dp_size", self.layout.dp_size) != self.layout.dp_size:
             self._drop_data_position(metadata, saved_dp_size=rng["dp_size"])
         self._rng_to_restore = None
-        if rng is not None and rng["world_size"] == self.world_size:
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if rng is not None and fitting and rng.get("layout") == self._layout_sizes():
             self._rng_to_restore = rng["states"]
-        elif rng is not None:
+        elif rng is not None and fitting:
             rank_zero_warn(
-                f"The checkpoint was written by {rng['world_size']} ranks and this run has {self.world_size}: the "
-                "random states (dropout masks) are not restored; the weights, optimizer and loops are."
+                f"The checkpoint was written on another layout ({rng.get('layout')}, this run: "
+                f"{self._layout_sizes()}): the random states (dropout masks) are not restored; the weights, "
+                "optimizer and loops are."
             )
         return metadata
+
+    def _layout_sizes(self) -> dict[str, int]:
+        layout = self.layout
+        return {"tp": layout.tp_size, "dp_shard": layout.dp_shard_size, "dp_replicate": layout.dp_replicate_size}
 
     def _drop_data_position(self, metadata: dict[str, Any], *, saved_dp_size: int) -> None:
         """A data loader's position (samples read per rank) means nothing for another number of data-parallel
@@ -750,7 +770,13 @@ def _top_level_transformers_models(root: nn.Module) -> list[nn.Module]:
             visit(child)
 
     visit(root)
-    return found
+    # The same model reachable twice (`self.backbone = self.model.model`): keep the outermost.
+    inner = {id(m) for model in found for m in model.modules() if m is not model}
+    unique: list[nn.Module] = []
+    for model in found:
+        if id(model) not in inner and all(model is not m for m in unique):
+            unique.append(model)
+    return unique
 
 
 __all__ = ["SUPPORTED_PRECISIONS", "TensorParallelStrategy"]

@@ -241,10 +241,11 @@ def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
         "allreduce_": layers * 2,
     }
     # Sequence parallelism: per layer 2 all-gathers and 2 reduce-scatters each way, no all-reduce. Around them: the
-    # first layer cuts its input (free), its backward gathers the gradient; lm_head gathers its input (reduce-scatter
-    # backward) and its output; the embedding still reduces. Norms outside the regions see one sequence shard each:
-    # 2 per layer and the final norm sum their gradients, with the q/k norms.
-    sp = {"all_reduce": 1, "all_gather_into_tensor": layers * 4 + 1 + 1 + 1, "reduce_scatter_tensor": layers * 4 + 1}
+    # first layer cuts its input (free), its backward gathers the gradient; the final norm gathers its output (so the
+    # model's hidden states are whole), lm_head gathers its logits and all-reduces its input gradient; the embedding
+    # still reduces. Norms outside the regions see one sequence shard each: 2 per layer and the final norm sum their
+    # gradients, with the q/k norms.
+    sp = {"all_reduce": 2, "all_gather_into_tensor": layers * 4 + 1 + 1 + 1, "reduce_scatter_tensor": layers * 4}
     assert counts["sequence_parallel"] == {**sp, "allreduce_": layers * 2 + layers * 2 + 1}
     # Loss parallelism: no gather of the logits; the cross-entropy all-reduces the row max and the sums.
     lp = {**sp, "all_gather_into_tensor": sp["all_gather_into_tensor"] - 1}
@@ -257,6 +258,9 @@ def test_generate_under_sequence_and_loss_parallelism(tp2_results: list[dict]) -
         for name in ("sequence_parallel_generate", "sp_lp_generate"):
             generated = rank["collectives"][name]
             assert generated["sharded"] == generated["whole"], name
+        # The model's output holds every position again: `logits_to_keep` picks the right ones.
+        for name in ("sequence_parallel_logits_to_keep", "sp_lp_logits_to_keep"):
+            assert rank["collectives"][name] is not None and rank["collectives"][name] < 1e-5, name
 
 
 def test_sequence_length_not_divisible_names_both(tp2_results: list[dict]) -> None:

@@ -213,7 +213,12 @@ def run_collectives(layout: dict) -> dict:
             with torch.no_grad():
                 sharded = module.model.generate(prompt, max_new_tokens=4, do_sample=False)
                 whole = plain.eval().generate(prompt, max_new_tokens=4, do_sample=False)
+                ids = torch.arange(8).reshape(1, 8) + 3  # split: the last 3 positions of the whole sequence
+                kept = module.model(input_ids=ids, logits_to_keep=3).logits
+                kept_whole = plain(input_ids=ids, logits_to_keep=3).logits
             out[f"{name}_generate"] = {"sharded": sharded.tolist(), "whole": whole.tolist()}
+            same_shape = kept.shape == kept_whole.shape
+            out[f"{name}_logits_to_keep"] = (kept - kept_whole).abs().max().item() if same_shape else None
     odd = [{k: v[:, :15] for k, v in batch.items()} for batch in lm_batches(1)]
     try:
         trainer(TensorParallelStrategy(**layout, sequence_parallel=True), max_steps=1).fit(

@@ -108,3 +108,18 @@ def test_cpu_offload_needs_data_parallelism_and_an_accelerator():
     strategy.cluster_environment.set_world_size(2)
     with pytest.raises(ValueError, match="needs data parallelism"):
         strategy.setup_environment()
+
+
+def test_frozen_weights_left_out_need_a_distributed_checkpoint() -> None:
+    with pytest.raises(ValueError, match="needs `save_distributed_checkpoint=True`"):
+        TensorParallelStrategy(2, save_frozen_weights=False, save_distributed_checkpoint=False)
+
+
+def test_a_model_reachable_twice_is_sharded_once() -> None:
+    from lightning_tp.strategy import _top_level_transformers_models
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    root = torch.nn.Module()
+    root.model = build_causal_lm(tiny_config("llama"))
+    root.backbone = root.model.model
+    assert _top_level_transformers_models(root) == [root.model]
