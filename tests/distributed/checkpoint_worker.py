@@ -20,20 +20,16 @@ import torch
 import torch.distributed as dist
 
 from lightning_tp import TensorParallelStrategy
+from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
 
 
 def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=(), **strategy_kwargs: Any) -> L.Trainer:
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy=TensorParallelStrategy(throughput_monitor=False, **strategy_kwargs),
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         callbacks=list(callbacks),
     )
     trainer.fit(module, ckpt_path=ckpt_path)

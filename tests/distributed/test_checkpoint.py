@@ -10,12 +10,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 
 from lightning_tp.checkpoint import IncompleteCheckpointError, check_checkpoint, partial_path, stored_entries
 from tests.helpers.launch import torchrun
+from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
@@ -42,16 +42,7 @@ def _assert_close(actual: dict[int, float], expected: dict[int, float], tol: flo
 
 def _single_process_fit(ckpt_path: Path | None = None, callbacks=()) -> dict[int, float]:
     module = ResumeModule(stateful_data=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
+    trainer = quiet_trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=list(callbacks))
     trainer.fit(module, ckpt_path=ckpt_path)
     return module.losses
 

@@ -21,20 +21,11 @@ from torch.utils.data import DataLoader
 import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES
-from tests.helpers.models import ParityModule, lm_batches
+from tests.helpers.models import ParityModule, lm_batches, quiet_trainer
 
 
 def trainer(strategy: TensorParallelStrategy, **kwargs) -> L.Trainer:
-    defaults = dict(
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    return L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, **{**defaults, **kwargs}
-    )
+    return quiet_trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, **kwargs)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -15,12 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_tp import TensorParallelStrategy  # noqa: E402
 from tests.helpers.cases import CHECKPOINT_ENV  # noqa: E402
-from tests.helpers.models import build_causal_lm, tiny_config  # noqa: E402
+from tests.helpers.models import build_causal_lm, quiet_trainer, tiny_config  # noqa: E402
 
 
 def report(name: str, **values) -> None:
@@ -29,18 +28,8 @@ def report(name: str, **values) -> None:
 
 def fit(module, strategy=None, ckpt_path=None, callbacks=(), precision="32-true", steps=8):
     kwargs = {"strategy": strategy} if strategy is not None else {}
-    trainer = L.Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=steps,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=list(callbacks),
-        **kwargs,
+    trainer = quiet_trainer(
+        accelerator="gpu", devices=1, max_steps=steps, precision=precision, callbacks=list(callbacks), **kwargs
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer

@@ -59,6 +59,19 @@ def tiny_config(kind: str, **overrides: Any):
     return cfg
 
 
+def quiet_trainer(**kwargs: Any) -> L.Trainer:
+    """A Trainer that writes and prints nothing and reads the data as given (no sampler injected); ``kwargs`` add to
+    or override that."""
+    defaults = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
 def build_causal_lm(config, seed: int = 0) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
