@@ -10,6 +10,9 @@ on 2-D. What DCP and Lightning leave to us:
 - **Clear errors.** Loading a checkpoint whose ``.metadata``, ``meta.pt`` or shard files are missing or short fails
   deep in torch with a shape or unpickling error, on some ranks only. :func:`check_checkpoint` reads the index on
   every rank (no collective) and names what is missing.
+- **Writes from one rank.** What rank 0 writes alone (``meta.pt``, a Transformers directory) goes through
+  :func:`run_on_main_and_share_failure`, so a failure there raises on every rank instead of leaving the others in a
+  collective; directories are published file by file with :func:`publish_directory`.
 - **Random states.** Lightning does not checkpoint them; dropout after a resume would draw different masks. Each
   rank's states are gathered into the checkpoint and restored on the same layout.
 """
@@ -19,7 +22,9 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,53 @@ DCP_INDEX = ".metadata"
 #: The entries this strategy adds to Lightning's checkpoint dict.
 MODELS_KEY = "lightning_tp"
 RNG_KEY = "lightning_tp_rng"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
+    """Run ``fn`` on the main rank; every rank then learns whether it failed and raises with it. A failed write on
+    rank 0 (a full disk, say) must not leave the other ranks waiting in a barrier."""
+    error = None
+    if is_main:
+        try:
+            fn()
+        except Exception as err:  # shared below, then raised on every rank
+            error = f"{type(err).__name__}: {err}"
+            if not _distributed():
+                raise
+    if _distributed():
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RuntimeError(f"Writing failed on rank {failed[0][0]}: {failed[0][1]}")
+
+
+@contextmanager
+def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary sibling of ``directory`` to write into; on success each written file is renamed into
+    ``directory`` (an atomic replace per file), so no reader sees a half-written file, and files already there that
+    this write does not produce (a tokenizer, logs) are kept. On failure the temporary directory is removed and
+    ``directory`` is left as it was."""
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield str(tmp)
+        target.mkdir(exist_ok=True)
+        for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            destination = target / file.relative_to(tmp)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, destination)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class IncompleteCheckpointError(ValueError):
@@ -243,8 +295,6 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
     size, ``python -m lightning_tp.export`` streams one tensor at a time instead."""
     if getattr(model, "_lightning_tp_save", False):
         return
-    from lightning_tp.lora import _is_main, publish_directory, run_on_main_and_share_failure
-
     original = model.save_pretrained
 
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tp.lora import peft_models, publish_directory
+from lightning_tp.checkpoint import publish_directory
+from lightning_tp.lora import peft_models
 
 #: Key of the entry in Lightning's checkpoint dict (``meta.pt`` of a distributed checkpoint).
 ENTRY_KEY = "lightning_tp"

@@ -14,17 +14,12 @@ model, and the plan is extended to the LoRA wrappers before sharding:
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_tp.checkpoint import _is_main, publish_directory, run_on_main_and_share_failure
 from lightning_tp.plan import ResolvedPlan, Style
 
 _COLUMN = ("colwise", "colwise_rep", "colwise_gather_output")
@@ -121,14 +116,6 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
     return ResolvedPlan(styles=styles, grad_allreduce=plan.grad_allreduce, tied=plan.tied)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _is_main() -> bool:
-    return not _distributed() or dist.get_rank() == 0
-
-
 def peft_models(root: nn.Module) -> list[nn.Module]:
     """The ``PeftModel`` instances inside ``root``."""
     try:
@@ -207,26 +194,6 @@ def install_distributed_save(peft_model: nn.Module) -> None:
     peft_model._lightning_tp_save = True
 
 
-@contextmanager
-def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
-    """Yield a temporary sibling of ``directory`` to write into; on success each written file is renamed into
-    ``directory`` (an atomic replace per file), so no reader sees a half-written file, and files already there that
-    this write does not produce (a tokenizer, logs) are kept. On failure the temporary directory is removed and
-    ``directory`` is left as it was."""
-    target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        yield str(tmp)
-        target.mkdir(exist_ok=True)
-        for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            destination = target / file.relative_to(tmp)
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(file, destination)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any]]:
     """The LoRA layers of the base model, and its state dict whole on the CPU of rank 0 (empty elsewhere). Every
     rank must call it (gathering a shard is a collective); what can be wrong is checked before, on every rank."""
@@ -283,22 +250,3 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
             peft_model.get_base_model().save_pretrained(tmp, state_dict=state, is_main_process=True, **save_kwargs)
 
     run_on_main_and_share_failure(write, is_main=is_main)
-
-
-def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
-    """Run ``fn`` on the main rank; every rank then learns whether it failed and raises with it. A failed write on
-    rank 0 (a full disk, say) must not leave the other ranks waiting in a barrier."""
-    error = None
-    if is_main:
-        try:
-            fn()
-        except Exception as err:  # shared below, then raised on every rank
-            error = f"{type(err).__name__}: {err}"
-            if not _distributed():
-                raise
-    if _distributed():
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if failed:
-            raise RuntimeError(f"Writing failed on rank {failed[0][0]}: {failed[0][1]}")

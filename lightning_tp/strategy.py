@@ -40,6 +40,7 @@ from lightning_tp.checkpoint import (
     match_model_state,
     partial_path,
     publish,
+    run_on_main_and_share_failure,
     set_rng_state,
     stored_entries,
 )
@@ -54,7 +55,6 @@ from lightning_tp.lora import (
     initialize_adapters,
     install_distributed_save,
     peft_models,
-    run_on_main_and_share_failure,
 )
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
