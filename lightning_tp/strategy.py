@@ -23,7 +23,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
@@ -64,10 +64,10 @@ from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
     adopt_transformers_sharding,
     apply_tensor_parallel,
-    check_replicas_identical,
     is_sharded,
     on_meta,
     replicate_unsharded_parameters,
+    take_rank_zero_values,
     transformers_tp_mesh,
 )
 
@@ -277,9 +277,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
         self.model = self.precision_plugin.convert_module(self.model)
         # 3. Every rank must hold the same weights before TP and FSDP2 each slice their own copy: one checksum
-        #    all-gather.
-        for module in [m for m, _, presharded in targets if presharded is None] + extras:
-            check_replicas_identical(module)
+        #    all-gather over every rank, then rank 0's values of what differs (as torch's styles, `src_data_rank=0`).
+        self._take_rank_zero_values([m for m, _, presharded in targets if presharded is None] + extras)
         # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links.
         #    A model Transformers sharded at load time keeps its shards and only gets the replicated DTensors; modules
         #    outside the models (a value head, say) are replicated over the TP group.
@@ -339,6 +338,17 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._clip_with_dtensor_support()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _take_rank_zero_values(self, modules: list[nn.Module]) -> None:
+        """Ranks that built the model with different values (a seed per rank, say) train rank 0's values, as
+        Lightning's ``ModelParallelStrategy`` does: the run equals one process initialised like rank 0."""
+        for module in modules:
+            taken = take_rank_zero_values(module)  # over WORLD: TP and data parallelism both need identical copies
+            if taken:
+                rank_zero_info(
+                    f"{type(module).__name__}: {len(taken)} tensor(s) differed between ranks (first: {taken[0]!r}) and "
+                    "were set to rank 0's values on every rank. Seed before building the model to silence this."
+                )
 
     def _resolve_targets(self) -> tuple[list[tuple[nn.Module, ResolvedPlan, DeviceMesh | None]], list[nn.Module]]:
         """The models to shard, each with its resolved plan and, for a model Transformers sharded already, its TP

@@ -84,40 +84,76 @@ def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: Res
     return model
 
 
-@torch.no_grad()
-def check_replicas_identical(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Raise on every rank when the module's weights differ between the ranks of ``group`` (default: all ranks).
+#: Largest number of bytes moved to the device per broadcast when taking rank 0's values (NCCL needs device tensors).
+_BROADCAST_BUCKET_BYTES = 256 * 1024 * 1024
 
-    TP and FSDP2 both slice each rank's own copy, so ranks built with different seeds would silently train a model
-    that is no single model. One all-gather of a checksum per tensor; every rank compares the same gathered values,
-    so every rank raises (or none does).
+
+@torch.no_grad()
+def take_rank_zero_values(module: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
+    """Give every rank of ``group`` (default: all ranks) rank 0's values of the module's parameters and buffers, where
+    they differ; return the names of the tensors taken from rank 0 (the same list on every rank).
+
+    TP and FSDP2 both slice each rank's own copy, so ranks built with different seeds would otherwise train a model
+    that is no single model. As torch's parallel styles do (``src_data_rank=0``), rank 0's values win: the run then
+    equals one process initialised like rank 0. One all-gather of a checksum per tensor tells which tensors differ
+    (every rank compares the same gathered values, so every rank takes the same decision), then only those are
+    broadcast. Sharded (DTensor) and meta tensors are left alone.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    names, sums = [], []
-    for name, tensor in module.state_dict().items():
-        if isinstance(tensor, DTensor) or tensor.is_meta or not tensor.is_floating_point():
+        return []
+    names, tensors, sums = [], [], []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor is None or isinstance(tensor, DTensor) or tensor.is_meta:
             continue
+        data = tensor.detach()
+        if not (data.is_floating_point() or data.is_complex()):
+            data = data.double()  # integer and boolean buffers (position ids, masks): small
         names.append(name)
-        sums.append(
-            torch.stack([tensor.sum(dtype=torch.float64), torch.linalg.vector_norm(tensor, dtype=torch.float64)])
-        )
+        tensors.append(tensor)
+        sums.append(torch.stack([data.sum(dtype=torch.float64), torch.linalg.vector_norm(data, dtype=torch.float64)]))
     if not sums:
-        return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        return []
+    device = _collective_device(group)
     local = torch.stack(sums).to(device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
+    reference = gathered[0]
+    differs = torch.zeros(len(names), dtype=torch.bool, device=device)
     for other in gathered[1:]:
-        differs = ~torch.isclose(gathered[0], other, rtol=1e-6, atol=1e-6).all(dim=1)
-        if differs.any():
-            first = names[int(differs.nonzero()[0])]
-            raise ValueError(
-                f"{type(module).__name__}'s weights differ between ranks (first: "
-                f"{first!r}). Each rank shards its own copy, so they must start identical: seed before building the "
-                "model (`lightning.seed_everything(...)` or `torch.manual_seed(...)` in `configure_model`), or load "
-                "the same checkpoint on every rank."
-            )
+        # Exact comparison (NaN equal to NaN): identical tensors give identical checksums.
+        same = (other == reference) | (other.isnan() & reference.isnan())
+        differs |= ~same.all(dim=1)
+    indices = differs.nonzero().flatten().tolist()
+    _broadcast_from_rank_zero([tensors[i] for i in indices], group=group, device=device)
+    return [names[i] for i in indices]
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_from_rank_zero(
+    tensors: list[torch.Tensor], *, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Overwrite ``tensors`` on every rank with rank 0's values, in buckets of one dtype flattened into one tensor on
+    ``device`` (bounded device memory when the model lives on the CPU)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    buckets: list[list[torch.Tensor]] = []
+    filled = 0
+    for tensor in sorted(tensors, key=lambda t: str(t.dtype)):
+        size = tensor.numel() * tensor.element_size()
+        if not buckets or buckets[-1][0].dtype != tensor.dtype or filled + size > _BROADCAST_BUCKET_BYTES:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(tensor)
+        filled += size
+    for bucket in buckets:
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
+        dist.broadcast(flat, src=src, group=group)
+        for tensor, values in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+            tensor.detach().copy_(values.view_as(tensor))
 
 
 def on_meta(module: nn.Module) -> bool:
