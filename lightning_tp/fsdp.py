@@ -2,11 +2,16 @@
 
 Each transformer block is sharded on its own, then the root, so that one block's full parameters exist at a time.
 On a ``(dp_replicate, dp_shard)`` mesh this is HSDP: shard inside a group, replicate across groups.
+
+A LightningModule that is itself the model (a plain ``nn.Module`` tree given a plan) is not one FSDP2 unit: its
+``training_step`` calls submodules (``self.net(x)``), never its own ``forward``, so a unit on it would never gather
+its parameters. Each child holding parameters becomes its own unit instead (see :func:`apply_fsdp_per_child`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,3 +59,45 @@ def apply_fsdp(
             fully_shard(submodule, **kwargs)
     fully_shard(module, **kwargs)
     return module
+
+
+def fsdp_units(root: nn.Module) -> list[nn.Module]:
+    """The children of ``root`` that hold parameters: one FSDP2 unit each. Raises when two of them share a parameter
+    (FSDP2 cannot shard one parameter in two units; the same module reachable under two names is one unit)."""
+    units: list[nn.Module] = []
+    owner: dict[int, str] = {}
+    for name, child in root.named_children():
+        if any(child is unit for unit in units):
+            continue
+        params = list(child.parameters())
+        if not params:
+            continue
+        for param_name, param in child.named_parameters():
+            if id(param) in owner and owner[id(param)] != name:
+                raise ValueError(
+                    f"{type(root).__name__}.{name} and {type(root).__name__}.{owner[id(param)]} share the parameter "
+                    f"{name}.{param_name}. With data parallelism each child of the LightningModule is sharded as its "
+                    f"own FSDP2 unit; put the modules that share weights under one parent module "
+                    f"(e.g. `self.model = nn.ModuleDict(...)`)."
+                )
+            owner[id(param)] = name
+        units.append(child)
+    return units
+
+
+def apply_fsdp_per_child(
+    root: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    fsdp_blocks: Iterable[str] | None = None,
+    **kwargs: Any,
+) -> list[nn.Module]:
+    """FSDP2 on each child of ``root`` that holds parameters (its blocks by ``fsdp_blocks`` first, see
+    :func:`apply_fsdp`), not on ``root``: whichever child ``training_step`` calls gathers its parameters by its own
+    hooks, and a call through ``root.forward`` reaches the same hooks. Each unit is its own FSDP2 root (modules called
+    more than once per step all-gather again and accumulate their gradients; FSDP2 handles both). Parameters held by
+    ``root`` itself stay whole. Returns the units."""
+    units = fsdp_units(root)
+    for unit in units:
+        apply_fsdp(unit, dp_mesh, blocks=block_classes(unit, fsdp_blocks), **kwargs)
+    return units

@@ -44,7 +44,7 @@ from lightning_tp.checkpoint import (
     set_rng_state,
     stored_entries,
 )
-from lightning_tp.fsdp import apply_fsdp, block_classes, fsdp_mixed_precision
+from lightning_tp.fsdp import apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision, fsdp_units
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.loading import materialize
@@ -365,6 +365,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     "'colwise' | 'rowwise' | <ParallelStyle>}` (paths relative to the LightningModule)."
                 )
             models = [root]
+            if self.layout.dp_size > 1:
+                fsdp_units(root)  # refuses children sharing a parameter, before any collective
         direct = [name for name, p in root._parameters.items() if p is not None and p.requires_grad]
         if direct:
             raise ValueError(
@@ -451,7 +453,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     def _apply_fsdp(self, models: list[nn.Module], extras: list[nn.Module]) -> None:
         """FSDP2 over each model (its blocks one by one, then the model), and over each module outside the models as
-        one group, so that every trainable parameter has its gradients reduced over the data-parallel ranks."""
+        one group, so that every trainable parameter has its gradients reduced over the data-parallel ranks. A
+        LightningModule that is the model itself gets one group per child (see :func:`apply_fsdp_per_child`)."""
         # HSDP takes the 2-D (replicate, shard) mesh, even when the shard axis has one rank; FSDP the shard axis.
         if self.layout.dp_replicate_size > 1:
             dp_mesh = self.device_mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]
@@ -463,7 +466,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
             cpu_offload=self._cpu_offload,
         )
         for module in models:
-            apply_fsdp(module, dp_mesh, blocks=block_classes(module, self._fsdp_blocks), **options)
+            if module is self.lightning_module:
+                # A plain module tree: `training_step` calls its children, never the LightningModule's forward.
+                apply_fsdp_per_child(module, dp_mesh, fsdp_blocks=self._fsdp_blocks, **options)
+            else:
+                apply_fsdp(module, dp_mesh, blocks=block_classes(module, self._fsdp_blocks), **options)
         for module in extras:
             apply_fsdp(module, dp_mesh, blocks=set(), **options)
 
