@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,10 +45,16 @@ class SequenceSplit:
     """Whether the model's current forward runs on sequence shards: decided by :class:`ShardSequence` at the first
     decoder layer, read by the other hooks of the same model. A forward whose length ``tp_size`` does not divide
     (a decoding step of ``generate``, say) runs unsplit outside training, on whole sequences: correct, without the
-    memory saving."""
+    memory saving. In training such a length is an error.
 
-    def __init__(self) -> None:
+    ``agree_group``: the data-parallel group, when there is one. Data-parallel ranks see different batches, so a
+    length one of them cannot split must stop them all (the others would wait in FSDP2's collectives until the
+    timeout): in training the ranks exchange their lengths (one all-reduce of ``dp_size`` integers per forward) and
+    all raise the same error."""
+
+    def __init__(self, agree_group: dist.ProcessGroup | None = None) -> None:
         self.active = True
+        self.agree_group = agree_group
 
 
 class GatherSequence(ParallelStyle):
@@ -133,13 +140,9 @@ class ShardSequence(ParallelStyle):
         def shard(local: Any) -> Any:
             length, tp_size = local.shape[SEQUENCE_DIM], device_mesh.size()
             self.split.active = length % tp_size == 0
+            if module.training and torch.is_grad_enabled():
+                _raise_on_every_rank_if_undivisible(length, tp_size, group=self.split.agree_group, device=local.device)
             if not self.split.active:
-                if module.training and torch.is_grad_enabled():
-                    raise ValueError(
-                        f"sequence_parallel=True splits the sequence over the TP ranks, but the sequence length "
-                        f"{length} is not divisible by tp_size={tp_size}. Pad the batches to a multiple of {tp_size} "
-                        f"(e.g. `pad_to_multiple_of={tp_size}` in the tokenizer or collator)."
-                    )
                 return local
             return (
                 DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
@@ -149,6 +152,36 @@ class ShardSequence(ParallelStyle):
 
         module.register_forward_pre_hook(_on_hidden_states(shard), with_kwargs=True)
         return module
+
+
+def _raise_on_every_rank_if_undivisible(
+    length: int, tp_size: int, *, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Raise the same ValueError on every rank of ``group`` (and, since the ranks of a TP group hold the same batch,
+    on every rank) when any of them has a sequence length ``tp_size`` does not divide. Without a group (no data
+    parallelism) the length is this rank's and its TP group's alone."""
+    bad = {0: length} if length % tp_size else {}
+    if group is not None:
+        # One tiny all-reduce (dp_size integers) at the same point of every rank's forward: all ranks have run the
+        # same collectives so far, so all of them reach it and all take the same decision.
+        lengths = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+        if length % tp_size:
+            lengths[dist.get_rank(group)] = length
+        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
+        bad = {rank: int(n) for rank, n in enumerate(lengths.tolist()) if n}
+    if not bad:
+        return
+    where = ""
+    if group is not None and len(bad) == 1:
+        where = f" (data-parallel rank {next(iter(bad))})"
+    elif group is not None:
+        where = " (data-parallel ranks " + ", ".join(f"{rank}: {n}" for rank, n in bad.items()) + ")"
+    raise ValueError(
+        f"sequence_parallel=True splits the sequence over the TP ranks, but the sequence length "
+        f"{next(iter(bad.values()))}{where} is not divisible by tp_size={tp_size}. Pad every batch to a multiple of "
+        f"{tp_size}: `pad_to_multiple_of={tp_size}` in the tokenizer or collator (e.g. "
+        f"`DataCollatorWithPadding(tokenizer, pad_to_multiple_of={tp_size})`). Every rank raises this error."
+    )
 
 
 def _on_hidden_states(fn: Any) -> Any:
@@ -172,6 +205,7 @@ def rewrite_plan(
     loss_parallel: bool,
     blocks: set[type],
     dense_layers: bool = True,
+    agree_group: dist.ProcessGroup | None = None,
 ) -> ResolvedPlan:
     """``plan`` rewritten for sequence and/or loss parallelism (see the module docstring). ``blocks``: the classes of
     the decoder layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite.
@@ -180,10 +214,11 @@ def rewrite_plan(
     each attention and MLP makes its input one replicated DTensor (:class:`ReplicateRegionInput`) shared by its
     column-wise projections, so their partial input gradients are summed and all-reduced once, 2 all-reduces per layer
     in backward (Megatron's count) instead of one per projection (5 for q, k, v, gate, up) with Transformers' layers.
-    Layers with other styles keep Transformers' layers."""
+    Layers with other styles keep Transformers' layers. ``agree_group``: the data-parallel group over which training
+    forwards agree on whether the sequence splits (see :class:`SequenceSplit`)."""
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
-    split = SequenceSplit()
+    split = SequenceSplit(agree_group)
     # Decoder layers with plan entries: `_no_split_modules` also lists vision and audio blocks, which the plan
     # leaves alone.
     layers = [name for name, m in model.named_modules() if type(m) in blocks and _layer_entries(styles, name)]

@@ -426,8 +426,16 @@ class TensorParallelStrategy(ModelParallelStrategy):
             return plan
         if self._sequence_parallel and has_peft(module):
             raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")
+        # Data-parallel ranks see different batches: with sequence parallelism they agree on the lengths over their
+        # group before any of them raises (see `SequenceSplit`).
+        agree_group = self.dp_mesh.get_group() if self._sequence_parallel and self.layout.dp_size > 1 else None
         return rewrite_plan(
-            module, plan, **options, blocks=block_classes(module, self._fsdp_blocks), dense_layers=not has_peft(module)
+            module,
+            plan,
+            **options,
+            blocks=block_classes(module, self._fsdp_blocks),
+            dense_layers=not has_peft(module),
+            agree_group=agree_group,
         )
 
     def _check_sharded_size(self, module: nn.Module, mesh: DeviceMesh) -> None:
