@@ -31,14 +31,23 @@ TWO_D_CASES = [
     "qwen3_meta_lora",
     "qwen3_sp_lp_adamw_clip",
     "features",
+    # Plain modules (not Transformers) under TP x FSDP2, FSDP2 alone (tp_size=1 on 4 ranks), ranks seeded apart.
+    "mlp_custom_plan",
+    "plain_twice_with_head",
+    "mlp_fsdp_only",
+    "llama_rank_seeded",
+    "sp_odd_on_one_group",
 ]
 #: Cases that only make sense with data parallelism.
 DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard"}
 #: Cases trained from a random initialisation, which no single process can reproduce: checked on their own.
 UNREFERENCED_CASES = {"qwen3_meta_init", "qwen3_meta_lora"}
-TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | UNREFERENCED_CASES]
+#: Cases with tp_size=1 (FSDP2 alone over every rank): run in both launches, checked on their own.
+FSDP_ONLY_CASES = {"mlp_fsdp_only"}
+TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | UNREFERENCED_CASES | FSDP_ONLY_CASES]
 TP_CASES = [
     *TP_PARITY_CASES,
+    *FSDP_ONLY_CASES,
     *UNREFERENCED_CASES,
     "features",
     "save_failure",

@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.distributed.conftest import TP_PARITY_CASES, TWO_D_CASES, UNREFERENCED_CASES
+from tests.distributed.conftest import FSDP_ONLY_CASES, TP_PARITY_CASES, TWO_D_CASES, UNREFERENCED_CASES
 from tests.helpers.cases import CASES, ERROR_CASES
 from tests.helpers.models import (
     ParityModule,
@@ -61,13 +61,59 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [name for name in TWO_D_CASES if name != "features" and name not in UNREFERENCED_CASES]
+    "name",
+    [name for name in TWO_D_CASES if name in CASES and name not in UNREFERENCED_CASES | FSDP_ONLY_CASES],
 )
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """dp_shard 2 x tp 2: each data-parallel rank trains on half of the global batch."""
     _assert_parity(_result(two_d_results, name), _reference(name), name)
     samplers = [r[name]["sampler"] for r in two_d_results]
     assert samplers == [{"num_replicas": 2, "rank": rank // 2} for rank in range(4)]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+def test_plain_module_under_fsdp_alone_matches_single_process(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str
+) -> None:
+    """tp_size=1: FSDP2 over every rank. training_step calls `self.model(x)`, which gathers its own parameters."""
+    results = tp2_results if layout == "tp2" else two_d_results
+    for name in FSDP_ONLY_CASES:
+        _assert_parity(_result(results, name), _reference(name), name)
+        samplers = [r[name]["sampler"] for r in results]
+        assert samplers == [{"num_replicas": len(results), "rank": rank} for rank in range(len(results))]
+
+
+def test_plain_module_children_are_fsdp_units(two_d_results: list[dict]) -> None:
+    """Each child of the LightningModule holding parameters is its own FSDP2 unit (the block run twice per forward
+    is one more, by `fsdp_blocks`): the model, its block, and the head."""
+    assert _result(two_d_results, "plain_twice_with_head")["fsdp_units"] == ["head", "model", "model.block"]
+    assert _result(two_d_results, "mlp_custom_plan")["fsdp_units"] == ["model"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+def test_ranks_seeded_apart_train_rank_zeros_model(
+    tp2_results: list[dict], two_d_results: list[dict], layout: str
+) -> None:
+    """Each rank built its model from seed + rank: rank 0's values are taken (and said so), so the run equals one
+    process built with rank 0's seed (parity in `test_*_matches_single_process`)."""
+    results = tp2_results if layout == "tp2" else two_d_results
+    infos = _result(results, "llama_rank_seeded")["infos"]
+    assert any("were set to rank 0's values" in line and "16 tensor(s)" in line for line in infos), infos
+    assert not any("rank 0's values" in line for line in _result(results, "qwen3_sgd")["infos"])
+
+
+def test_sequence_parallel_odd_length_on_one_data_parallel_group_raises_on_every_rank(
+    two_d_results: list[dict],
+) -> None:
+    """dp 2 x tp 2, only data-parallel rank 1 gets length 15: all 4 ranks raise the same error within seconds
+    (none waits in FSDP2's all-gathers for the process-group timeout)."""
+    errors = [r["sp_odd_on_one_group"] for r in two_d_results]
+    for error in errors:
+        assert error["type"] == "ValueError", error
+        assert "sequence length 15 (data-parallel rank 1)" in error["message"]
+        assert "tp_size=2" in error["message"] and "pad_to_multiple_of=2" in error["message"]
+        assert error["seconds"] < 30, error
+    assert len({e["message"] for e in errors}) == 1
 
 
 def test_2d_accumulation_reduces_once_per_optimizer_step(two_d_results: list[dict]) -> None:

@@ -6,6 +6,7 @@ Usage: worker.py OUT_DIR [--layout tp|2d] CASE [CASE ...]
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import traceback
 from functools import partial
@@ -78,8 +79,16 @@ def run_case(name: str, layout: dict, out: Path) -> dict:
                 initial.update({f"buffer:{k}": v.detach().cpu().clone() for k, v in pl_module.model.named_buffers()})
 
         t.callbacks.append(Snapshot())
-    with ReduceScatterCounter() as counter:
-        t.fit(module, DataLoader(batches, batch_size=None))
+    infos: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: infos.append(record.getMessage())  # type: ignore[method-assign]
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's rank_zero_info
+    rank_zero_log.addHandler(handler)
+    try:
+        with ReduceScatterCounter() as counter:
+            t.fit(module, DataLoader(batches, batch_size=None))
+    finally:
+        rank_zero_log.removeHandler(handler)
     model = module.model
     adapter = {}
     if "lora" in name:  # saved the PEFT way on every rank; logits of the sharded model to compare a reload with
@@ -96,6 +105,8 @@ def run_case(name: str, layout: dict, out: Path) -> dict:
         "reduce_scatters": counter.calls,
         "optimizer_steps": t.global_step,
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "fsdp_units": sorted(name for name, m in module.named_modules() if isinstance(m, FSDPModule)),
+        "infos": infos,
         "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight
         if hasattr(model, "get_output_embeddings") and getattr(model.config, "tie_word_embeddings", False)
         else None,
@@ -221,6 +232,31 @@ def run_collectives(layout: dict) -> dict:
     return out
 
 
+def run_sequence_parallel_odd_on_one_group(layout: dict) -> dict:
+    """Sequence parallelism in 2-D where only data-parallel rank 1 gets a length tp_size does not divide: every rank
+    must raise the same clear error within seconds, none may wait in FSDP2's collectives until the timeout."""
+    import time
+    from datetime import timedelta
+
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    class OddOnOneGroup(ParityModule):
+        def compute_loss(self, batch: dict) -> torch.Tensor:
+            if self.trainer.strategy.dp_mesh.get_local_rank() == 1:
+                batch = {k: v[:, :15] for k, v in batch.items()}
+            return super().compute_loss(batch)
+
+    module = OddOnOneGroup(partial(build_causal_lm, tiny_config("qwen3")))
+    strategy = TensorParallelStrategy(**layout, sequence_parallel=True, timeout=timedelta(seconds=60))
+    t = trainer(strategy, max_steps=2)
+    start = time.monotonic()
+    try:
+        t.fit(module, DataLoader(lm_batches(2), batch_size=None))
+        return {"type": None, "message": "no error", "seconds": time.monotonic() - start}
+    except Exception as err:
+        return {"type": type(err).__name__, "message": str(err), "seconds": time.monotonic() - start}
+
+
 def run_error(name: str) -> dict:
     build, kwargs, _ = ERROR_CASES[name]
     module = ParityModule(build)
@@ -248,6 +284,8 @@ def main() -> None:
                 results[name] = run_features(layout)
             elif name == "save_failure":
                 results[name] = run_save_failure()
+            elif name == "sp_odd_on_one_group":
+                results[name] = run_sequence_parallel_odd_on_one_group(layout)
             elif name == "collectives":
                 results[name] = run_collectives(layout)
             elif name == "loss_parallel_checks":

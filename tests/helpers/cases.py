@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from tests.helpers.models import MLP, ParityModule, build_causal_lm, lm_batches, mlp_batches, tiny_config
+from tests.helpers.models import MLP, ParityModule, TwiceMLP, build_causal_lm, lm_batches, mlp_batches, tiny_config
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _meta_from_checkpoint(kind: str) -> Any:
 
 
 def _rank_seeded_llama() -> Any:
-    """A user mistake: each rank builds its model from a different seed."""
+    """Each rank builds its model from a different seed (as scripts written for ModelParallelStrategy may)."""
     import os
 
     return build_causal_lm(tiny_config("llama"), seed=int(os.environ["RANK"]))
@@ -83,6 +83,16 @@ def _mlp() -> MLP:
 
     torch.manual_seed(0)
     return MLP()
+
+
+TWICE_PLAN = {"model.block.up": "colwise", "model.block.down": "rowwise"}
+
+
+def _twice_mlp() -> TwiceMLP:
+    import torch
+
+    torch.manual_seed(0)
+    return TwiceMLP()
 
 
 def _lora(kind: str, **lora_kwargs: Any) -> Any:
@@ -141,6 +151,27 @@ CASES: dict[str, Case] = {
         },
     ),
     "mlp_custom_plan": Case(_mlp, partial(mlp_batches, 5), strategy_kwargs={"tp_plan": MLP_PLAN}),
+    # A plain module under data parallelism only (training_step calls `self.model(x)`: each child of the
+    # LightningModule is its own FSDP2 unit).
+    "mlp_fsdp_only": Case(_mlp, partial(mlp_batches, 4), strategy_kwargs={"tp_plan": MLP_PLAN, "tp_size": 1}),
+    # A plain module whose block (its own FSDP2 unit) runs twice per forward, and a second child of the
+    # LightningModule (`self.head`) called from training_step on its own; foreach AdamW.
+    "plain_twice_with_head": Case(
+        _twice_mlp,
+        partial(mlp_batches, 4),
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        head=True,
+        strategy_kwargs={"tp_plan": TWICE_PLAN, "fsdp_blocks": ["Block"]},
+    ),
+    # Each rank builds the model from its own seed (seed + rank): rank 0's values are taken, so the run equals one
+    # process built with rank 0's seed.
+    "llama_rank_seeded": Case(
+        _rank_seeded_llama,
+        partial(lm_batches, 3),
+        reference_build=partial(build_causal_lm, tiny_config("llama"), seed=0),
+    ),
     # AdamW with foreach and fused kernels (CUDA's default is foreach), and clipping by the global norm.
     "qwen3_adamw_foreach_clip": lm(
         "qwen3",
@@ -268,7 +299,6 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
     "sequence_parallel_plain_module": (_mlp, {"tp_plan": MLP_PLAN, "sequence_parallel": True}, "is not one"),
     "dora": (partial(_lora, "qwen3", use_dora=True), {}, "use `use_dora=True`, which is not supported"),
-    "replicas_differ": (_rank_seeded_llama, {}, "weights differ between ranks"),
     # FSDP2's CPU offload pins host memory: it needs an accelerator, and data parallelism.
     "cpu_offload_on_cpu": (
         partial(build_causal_lm, tiny_config("qwen3")),

@@ -93,6 +93,31 @@ class MLP(nn.Module):
         return self.head(x + self.down(torch.relu(self.up(self.norm(x)))))
 
 
+class Block(nn.Module):
+    """A residual MLP block (for ``fsdp_blocks=["Block"]``)."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TwiceMLP(nn.Module):
+    """A plain module whose block runs twice per forward (weights shared across the two calls)."""
+
+    def __init__(self, dim: int = 32, classes: int = VOCAB):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.block = Block(dim)
+        self.out = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.block(self.norm(x))))
+
+
 def lm_batches(steps: int, batch_size: int = 4, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -146,7 +171,11 @@ class ParityModule(L.LightningModule):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if "x" in batch:
-            return nn.functional.cross_entropy(self.model(batch["x"]), batch["y"])
+            logits = self.model(batch["x"])
+            loss = nn.functional.cross_entropy(logits, batch["y"])
+            if hasattr(self, "head"):  # a second child of the LightningModule, called on its own
+                loss = loss + self.head(logits).pow(2).mean()
+            return loss
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
         if hasattr(self, "head"):
             return out.loss + self.head(out.logits).pow(2).mean()

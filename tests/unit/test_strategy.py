@@ -123,3 +123,23 @@ def test_a_model_reachable_twice_is_sharded_once() -> None:
     root.model = build_causal_lm(tiny_config("llama"))
     root.backbone = root.model.model
     assert _top_level_transformers_models(root) == [root.model]
+
+
+def test_each_child_holding_parameters_is_one_fsdp_unit_and_shared_weights_are_refused() -> None:
+    """A plain LightningModule under data parallelism: one FSDP2 unit per child holding parameters (the same child
+    under two names once); children sharing a parameter get a clear error naming both."""
+    from lightning_tp.fsdp import fsdp_units
+
+    class Root(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 4)
+            self.alias = self.net
+            self.act = torch.nn.ReLU()
+            self.head = torch.nn.Linear(4, 2)
+
+    root = Root()
+    assert fsdp_units(root) == [root.net, root.head]
+    root.head.weight = root.net.weight
+    with pytest.raises(ValueError, match=r"Root.head and Root.net share the parameter head.weight"):
+        fsdp_units(root)
