@@ -106,7 +106,9 @@ def take_rank_zero_values(module: nn.Module, group: dist.ProcessGroup | None = N
         if tensor is None or isinstance(tensor, DTensor) or tensor.is_meta:
             continue
         data = tensor.detach()
-        if not (data.is_floating_point() or data.is_complex()):
+        if data.is_complex():
+            data = torch.view_as_real(data)  # complex rotary tables: a real view, no copy
+        elif not data.is_floating_point():
             data = data.double()  # integer and boolean buffers (position ids, masks): small
         names.append(name)
         tensors.append(tensor)
