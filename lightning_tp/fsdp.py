@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[type[nn.Module]]:
@@ -100,4 +101,49 @@ def apply_fsdp_per_child(
     units = fsdp_units(root)
     for unit in units:
         apply_fsdp(unit, dp_mesh, blocks=block_classes(unit, fsdp_blocks), **kwargs)
+    _refuse_calls_outside_units(root, units)
     return units
+
+
+#: Mesh axis names of FSDP2's sharded parameters (its unsharded ones live on the TP axis only, or are plain).
+_DATA_PARALLEL_AXES = ("dp_shard", "dp_replicate")
+
+
+def _refuse_calls_outside_units(root: nn.Module, units: list[nn.Module]) -> None:
+    """A module inside a unit, called on its own (``self.model.norm(x)`` from ``training_step``), would run on its
+    FSDP2 shards and fail deep in an operator ("inputs with different meshes", a shape mismatch). Raise a clear error
+    instead, the same on every rank (every rank makes the same call)."""
+    names = {id(m): name for name, m in root.named_modules()}
+    for unit in units:
+        for module in unit.modules():
+            if isinstance(module, FSDPModule) or not any(True for _ in module.parameters(recurse=False)):
+                continue
+            owner = _owning_unit(unit, module)
+            module.register_forward_pre_hook(
+                _refuse_sharded(names.get(id(module), "?"), names.get(id(owner), "?"), type(module).__name__)
+            )
+
+
+def _owning_unit(unit: nn.Module, module: nn.Module) -> nn.Module:
+    """The innermost FSDP2 unit of ``unit`` (itself, or one of its blocks) that holds ``module``."""
+    owner = unit
+    for candidate in unit.modules():
+        inside = any(m is module for m in candidate.modules())
+        if isinstance(candidate, FSDPModule) and candidate is not unit and inside:
+            owner = candidate
+    return owner
+
+
+def _refuse_sharded(name: str, owner: str, class_name: str) -> Any:
+    def hook(module: nn.Module, args: Any) -> None:
+        for param in module._parameters.values():
+            names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+            if names and any(axis in names for axis in _DATA_PARALLEL_AXES):
+                raise ValueError(
+                    f"`{name}` was called on its own, outside the forward of `{owner}`, the FSDP2 unit that holds "
+                    f"its parameters sharded over the data-parallel ranks. Call `{owner}` (a child of the "
+                    f"LightningModule gathers its parameters in its forward), or make `{name}` a unit of its own "
+                    f"with `fsdp_blocks=[{class_name!r}, ...]`."
+                )
+
+    return hook
