@@ -34,6 +34,7 @@ TWO_D_CASES = [
     # Plain modules (not Transformers) under TP x FSDP2, FSDP2 alone (tp_size=1 on 4 ranks), ranks seeded apart.
     "mlp_custom_plan",
     "plain_twice_with_head",
+    "plain_direct_call",
     "mlp_fsdp_only",
     "llama_rank_seeded",
     "sp_odd_on_one_group",

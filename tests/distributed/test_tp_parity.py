@@ -88,6 +88,7 @@ def test_plain_module_children_are_fsdp_units(two_d_results: list[dict]) -> None
     is one more, by `fsdp_blocks`): the model, its block, and the head."""
     assert _result(two_d_results, "plain_twice_with_head")["fsdp_units"] == ["head", "model", "model.block"]
     assert _result(two_d_results, "mlp_custom_plan")["fsdp_units"] == ["model"]
+    assert _result(two_d_results, "plain_direct_call")["fsdp_units"] == ["model", "model.norm"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])

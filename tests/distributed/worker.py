@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import lightning_tp
 from lightning_tp import TensorParallelStrategy
-from tests.helpers.cases import CASES, ERROR_CASES
+from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
 from tests.helpers.models import ParityModule, lm_batches, quiet_trainer
 
 
@@ -259,7 +259,7 @@ def run_sequence_parallel_odd_on_one_group(layout: dict) -> dict:
 
 def run_error(name: str) -> dict:
     build, kwargs, _ = ERROR_CASES[name]
-    module = ParityModule(build)
+    module = ParityModule(build, **ERROR_MODULE_KWARGS.get(name, {}))
     try:
         trainer(TensorParallelStrategy(**kwargs), max_steps=1).fit(
             module, DataLoader([{"x": torch.zeros(2, 32), "y": torch.zeros(2, dtype=torch.long)}], batch_size=None)

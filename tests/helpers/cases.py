@@ -23,13 +23,21 @@ class Case:
     precision: str = "32-true"
     accumulate: int = 1
     head: bool = False
+    call_directly: str | None = None
 
     #: What the single-process reference builds, when it differs from ``build`` (a pre-sharded load).
     reference_build: Callable[[], Any] | None = None
 
     def module(self, *, reference: bool = False) -> ParityModule:
         build = self.reference_build if reference and self.reference_build is not None else self.build
-        return ParityModule(build, optimizer=self.optimizer, lr=self.lr, head=self.head, **self.opt_kwargs)
+        return ParityModule(
+            build,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            head=self.head,
+            call_directly=self.call_directly,
+            **self.opt_kwargs,
+        )
 
 
 # Paths relative to the LightningModule, since the module is not a Transformers model.
@@ -165,6 +173,16 @@ CASES: dict[str, Case] = {
         head=True,
         strategy_kwargs={"tp_plan": TWICE_PLAN, "fsdp_blocks": ["Block"]},
     ),
+    # training_step calls `self.model.norm(x)` on its own, then `self.model` twice: the norm's class is named in
+    # `fsdp_blocks`, so it is a unit with its own hooks.
+    "plain_direct_call": Case(
+        _mlp,
+        partial(mlp_batches, 4),
+        optimizer="adamw",
+        lr=1e-2,
+        call_directly="model.norm",
+        strategy_kwargs={"tp_plan": MLP_PLAN, "fsdp_blocks": ["LayerNorm"]},
+    ),
     # Each rank builds the model from its own seed (seed + rank): rank 0's values are taken, so the run equals one
     # process built with rank 0's seed.
     "llama_rank_seeded": Case(
@@ -299,6 +317,9 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
     "sequence_parallel_plain_module": (_mlp, {"tp_plan": MLP_PLAN, "sequence_parallel": True}, "is not one"),
     "dora": (partial(_lora, "qwen3", use_dora=True), {}, "use `use_dora=True`, which is not supported"),
+    # Under FSDP2 alone (tp_size=1 on 2 ranks), `self.model.norm(x)` called from training_step outside the model's
+    # unit: a clear error naming it and the fix (see ERROR_MODULE_KWARGS).
+    "direct_call_inside_unit": (_mlp, {"tp_plan": MLP_PLAN, "tp_size": 1}, "`model.norm` was called on its own"),
     # FSDP2's CPU offload pins host memory: it needs an accelerator, and data parallelism.
     "cpu_offload_on_cpu": (
         partial(build_causal_lm, tiny_config("qwen3")),
@@ -306,3 +327,6 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
         "on `accelerator='cpu'`",
     ),
 }
+
+#: ParityModule arguments of the error cases that need them.
+ERROR_MODULE_KWARGS: dict[str, dict[str, Any]] = {"direct_call_inside_unit": {"call_directly": "model.norm"}}

@@ -140,6 +140,7 @@ def mlp_batches(steps: int, batch_size: int = 8, seed: int = 1) -> list[dict[str
 class ParityModule(L.LightningModule):
     """Trains a model built in ``configure_model`` and records the loss and the pre-clip gradient norm per step.
 
+    ``call_directly``: the path of a module inside the model that the step also calls on its own (plain models).
     ``dp_split``: with data parallelism each rank trains on its slice of the global batch, so that the run is
     comparable with one process on the whole batch.
     """
@@ -151,10 +152,12 @@ class ParityModule(L.LightningModule):
         optimizer: str = "sgd",
         lr: float = 0.1,
         head: bool = False,
+        call_directly: str | None = None,
         **opt_kwargs: Any,
     ):
         super().__init__()
         self.build = build
+        self.call_directly = call_directly
         self.model: nn.Module | None = None
         if head:  # a trainable module outside the Transformers model, e.g. a value head
             torch.manual_seed(1)
@@ -175,6 +178,9 @@ class ParityModule(L.LightningModule):
             loss = nn.functional.cross_entropy(logits, batch["y"])
             if hasattr(self, "head"):  # a second child of the LightningModule, called on its own
                 loss = loss + self.head(logits).pow(2).mean()
+            if self.call_directly:  # a module inside the model called from training_step, then the model again
+                inner = self.get_submodule(self.call_directly)
+                loss = loss + nn.functional.cross_entropy(self.model(inner(batch["x"]) * 0.5), batch["y"])
             return loss
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
         if hasattr(self, "head"):
