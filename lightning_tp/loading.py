@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero
 from lightning_tp.tensor_parallel import retie
 
 #: Attribute set on a meta model by :func:`from_pretrained`: the directory of its safetensors files.
@@ -161,7 +162,11 @@ def _unique_state_dict(model: nn.Module, *, prefer: set[str]) -> dict[str, torch
 
 def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str]) -> None:
     """Allocate a meta (and already sharded) Transformers model on ``device``, load its checkpoint when it came from
-    :func:`from_pretrained`, and let Transformers initialise everything else (all of it without a checkpoint)."""
+    :func:`from_pretrained`, and let Transformers initialise everything else (all of it without a checkpoint).
+
+    Random weights are drawn whole from rank 0's generator state and sliced (see :mod:`lightning_tp.random_init`):
+    the model equals one process that ran Transformers' ``initialize_weights`` on the same meta model. Every rank must
+    call it (one broadcast of the generator state)."""
     model.to_empty(device=device)
     retie(model, tied)
     directory = getattr(model, CHECKPOINT_ATTR, None)
@@ -170,4 +175,5 @@ def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str])
         if _base_name(name) in loaded and not _is_adapter(name):
             tensor._is_hf_initialized = True  # Transformers' initialisation skips what is marked
     if hasattr(model, "initialize_weights"):
-        model.initialize_weights()
+        with random_state_of_rank_zero(device):
+            initialize_transformers_weights(model)

@@ -59,6 +59,7 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.random_init import random_state_of_rank_zero
 from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -357,7 +358,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     "adapter loaded with `PeftModel.from_pretrained` onto such a model is not kept. To continue "
                     "training a saved adapter, load the base with `AutoModelForCausalLM.from_pretrained`."
                 )
-                initialize_adapters(peft_model)  # PEFT's own initialisation, on the shards
+                with random_state_of_rank_zero(init_device):  # every rank draws the same whole adapters
+                    initialize_adapters(peft_model)  # PEFT's own initialisation, each rank keeping its slices
             install_distributed_save(peft_model)
         for module, _, presharded_mesh in targets:
             # A model Transformers sharded at load time saves itself on every rank (its own barrier included).

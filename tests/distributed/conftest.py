@@ -38,12 +38,9 @@ TWO_D_CASES = [
 DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
 #: bf16 cases, compared with a bf16 single process (not at fp32's tolerance).
 BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
-#: Cases trained from a random initialisation, which no single process can reproduce: checked on their own.
-UNREFERENCED_CASES = {"qwen3_meta_init", "qwen3_meta_lora"}
-TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | UNREFERENCED_CASES]
+TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES]
 TP_CASES = [
     *TP_PARITY_CASES,
-    *UNREFERENCED_CASES,
     "features",
     "save_failure",
     "collectives",
