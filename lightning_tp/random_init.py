@@ -2,11 +2,12 @@
 
 Initialising a DTensor draws each rank's shard from that rank's generator: with the same state on every rank (the
 usual case), every shard gets the same numbers, so the two halves of a TP weight are identical (duplicated heads), and
-on CUDA the result depends on DTensor's RNG tracker. Here each random initialisation runs on a whole-size plain tensor
-(one module's own parameters at a time), drawn from the same generator state on every rank, and each rank keeps its
-slice: the shards are the slices of the one tensor a single process would draw, in the same order, so a sharded run
-initialises exactly like one process that initialised the same meta model. Cost: each rank draws every random number
-of the model (not 1/N of them) and holds one module's parameters whole at a time (the embedding, for most models).
+on CUDA the result depends on DTensor's RNG tracker. Here each random initialisation runs on whole-size plain tensors
+(the parameters one module's ``_init_weights`` can reach, swapped in while it runs), drawn from the same generator
+state on every rank, and each rank keeps its slice: the shards are the slices of the tensors a single process draws,
+in the same order, so a sharded run initialises exactly like one process that initialised the same meta model. Cost:
+each rank draws every random number of the model (not 1/N of them) and holds at most one block's parameters whole at
+a time (at the root: the embedding and ``lm_head``).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def initialize_transformers_weights(model: nn.Module) -> None:
             original = sub._initialize_weights
 
             def initialize(module: nn.Module, *args: Any, _original: Callable = original, **kwargs: Any) -> None:
-                with whole_parameters([module]):
+                with whole_parameters(_reachable_from_init(module)):
                     _original(module, *args, **kwargs)
 
             sub._initialize_weights = initialize
@@ -106,3 +107,15 @@ def initialize_transformers_weights(model: nn.Module) -> None:
     finally:
         for sub in wrapped:
             del sub._initialize_weights
+
+
+def _reachable_from_init(module: nn.Module) -> list[nn.Module]:
+    """The modules whose parameters ``_init_weights(module)`` may write: many models initialise their children's
+    weights from the parent (``init.normal_(module.q_proj.weight)`` on an attention module). A block and everything
+    in it (one block whole at a time); for a Transformers model (the root, the base model), itself and its leaf
+    children only (the embedding, ``lm_head``, the final norm), not the whole model."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(module, PreTrainedModel):
+        return list(module.modules())
+    return [module, *(child for child in module.children() if next(child.children(), None) is None)]

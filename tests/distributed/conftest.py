@@ -26,6 +26,7 @@ TWO_D_CASES = [
     "tied_replicated",
     "qwen3_no_reshard",
     "qwen3_meta_init",
+    "tied_meta_init",
     "qwen3_lora",
     "llama_rslora",
     "qwen3_meta_lora",

@@ -218,29 +218,33 @@ def _halves_repeat(weight: torch.Tensor) -> bool:
     )
 
 
-@pytest.mark.parametrize("layout", ["tp2", "2d"])
+@pytest.mark.parametrize(
+    ("layout", "name"),
+    [("tp2", "qwen3_meta_init"), ("tp2", "tied_meta_init"), ("tp2", "qwen3_moe_meta_init")]
+    + [("2d", "qwen3_meta_init"), ("2d", "tied_meta_init")],
+)
 def test_meta_model_without_checkpoint_is_initialised_after_sharding(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str
+    tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str
 ) -> None:
     """Built on the meta device, sharded, then initialised: each shard is the slice of the whole tensor that
     Transformers' initialisation draws on one process from the same seed (no two ranks with the same rows), norms at
     one, the rotary tables computed (not the garbage `to_empty` leaves). The training that follows is compared with
     that process by the parity tests."""
-    result = _result(tp2_results if layout == "tp2" else two_d_results, "qwen3_meta_init")
+    result = _result(tp2_results if layout == "tp2" else two_d_results, name)
     initial = result["initial_state"]
-    reference = CASES["qwen3_meta_init"].reference_build()
-    plain = build_causal_lm(tiny_config("qwen3"))
-    for name, buffer in plain.named_buffers():
-        torch.testing.assert_close(initial[f"buffer:{name}"], buffer, rtol=0, atol=0)
+    reference = CASES[name].reference_build()
+    plain = build_causal_lm(tiny_config(name.removesuffix("_meta_init")))
+    for key, buffer in plain.named_buffers():
+        torch.testing.assert_close(initial[f"buffer:{key}"], buffer, rtol=0, atol=0)
     assert reference.state_dict().keys() == plain.state_dict().keys()
-    for name, value in reference.state_dict().items():
-        got = initial[name]
-        torch.testing.assert_close(got, value, rtol=0, atol=0, msg=lambda m, k=name: f"{k}: {m}")
-        if name.endswith("norm.weight"):
-            assert torch.equal(got, torch.ones_like(got)), name
+    for key, value in reference.state_dict().items():
+        got = initial[key]
+        torch.testing.assert_close(got, value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+        if key.endswith("norm.weight"):
+            assert torch.equal(got, torch.ones_like(got)), key
         else:
-            assert not _halves_repeat(got), name
-            assert 0.015 < got.std().item() < 0.025, (name, got.std())  # initializer_range 0.02
+            assert not _halves_repeat(got), key
+            assert 0.015 < got.std().item() < 0.025, (key, got.std())  # initializer_range 0.02
 
 
 @pytest.mark.parametrize(("layout", "dp_size"), [("tp2", 1), ("2d", 2)])

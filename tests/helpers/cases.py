@@ -205,6 +205,17 @@ CASES: dict[str, Case] = {
         partial(lm_batches, 2),
         reference_build=partial(_meta_initialised_on_one_process, "qwen3"),
     ),
+    # ... with tied embeddings (lm_head's init redraws the shared weight) and with MoE experts (packed weights).
+    "tied_meta_init": Case(
+        partial(_meta_from_config, "tied"),
+        partial(lm_batches, 2),
+        reference_build=partial(_meta_initialised_on_one_process, "tied"),
+    ),
+    "qwen3_moe_meta_init": Case(
+        partial(_meta_from_config, "qwen3_moe"),
+        partial(lm_batches, 2),
+        reference_build=partial(_meta_initialised_on_one_process, "qwen3_moe"),
+    ),
     "qwen3_activation_checkpointing": lm(
         "qwen3",
         3,
