@@ -9,15 +9,17 @@ as rotary ``inv_freq``, which ``to_empty`` leaves as garbage and which would oth
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero
+from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero, whole_parameters
 from lightning_tp.tensor_parallel import retie
 
 #: Attribute set on a meta model by :func:`from_pretrained`: the directory of its safetensors files.
@@ -177,3 +179,30 @@ def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str])
     if hasattr(model, "initialize_weights"):
         with random_state_of_rank_zero(device):
             initialize_transformers_weights(model)
+
+
+def materialize_modules(module: nn.Module, device: torch.device) -> None:
+    """Lightning's materialisation of meta modules (``to_empty`` on the root, then each submodule's
+    ``reset_parameters``), with each submodule's sharded parameters whole while it resets, drawn from rank 0's
+    generator state (see :mod:`lightning_tp.random_init`): the shards of a plain ``nn.Linear`` built on meta are the
+    slices of the one matrix a single process draws. Every rank must call it."""
+    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        return
+    module.to_empty(device=device)  # on the root: FSDP2 re-registers its sharded parameters there
+    uninitialized = set()
+    with random_state_of_rank_zero(device):
+        for submodule in module.modules():
+            own = itertools.chain(submodule.parameters(recurse=False), submodule.buffers(recurse=False))
+            if next(own, None) is None:
+                continue
+            reset = getattr(submodule, "reset_parameters", None)
+            if callable(reset):
+                with whole_parameters([submodule]):
+                    reset()
+            else:
+                uninitialized.add(type(submodule).__name__)
+    if uninitialized:
+        rank_zero_warn(
+            "Parameter initialization incomplete: these modules have parameters or buffers left as uninitialized "
+            f"memory because they define no `reset_parameters()`: {', '.join(sorted(uninitialized))}."
+        )

@@ -18,7 +18,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -47,7 +46,7 @@ from lightning_tp.checkpoint import (
 from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, block_classes, fsdp_mixed_precision
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
-from lightning_tp.loading import materialize
+from lightning_tp.loading import materialize, materialize_modules
 from lightning_tp.lora import (
     check_peft_supported,
     extend_plan_to_adapters,
@@ -350,7 +349,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             if on_meta(module) and is_transformers_model(module):
                 materialize(module, init_device, tied=plan.tied)
                 materialized.add(id(module))
-        _materialize_distributed_module(self.model, init_device)
+        materialize_modules(self.model, init_device)
         for peft_model in peft_models(self.model):
             if id(peft_model.get_base_model()) in materialized:
                 rank_zero_warn(

@@ -247,6 +247,18 @@ def test_meta_model_without_checkpoint_is_initialised_after_sharding(
             assert 0.015 < got.std().item() < 0.025, (key, got.std())  # initializer_range 0.02
 
 
+def test_meta_plain_module_is_initialised_like_one_process(tp2_results: list[dict]) -> None:
+    """A plain module built on meta and given a plan: each layer's ``reset_parameters`` draws its whole weight and
+    each rank keeps its slice, so the sharded module starts as ``MLP()`` built normally from the same seed."""
+    initial = _result(tp2_results, "mlp_meta_init")["initial_state"]
+    reference = CASES["mlp_meta_init"].reference_build().state_dict()
+    assert initial.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(initial[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+        if value.dim() == 2:
+            assert not _halves_repeat(initial[key]), key
+
+
 @pytest.mark.parametrize(("layout", "dp_size"), [("tp2", 1), ("2d", 2)])
 def test_throughput_monitor_sums_over_data_parallel_ranks_only(
     tp2_results: list[dict], two_d_results: list[dict], layout: str, dp_size: int

@@ -96,6 +96,16 @@ def _mlp() -> MLP:
     return MLP()
 
 
+def _meta_mlp() -> MLP:
+    """The plain module built on the meta device: the strategy resets each layer after sharding. Its constructor draws
+    exactly what ``reset_parameters`` draws, layer by layer, so the reference is :func:`_mlp` built normally."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        return MLP()
+
+
 def _lora(kind: str, **lora_kwargs: Any) -> Any:
     """The tiny model with LoRA applied the PEFT way; non-zero B (``init_lora_weights=False``) so adapters matter."""
     from peft import LoraConfig, get_peft_model
@@ -168,6 +178,9 @@ CASES: dict[str, Case] = {
         },
     ),
     "mlp_custom_plan": Case(_mlp, partial(mlp_batches, 5), strategy_kwargs={"tp_plan": MLP_PLAN}),
+    "mlp_meta_init": Case(
+        _meta_mlp, partial(mlp_batches, 5), strategy_kwargs={"tp_plan": MLP_PLAN}, reference_build=_mlp
+    ),
     # AdamW with foreach and fused kernels (CUDA's default is foreach), and clipping by the global norm.
     "qwen3_adamw_foreach_clip": lm(
         "qwen3",
