@@ -32,6 +32,8 @@ def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None
         for name, param in module._parameters.items():
             if not isinstance(param, DTensor) or getattr(param, "_is_hf_initialized", False):
                 continue
+            if not param.is_floating_point():  # NaN marks what was not written; no random init makes integers
+                continue
             local = param.to_local()
             whole = nn.Parameter(
                 torch.full(param.shape, float("nan"), dtype=param.dtype, device=local.device),

@@ -60,9 +60,7 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     assert tp2_results[1][name]["losses"] == result["losses"]
 
 
-@pytest.mark.parametrize(
-    "name", [name for name in TWO_D_CASES if name != "features" and name not in BF16_CASES]
-)
+@pytest.mark.parametrize("name", [name for name in TWO_D_CASES if name != "features" and name not in BF16_CASES])
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """dp_shard 2 x tp 2: each data-parallel rank trains on half of the global batch."""
     _assert_parity(_result(two_d_results, name), _reference(name), name)
@@ -213,9 +211,7 @@ def test_meta_loading_gives_the_plain_weights_and_rotary_buffers(
 def _halves_repeat(weight: torch.Tensor) -> bool:
     """Whether the two halves of a weight along a dimension are equal (what every rank drawing the same numbers for
     its own TP/FSDP shard gives)."""
-    return any(
-        weight.shape[dim] % 2 == 0 and torch.equal(*weight.chunk(2, dim)) for dim in range(weight.dim())
-    )
+    return any(weight.shape[dim] % 2 == 0 and torch.equal(*weight.chunk(2, dim)) for dim in range(weight.dim()))
 
 
 @pytest.mark.parametrize(

@@ -40,3 +40,14 @@ def test_plain_parameters_are_initialised_in_place() -> None:
     with whole_parameters([linear]):
         torch.nn.init.ones_(linear.weight)
     assert linear.weight is weight and torch.equal(weight, torch.ones(4, 4))
+
+
+def test_a_plain_module_built_on_meta_is_reset_as_its_constructor_draws() -> None:
+    """``materialize_modules`` resets layer by layer in the constructor's order: the same values as building it."""
+    from lightning_tp.loading import materialize_modules
+    from tests.helpers.cases import _meta_mlp, _mlp
+
+    module = _meta_mlp()
+    materialize_modules(module, torch.device("cpu"))
+    for key, value in _mlp().state_dict().items():
+        torch.testing.assert_close(module.state_dict()[key], value, rtol=0, atol=0)
