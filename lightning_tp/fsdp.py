@@ -30,10 +30,20 @@ def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[
     return {type(m) for m in module.modules() if type(m).__name__ in wanted}
 
 
-def fsdp_mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    """FSDP2's policy for a Lightning precision: ``bf16-mixed`` computes with bf16 copies of the fp32 parameters and
-    reduces gradients in fp32; ``*-true`` precisions already converted the parameters, so nothing is cast."""
-    if precision == "bf16-mixed":
+#: Values of ``TensorParallelStrategy(fsdp_param_dtype=...)`` that ask FSDP2 to all-gather parameters in bf16.
+BF16_NAMES = ("bf16", "bfloat16", torch.bfloat16)
+
+
+def fsdp_mixed_precision(precision: str, *, param_dtype: str | torch.dtype | None = None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a Lightning precision.
+
+    By default nothing is cast: ``bf16-mixed`` means what it means on one device (Lightning's precision plugin
+    autocasts the forward over fp32 parameters; FSDP2 gathers fp32 parameters and reduces fp32 gradients), and
+    ``*-true`` precisions converted the parameters already. ``param_dtype="bf16"`` with ``bf16-mixed`` is torchtitan's
+    recipe: FSDP2 all-gathers bf16 copies of the parameters (half the bytes) and reduces gradients in fp32; every layer
+    then computes on bf16 weights, norms and residual stream included, which is less accurate than autocast.
+    """
+    if precision == "bf16-mixed" and param_dtype in BF16_NAMES:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

@@ -9,14 +9,17 @@ as rotary ``inv_freq``, which ``to_empty`` leaves as garbage and which would oth
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero, whole_parameters
 from lightning_tp.tensor_parallel import retie
 
 #: Attribute set on a meta model by :func:`from_pretrained`: the directory of its safetensors files.
@@ -161,7 +164,11 @@ def _unique_state_dict(model: nn.Module, *, prefer: set[str]) -> dict[str, torch
 
 def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str]) -> None:
     """Allocate a meta (and already sharded) Transformers model on ``device``, load its checkpoint when it came from
-    :func:`from_pretrained`, and let Transformers initialise everything else (all of it without a checkpoint)."""
+    :func:`from_pretrained`, and let Transformers initialise everything else (all of it without a checkpoint).
+
+    Random weights are drawn whole from rank 0's generator state and sliced (see :mod:`lightning_tp.random_init`):
+    the model equals one process that ran Transformers' ``initialize_weights`` on the same meta model. Every rank must
+    call it (one broadcast of the generator state)."""
     model.to_empty(device=device)
     retie(model, tied)
     directory = getattr(model, CHECKPOINT_ATTR, None)
@@ -170,4 +177,32 @@ def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str])
         if _base_name(name) in loaded and not _is_adapter(name):
             tensor._is_hf_initialized = True  # Transformers' initialisation skips what is marked
     if hasattr(model, "initialize_weights"):
-        model.initialize_weights()
+        with random_state_of_rank_zero(device):
+            initialize_transformers_weights(model)
+
+
+def materialize_modules(module: nn.Module, device: torch.device) -> None:
+    """Lightning's materialisation of meta modules (``to_empty`` on the root, then each submodule's
+    ``reset_parameters``), with each submodule's sharded parameters whole while it resets, drawn from rank 0's
+    generator state (see :mod:`lightning_tp.random_init`): the shards of a plain ``nn.Linear`` built on meta are the
+    slices of the one matrix a single process draws. Every rank must call it."""
+    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        return
+    module.to_empty(device=device)  # on the root: FSDP2 re-registers its sharded parameters there
+    uninitialized = set()
+    with random_state_of_rank_zero(device):
+        for submodule in module.modules():
+            own = itertools.chain(submodule.parameters(recurse=False), submodule.buffers(recurse=False))
+            if next(own, None) is None:
+                continue
+            reset = getattr(submodule, "reset_parameters", None)
+            if callable(reset):
+                with whole_parameters([submodule]):
+                    reset()
+            else:
+                uninitialized.add(type(submodule).__name__)
+    if uninitialized:
+        rank_zero_warn(
+            "Parameter initialization incomplete: these modules have parameters or buffers left as uninitialized "
+            f"memory because they define no `reset_parameters()`: {', '.join(sorted(uninitialized))}."
+        )

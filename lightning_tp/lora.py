@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_tp.checkpoint import _is_main, publish_directory, run_on_main_and_share_failure
 from lightning_tp.plan import ResolvedPlan, Style
+from lightning_tp.random_init import whole_parameters
 
 _COLUMN = ("colwise", "colwise_rep", "colwise_gather_output")
 _ROW = ("rowwise", "rowwise_rep", "rowwise_split_input")
@@ -127,26 +128,40 @@ def peft_models(root: nn.Module) -> list[nn.Module]:
 
 def initialize_adapters(peft_model: nn.Module) -> None:
     """Initialise the LoRA weights of a model materialised from the meta device, as PEFT does at creation
-    (``to_empty`` leaves them as garbage and Transformers' initialisation does not know them)."""
+    (``to_empty`` leaves them as garbage and Transformers' initialisation does not know them).
+
+    Sharded adapter halves are drawn whole and sliced (:func:`lightning_tp.random_init.whole_parameters`): a row-wise
+    ``lora_A`` gets the slices of one random matrix, not the same rows on every rank. Run it inside
+    :func:`lightning_tp.random_init.random_state_of_rank_zero` so that every rank draws the same matrices."""
     from peft.tuners.lora import LoraLayer
 
     for module in peft_model.modules():
         if not isinstance(module, LoraLayer):
             continue
-        for adapter in module.lora_A:
-            init = peft_model.peft_config[adapter].init_lora_weights
-            if init is False:  # PEFT's "random": both halves keep nn.Linear's default initialisation
-                module.lora_A[adapter].reset_parameters()
-                module.lora_B[adapter].reset_parameters()
-            else:
-                module.reset_lora_parameters(adapter, init)
-        for adapter in getattr(module, "lora_embedding_A", {}):
-            init = peft_model.peft_config[adapter].init_lora_weights
-            if init is False:  # PEFT's "random" for embeddings: both halves from a standard normal
-                torch.nn.init.normal_(module.lora_embedding_A[adapter])
-                torch.nn.init.normal_(module.lora_embedding_B[adapter])
-            else:
-                module.reset_lora_parameters(adapter, init)
+        adapters = [
+            *module.lora_A.values(),
+            *module.lora_B.values(),
+            *(getattr(module, name) for name in ("lora_embedding_A", "lora_embedding_B") if hasattr(module, name)),
+        ]
+        with whole_parameters(adapters):
+            _reset_adapters(peft_model, module)
+
+
+def _reset_adapters(peft_model: nn.Module, module: nn.Module) -> None:
+    for adapter in module.lora_A:
+        init = peft_model.peft_config[adapter].init_lora_weights
+        if init is False:  # PEFT's "random": both halves keep nn.Linear's default initialisation
+            module.lora_A[adapter].reset_parameters()
+            module.lora_B[adapter].reset_parameters()
+        else:
+            module.reset_lora_parameters(adapter, init)
+    for adapter in getattr(module, "lora_embedding_A", {}):
+        init = peft_model.peft_config[adapter].init_lora_weights
+        if init is False:  # PEFT's "random" for embeddings: both halves from a standard normal
+            torch.nn.init.normal_(module.lora_embedding_A[adapter])
+            torch.nn.init.normal_(module.lora_embedding_B[adapter])
+        else:
+            module.reset_lora_parameters(adapter, init)
 
 
 def gather_adapter_state_dict(peft_model: nn.Module) -> dict[str, Any]:

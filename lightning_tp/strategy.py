@@ -18,7 +18,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -44,10 +43,17 @@ from lightning_tp.checkpoint import (
     set_rng_state,
     stored_entries,
 )
-from lightning_tp.fsdp import apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision, fsdp_units
+from lightning_tp.fsdp import (
+    BF16_NAMES,
+    apply_fsdp,
+    apply_fsdp_per_child,
+    block_classes,
+    fsdp_mixed_precision,
+    fsdp_units,
+)
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
-from lightning_tp.loading import materialize
+from lightning_tp.loading import materialize, materialize_modules
 from lightning_tp.lora import (
     check_peft_supported,
     extend_plan_to_adapters,
@@ -59,6 +65,7 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.random_init import random_state_of_rank_zero
 from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -103,6 +110,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
             all-gather in backward).
         cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
         fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
+        fsdp_param_dtype: ``None`` (default): FSDP2 gathers parameters in their own dtype, so ``bf16-mixed`` gives
+            the numerics it gives on one device (autocast over fp32 weights) on every layout. ``"bf16"``, with
+            ``bf16-mixed`` and data parallelism only: FSDP2 all-gathers bf16 copies of the fp32 parameters (half the
+            all-gather bytes) and reduces gradients in fp32 (torchtitan's recipe); every layer then runs on bf16
+            weights, and the loss drifts further from fp32 than one device's ``bf16-mixed`` does.
         throughput_monitor: Add :class:`lightning_tp.ThroughputMonitor` (tokens/s, step time, peak memory, MFU on
             GPU) to the Trainer's callbacks when it has none.
         save_distributed_checkpoint: Each rank writes its shards (``True``, a directory that loads on any layout) or
@@ -135,6 +147,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         fsdp_blocks: list[str] | None = None,
+        fsdp_param_dtype: Literal["bf16"] | None = None,
         throughput_monitor: bool = True,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
@@ -164,6 +177,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 check_style(key, style)
         elif tp_plan != "auto":
             raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')
+        if fsdp_param_dtype is not None and fsdp_param_dtype not in BF16_NAMES:
+            raise ValueError(
+                "`fsdp_param_dtype` must be None (gather parameters in their own dtype) or 'bf16' (gather bf16 copies, "
+                f"reduce gradients in fp32), got {fsdp_param_dtype!r}. fp16 would need loss scaling, which sharded "
+                "gradients do not have."
+            )
         if not save_frozen_weights and not save_distributed_checkpoint:
             raise ValueError(
                 "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
@@ -177,6 +196,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._activation_checkpointing = activation_checkpointing
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
+        self._fsdp_param_dtype = fsdp_param_dtype
         self._throughput_monitor = throughput_monitor
         self._save_frozen_weights = save_frozen_weights
         self._sequence_parallel = sequence_parallel
@@ -242,6 +262,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"({self._layout}) has none. Use fewer TP ranks (`tp_size` below the world size) or drop "
                 "`cpu_offload`."
             )
+        self._check_fsdp_param_dtype(self._layout)
         self._setup_distributed()
         self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type)
         # Users can read the mesh in `LightningModule.configure_model()`.
@@ -255,6 +276,29 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"TensorParallelStrategy does not support `Trainer(precision={precision!r})`. Choose one of "
                 f"{', '.join(SUPPORTED_PRECISIONS)} (for 16-bit mixed precision use 'bf16-mixed': fp16 loss scaling is "
                 "not implemented for sharded gradients)."
+            )
+
+    def _check_fsdp_param_dtype(self, layout: ParallelLayout) -> None:
+        """``fsdp_param_dtype`` changes FSDP2's all-gathers under ``bf16-mixed``; decided on every rank from the
+        configuration alone, before the process group starts."""
+        if self._fsdp_param_dtype is None:
+            return
+        precision = getattr(self.precision_plugin, "precision", None)
+        if precision in ("32-true", "16-true"):
+            raise ValueError(
+                f"`fsdp_param_dtype={self._fsdp_param_dtype!r}` gathers bf16 copies of the parameters for a bf16 "
+                f"forward, but `Trainer(precision={precision!r})` asks for {precision.split('-')[0]}-bit compute. Use "
+                "`precision='bf16-mixed'` with it, or drop `fsdp_param_dtype`."
+            )
+        if precision == "bf16-true":
+            rank_zero_warn(
+                f"`fsdp_param_dtype={self._fsdp_param_dtype!r}` is ignored under `precision='bf16-true'`: the "
+                "parameters are bf16 already, and so are FSDP2's all-gathers."
+            )
+        elif layout.dp_size == 1:
+            rank_zero_warn(
+                f"`fsdp_param_dtype={self._fsdp_param_dtype!r}` is ignored: the layout ({layout}) has no data "
+                "parallelism, so FSDP2 gathers nothing. `bf16-mixed` autocasts over fp32 weights as on one device."
             )
 
     @property
@@ -311,7 +355,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             if on_meta(module) and is_transformers_model(module):
                 materialize(module, init_device, tied=plan.tied)
                 materialized.add(id(module))
-        _materialize_distributed_module(self.model, init_device)
+        materialize_modules(self.model, init_device)
         for peft_model in peft_models(self.model):
             if id(peft_model.get_base_model()) in materialized:
                 rank_zero_warn(
@@ -319,7 +363,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     "adapter loaded with `PeftModel.from_pretrained` onto such a model is not kept. To continue "
                     "training a saved adapter, load the base with `AutoModelForCausalLM.from_pretrained`."
                 )
-                initialize_adapters(peft_model)  # PEFT's own initialisation, on the shards
+                with random_state_of_rank_zero(init_device):  # every rank draws the same whole adapters
+                    initialize_adapters(peft_model)  # PEFT's own initialisation, each rank keeping its slices
             install_distributed_save(peft_model)
         for module, _, presharded_mesh in targets:
             # A model Transformers sharded at load time saves itself on every rank (its own barrier included).
@@ -470,7 +515,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             dp_mesh = self.device_mesh[DP_SHARD_AXIS]
         options = dict(
             reshard_after_forward=self._reshard_after_forward,
-            mp_policy=fsdp_mixed_precision(getattr(self.precision_plugin, "precision", "32-true")),
+            mp_policy=fsdp_mixed_precision(
+                getattr(self.precision_plugin, "precision", "32-true"), param_dtype=self._fsdp_param_dtype
+            ),
             cpu_offload=self._cpu_offload,
         )
         for module in models:

@@ -26,10 +26,13 @@ TWO_D_CASES = [
     "tied_replicated",
     "qwen3_no_reshard",
     "qwen3_meta_init",
+    "tied_meta_init",
     "qwen3_lora",
     "llama_rslora",
     "qwen3_meta_lora",
     "qwen3_sp_lp_adamw_clip",
+    "qwen3_bf16_mixed",
+    "qwen3_bf16_all_gather",
     "features",
     # Plain modules (not Transformers) under TP x FSDP2, FSDP2 alone (tp_size=1 on 4 ranks), ranks seeded apart.
     "mlp_custom_plan",
@@ -40,16 +43,15 @@ TWO_D_CASES = [
     "sp_odd_on_one_group",
 ]
 #: Cases that only make sense with data parallelism.
-DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard"}
-#: Cases trained from a random initialisation, which no single process can reproduce: checked on their own.
-UNREFERENCED_CASES = {"qwen3_meta_init", "qwen3_meta_lora"}
+DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
+#: bf16 cases, compared with a bf16 single process (not at fp32's tolerance).
+BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
 #: Cases with tp_size=1 (FSDP2 alone over every rank): run in both launches, checked on their own.
 FSDP_ONLY_CASES = {"mlp_fsdp_only"}
-TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | UNREFERENCED_CASES | FSDP_ONLY_CASES]
+TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES]
 TP_CASES = [
     *TP_PARITY_CASES,
     *FSDP_ONLY_CASES,
-    *UNREFERENCED_CASES,
     "features",
     "save_failure",
     "collectives",

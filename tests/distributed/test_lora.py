@@ -69,14 +69,19 @@ def test_meta_model_with_new_lora_starts_from_the_base_model(
     tp2_results: list[dict], two_d_results: list[dict]
 ) -> None:
     """lightning_tp.from_pretrained + get_peft_model: the base is loaded from its files, the adapters initialised the
-    PEFT way on the shards (B = 0, A random and finite), so the first loss is the base model's."""
+    PEFT way (B = 0, A random), each sharded lora_A the slice of the matrix one process draws from the same seed (not
+    the same rows on every rank), so the first loss is the base model's."""
+    reference = CASES["qwen3_meta_lora"].reference_build().state_dict()
     for results in (tp2_results, two_d_results):
         result = _result(results, "qwen3_meta_lora")
         initial = result["initial_state"]
         b = [v for k, v in initial.items() if "lora_B" in k]
-        a = [v for k, v in initial.items() if "lora_A" in k]
+        a = {k: v for k, v in initial.items() if "lora_A" in k}
         assert b and all(torch.count_nonzero(t) == 0 for t in b)
-        assert a and all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in a)
+        assert a and all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in a.values())
+        for key, value in a.items():
+            torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+            assert not torch.equal(*value.chunk(2, dim=1)), key  # o_proj/down_proj's lora_A is sharded on dim 1
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(_checkpoint("qwen3"), dtype=torch.float32)

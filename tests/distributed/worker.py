@@ -40,22 +40,31 @@ PROBE = torch.arange(12).reshape(2, 6) % 90  # a fixed batch for logits
 
 
 class ReduceScatterCounter:
-    """Counts FSDP2's gradient reduce-scatters (the collective still runs: this only counts calls)."""
+    """Counts FSDP2's gradient reduce-scatters and the bytes its parameter all-gathers receive (the collectives
+    still run: this only counts)."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.all_gather_bytes = 0
         self._original = dist.reduce_scatter_single
+        self._all_gather = dist.all_gather_single
 
     def __enter__(self) -> ReduceScatterCounter:
         def counting(*args, **kwargs):
             self.calls += 1
             return self._original(*args, **kwargs)
 
+        def gathering(output, *args, **kwargs):
+            self.all_gather_bytes += output.numel() * output.element_size()
+            return self._all_gather(output, *args, **kwargs)
+
         dist.reduce_scatter_single = counting
+        dist.all_gather_single = gathering
         return self
 
     def __exit__(self, *exc) -> None:
         dist.reduce_scatter_single = self._original
+        dist.all_gather_single = self._all_gather
 
 
 def run_case(name: str, layout: dict, out: Path) -> dict:
@@ -103,6 +112,7 @@ def run_case(name: str, layout: dict, out: Path) -> dict:
         "adapter": adapter,
         "initial_state": initial,
         "reduce_scatters": counter.calls,
+        "all_gather_bytes": counter.all_gather_bytes,
         "optimizer_steps": t.global_step,
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "fsdp_units": sorted(name for name, m in module.named_modules() if isinstance(m, FSDPModule)),

@@ -62,12 +62,23 @@ def _from_checkpoint(sharded: bool, kind: str = "qwen3") -> Any:
 
 
 def _meta_from_config(kind: str) -> Any:
-    """Built on the meta device with no checkpoint: the strategy initialises it after sharding."""
+    """Built on the meta device with no checkpoint (seeded): the strategy initialises it after sharding."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(0)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(tiny_config(kind))
+
+
+def _meta_initialised_on_one_process(kind: str) -> Any:
+    """The single-process reference of a meta build: Transformers' own initialisation of the same meta model, whole
+    (seeded as the sharded run is; nothing draws between the build and the initialisation)."""
+    model = _meta_from_config(kind)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.initialize_weights()
+    return model
 
 
 def _meta_from_checkpoint(kind: str) -> Any:
@@ -103,6 +114,16 @@ def _twice_mlp() -> TwiceMLP:
     return TwiceMLP()
 
 
+def _meta_mlp() -> MLP:
+    """The plain module built on the meta device: the strategy resets each layer after sharding. Its constructor draws
+    exactly what ``reset_parameters`` draws, layer by layer, so the reference is :func:`_mlp` built normally."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        return MLP()
+
+
 def _lora(kind: str, **lora_kwargs: Any) -> Any:
     """The tiny model with LoRA applied the PEFT way; non-zero B (``init_lora_weights=False``) so adapters matter."""
     from peft import LoraConfig, get_peft_model
@@ -122,9 +143,25 @@ def _lora_from_adapter(kind: str) -> Any:
 
 def _meta_lora(kind: str) -> Any:
     """LoRA with PEFT's default initialisation (B = 0) on a model built on the meta device from a checkpoint."""
+    import torch
     from peft import LoraConfig, get_peft_model
 
+    torch.manual_seed(0)
     return get_peft_model(_meta_from_checkpoint(kind), LoraConfig(r=4, target_modules="all-linear"))
+
+
+def _meta_lora_on_one_process(kind: str) -> Any:
+    """The single-process reference of :func:`_meta_lora`: the same build, materialised whole on one process (the base
+    read from its files, the adapters initialised the PEFT way)."""
+    import torch
+
+    from lightning_tp.loading import materialize
+    from lightning_tp.lora import initialize_adapters
+
+    model = _meta_lora(kind)
+    materialize(model.get_base_model(), torch.device("cpu"), tied={})
+    initialize_adapters(model)
+    return model
 
 
 def lora_case(kind: str, steps: int = 3, **lora_kwargs: Any) -> Case:
@@ -190,6 +227,9 @@ CASES: dict[str, Case] = {
         partial(lm_batches, 3),
         reference_build=partial(build_causal_lm, tiny_config("llama"), seed=0),
     ),
+    "mlp_meta_init": Case(
+        _meta_mlp, partial(mlp_batches, 5), strategy_kwargs={"tp_plan": MLP_PLAN}, reference_build=_mlp
+    ),
     # AdamW with foreach and fused kernels (CUDA's default is foreach), and clipping by the global norm.
     "qwen3_adamw_foreach_clip": lm(
         "qwen3",
@@ -221,13 +261,31 @@ CASES: dict[str, Case] = {
         partial(lm_batches, 3),
         reference_build=partial(_from_checkpoint, False, "tied"),
     ),
-    # Random initialisation after sharding (no reference values: the test checks the initialisation itself).
-    "qwen3_meta_init": Case(partial(_meta_from_config, "qwen3"), partial(lm_batches, 2)),
+    # Random initialisation after sharding: each shard a slice of the whole tensor one process draws.
+    "qwen3_meta_init": Case(
+        partial(_meta_from_config, "qwen3"),
+        partial(lm_batches, 2),
+        reference_build=partial(_meta_initialised_on_one_process, "qwen3"),
+    ),
+    # ... with tied embeddings (lm_head's init redraws the shared weight) and with MoE experts (packed weights).
+    "tied_meta_init": Case(
+        partial(_meta_from_config, "tied"),
+        partial(lm_batches, 2),
+        reference_build=partial(_meta_initialised_on_one_process, "tied"),
+    ),
+    "qwen3_moe_meta_init": Case(
+        partial(_meta_from_config, "qwen3_moe"),
+        partial(lm_batches, 2),
+        reference_build=partial(_meta_initialised_on_one_process, "qwen3_moe"),
+    ),
     "qwen3_activation_checkpointing": lm(
         "qwen3",
         3,
         strategy_kwargs={"activation_checkpointing": True},
     ),
+    # bf16-mixed (autocast over fp32 weights, as on one device), and with FSDP2's bf16 all-gathers (2-D only).
+    "qwen3_bf16_mixed": lm("qwen3", 3, precision="bf16-mixed"),
+    "qwen3_bf16_all_gather": lm("qwen3", 3, precision="bf16-mixed", strategy_kwargs={"fsdp_param_dtype": "bf16"}),
     # HSDP: two replicas of a (shard 1 x tp 2) group on 4 ranks.
     "qwen3_hsdp": lm("qwen3", 3, strategy_kwargs={"dp_replicate_size": 2}),
     # A value head outside the Transformers model: replicated over TP (FSDP2 in 2-D), foreach AdamW.
@@ -272,8 +330,14 @@ CASES: dict[str, Case] = {
     "qwen3_lora_from_adapter": Case(
         partial(_lora_from_adapter, "qwen3"), partial(lm_batches, 3), optimizer="adamw", lr=1e-2
     ),
-    # No reference for the random lora_A: checked on its own (B = 0, so the first loss is the base model's).
-    "qwen3_meta_lora": Case(partial(_meta_lora, "qwen3"), partial(lm_batches, 2), optimizer="adamw", lr=1e-2),
+    # New adapters on a meta model: lora_A drawn whole and sliced, as one process draws it (B = 0).
+    "qwen3_meta_lora": Case(
+        partial(_meta_lora, "qwen3"),
+        partial(lm_batches, 2),
+        optimizer="adamw",
+        lr=1e-2,
+        reference_build=partial(_meta_lora_on_one_process, "qwen3"),
+    ),
     "llama_adamw_fused": lm(
         "llama",
         5,

@@ -143,3 +143,56 @@ def test_each_child_holding_parameters_is_one_fsdp_unit_and_shared_weights_are_r
     root.head.weight = root.net.weight
     with pytest.raises(ValueError, match=r"Root.head and Root.net share the parameter head.weight"):
         fsdp_units(root)
+
+
+def test_bf16_mixed_keeps_fp32_parameters_in_fsdp2_unless_bf16_all_gathers_are_asked_for() -> None:
+    """``bf16-mixed`` means autocast over fp32 weights on every layout; FSDP2 casts only with ``fsdp_param_dtype``."""
+    from lightning_tp.fsdp import fsdp_mixed_precision
+
+    default = fsdp_mixed_precision("bf16-mixed")
+    assert default.param_dtype is None and default.reduce_dtype is None
+    for value in ("bf16", torch.bfloat16):
+        recipe = fsdp_mixed_precision("bf16-mixed", param_dtype=value)
+        assert recipe.param_dtype == torch.bfloat16 and recipe.reduce_dtype == torch.float32
+    assert fsdp_mixed_precision("32-true", param_dtype=None).param_dtype is None
+
+
+def _strategy_for(precision: str, **kwargs) -> TensorParallelStrategy:
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    plugins = {
+        "32-true": Precision(),
+        "bf16-mixed": MixedPrecision("bf16-mixed", "cpu"),
+        "bf16-true": HalfPrecision("bf16-true"),
+        "16-true": HalfPrecision("16-true"),
+    }
+    strategy = TensorParallelStrategy(**kwargs)
+    strategy.precision_plugin = plugins[precision]
+    return strategy
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-true"])
+def test_bf16_all_gathers_refused_without_bf16_compute(precision: str) -> None:
+    from lightning_tp.layout import ParallelLayout
+
+    strategy = _strategy_for(precision, tp_size=2, fsdp_param_dtype="bf16")
+    with pytest.raises(ValueError, match=f"precision='{precision}'.*Use `precision='bf16-mixed'`"):
+        strategy._check_fsdp_param_dtype(ParallelLayout.resolve(4, tp_size=2))
+
+
+@pytest.mark.parametrize(
+    ("precision", "world", "fragment"), [("bf16-true", 4, "bf16 already"), ("bf16-mixed", 2, "no data")]
+)
+def test_bf16_all_gathers_warn_where_ignored(precision: str, world: int, fragment: str) -> None:
+    from lightning_tp.layout import ParallelLayout
+
+    strategy = _strategy_for(precision, tp_size=2, fsdp_param_dtype="bf16")
+    with pytest.warns(UserWarning, match=f"fsdp_param_dtype='bf16'` is ignored.*{fragment}"):
+        strategy._check_fsdp_param_dtype(ParallelLayout.resolve(world, tp_size=2))
+    quiet = _strategy_for("bf16-mixed", tp_size=2, fsdp_param_dtype="bf16")
+    quiet._check_fsdp_param_dtype(ParallelLayout.resolve(4, tp_size=2))  # the setting it is meant for: no warning
+
+
+def test_fsdp_param_dtype_values_are_checked_when_the_strategy_is_built() -> None:
+    with pytest.raises(ValueError, match="`fsdp_param_dtype` must be None .* or 'bf16'.*got 'fp16'"):
+        TensorParallelStrategy(fsdp_param_dtype="fp16")
