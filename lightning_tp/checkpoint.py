@@ -232,7 +232,7 @@ def load_torch_file(path: Path | str, *, weights_only: bool, opt_in: str, mmap: 
 
 
 def untrusted_message(path: Path | str, err: Exception, *, opt_in: str) -> str:
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(err))
     what = f"an object of type {found.group(1)}" if found else "objects that are not tensors or plain values"
     return (
         f"{path} holds {what}. Loading it would run code the file names, which can do anything your user can "

@@ -269,7 +269,7 @@ def _config(entry: dict[str, Any], *, dtype: torch.dtype) -> Any:
     return config
 
 
-def _meta_model(entry: dict[str, Any]) -> nn.Module:
+def _model_class(entry: dict[str, Any]) -> type:
     import transformers
 
     cls = getattr(transformers, entry["architecture"], None)
@@ -278,16 +278,25 @@ def _meta_model(entry: dict[str, Any]) -> nn.Module:
             f"{entry['architecture']} is not a class of Transformers {transformers.__version__} (remote code?): "
             "export rebuilds the model from Transformers' own classes."
         )
+    return cls
+
+
+def _check_entry(entry: dict[str, Any]) -> None:
+    """What the checkpoint names that export builds or writes from, checked before anything is written."""
+    _model_class(entry)
+    for name in (entry.get("peft") or {}).get("adapters", {}):
+        _check_adapter_name(name)
+
+
+def _meta_model(entry: dict[str, Any]) -> nn.Module:
     with torch.device("meta"):
-        return cls(_config(entry, dtype=torch.float32))
+        return _model_class(entry)(_config(entry, dtype=torch.float32))
 
 
 def _meta_peft_model(entry: dict[str, Any]) -> nn.Module:
     from peft import PeftConfig, get_peft_model
 
     info = entry["peft"]
-    for name in info["adapters"]:
-        _check_adapter_name(name)
     configs = {name: PeftConfig.from_peft_type(**values) for name, values in info["adapters"].items()}
     names = list(configs)
     with warnings.catch_warnings():  # PEFT warns about meta weights and unset base paths; there are no weights here
@@ -615,6 +624,7 @@ def export_checkpoint(
         raise ValueError(f"The output directory {out_dir} is the checkpoint itself: export to another directory.")
     source = _open_checkpoint(path, trust=trust_checkpoint)
     entry = _select_model(source.meta, model_prefix, path=path)
+    _check_entry(entry)
     if merge and not entry.get("peft"):
         raise ValueError(f"--merge: the model {entry['prefix']!r} of {path} has no LoRA adapters; export it without.")
     sources = _Sources(source, _base_directory(base, entry, needed=bool(entry.get("peft")) and merge))
