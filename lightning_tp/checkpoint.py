@@ -167,7 +167,7 @@ def check_save_target(path: Path) -> None:
             )
 
 
-def _remove(path: Path) -> None:
+def remove_written(path: Path) -> None:
     """Remove ``path`` if it is ours to remove (see :func:`_is_ours`); else raise, removing nothing."""
     if not _is_ours(path):
         raise FileExistsError(f"Refusing to remove {path}: it was not written by a save of this package.")
@@ -179,7 +179,7 @@ def _remove(path: Path) -> None:
 
 def clear_partial(path: Path) -> None:
     """Remove what an interrupted save to ``path`` left behind (main rank only, before the save starts)."""
-    _remove(partial_path(path))
+    remove_written(partial_path(path))
 
 
 def publish(path: Path) -> None:
@@ -192,7 +192,7 @@ def publish(path: Path) -> None:
     staged = partial_path(path)
     if not (path.exists() or path.is_symlink()):
         os.replace(staged, path)  # nothing to replace; a `.NAME.previous` left by a crash is removed once replaced
-        _remove(_previous_path(path))
+        remove_written(_previous_path(path))
         return
     if not _is_ours(path):  # checked before the save started; the path may have changed since
         raise FileExistsError(f"Refusing to replace {path}: it was not written by a save of this package.")
@@ -200,10 +200,10 @@ def publish(path: Path) -> None:
         os.replace(staged, path)  # one atomic rename: no moment without a checkpoint
         return
     previous = _previous_path(path)
-    _remove(previous)  # an older one, from a save interrupted earlier: `path` is whole
+    remove_written(previous)  # an older one, from a save interrupted earlier: `path` is whole
     os.replace(path, previous)
     os.replace(staged, path)
-    _remove(previous)
+    remove_written(previous)
 
 
 # ---------------------------------------------------------------------------------------------------- untrusted input

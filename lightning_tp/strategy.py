@@ -46,6 +46,7 @@ from lightning_tp.checkpoint import (
     match_model_state,
     partial_path,
     publish,
+    remove_written,
     run_on_main_and_share_failure,
     set_rng_state,
     stored_entries,
@@ -560,6 +561,16 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 lambda: self.checkpoint_io.save_checkpoint(checkpoint, staged), is_main=self.is_global_zero
             )
         run_on_main_and_share_failure(lambda: publish(path), is_main=self.is_global_zero)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """``ModelCheckpoint`` removes the checkpoints it no longer keeps: only what a save of this package wrote is
+        removed (a link, not its target); anything else there is kept, with a warning."""
+        if self.is_global_zero:
+            try:
+                remove_written(Path(filepath))
+            except FileExistsError as err:
+                rank_zero_warn(f"{err} It is kept.")
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:

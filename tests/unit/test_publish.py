@@ -181,3 +181,22 @@ def test_publish_directory_refuses_a_file_before_writing(tmp_path: Path) -> None
         with publish_directory(tmp_path / "out") as tmp:
             raise AssertionError(f"nothing may be written ({tmp})")
     assert (tmp_path / "out").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_model_checkpoint_removes_only_what_was_written(tmp_path: Path) -> None:
+    """`ModelCheckpoint` drops checkpoints it no longer keeps through `strategy.remove_checkpoint` (Lightning's own
+    removes the path recursively, whatever it holds)."""
+    from lightning_tp import TensorParallelStrategy
+
+    strategy = TensorParallelStrategy()
+    written = _checkpoint_directory(tmp_path / "epoch=0.ckpt", b"old")
+    strategy.remove_checkpoint(written)
+    assert not written.exists()
+    run = _user_directory(tmp_path / "epoch=1.ckpt")  # a user's files under the name of a checkpoint
+    with pytest.warns(UserWarning, match=r"Refusing to remove .*epoch=1\.ckpt.*kept"):
+        strategy.remove_checkpoint(run)
+    assert _user_files_intact(run)
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(run)
+    strategy.remove_checkpoint(link)
+    assert not link.is_symlink() and _user_files_intact(run)
