@@ -478,7 +478,10 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path):
         with pytest.raises(UntrustedCheckpointError, match=r"posix.system.*--trust-checkpoint"):
             export_checkpoint(crafted, tmp_path / "out")
         assert main([str(crafted), str(tmp_path / "out")]) == 1
-    for load_index in (lambda: export_checkpoint(index, tmp_path / "out", trust_checkpoint=True), lambda: check_checkpoint(index)):
+    for load_index in (
+        lambda: export_checkpoint(index, tmp_path / "out", trust_checkpoint=True),
+        lambda: check_checkpoint(index),
+    ):
         with pytest.raises(UntrustedCheckpointError, match="names posix.system, which a DCP index does not hold"):
             load_index()  # the index is never trusted: a real one holds only DCP's own types
     assert not probe.exists() and not (tmp_path / "out").exists()
@@ -488,7 +491,9 @@ def test_trust_checkpoint_is_an_explicit_opt_in(tmp_path, capsys):
     model = build_causal_lm(tiny_config("llama"))
     ckpt = save_dcp(Root(model), tmp_path / "ckpt")
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
-    torch.save({**meta, "hyper_parameters": {"path": Path("/data"), "custom": _CustomHyperParameter()}}, ckpt / "meta.pt")
+    torch.save(
+        {**meta, "hyper_parameters": {"path": Path("/data"), "custom": _CustomHyperParameter()}}, ckpt / "meta.pt"
+    )
 
     assert main([str(ckpt), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err

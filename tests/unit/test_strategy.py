@@ -149,7 +149,9 @@ def test_resume_unpickles_only_plain_data_onto_the_cpu(tmp_path, monkeypatch):
     loads = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
-    with pytest.raises(UntrustedCheckpointError, match=r"posix.system.*run code.*`weights_only=False` to `trainer.fit`"):
+    with pytest.raises(
+        UntrustedCheckpointError, match=r"posix.system.*run code.*`weights_only=False` to `trainer.fit`"
+    ):
         TensorParallelStrategy().load_checkpoint(path)
     assert not probe.exists()
     assert loads == [{"map_location": "cpu", "mmap": False, "weights_only": True}]
