@@ -111,9 +111,10 @@ def _previous_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.previous")
 
 
-#: The files of a checkpoint directory: DCP's index and shards, Lightning's ``meta.pt``. A directory holding only
-#: these (or nothing) is one this package may replace or remove; anything else in it is someone else's.
-_CHECKPOINT_FILE = re.compile(r"\.metadata|meta\.pt|__\d+_\d+\.distcp")
+#: The files of a checkpoint directory: DCP's index (global or per rank, and the temporary name it is written under)
+#: and shards, Lightning's ``meta.pt``. A directory holding only these (or nothing) is one this package may replace
+#: or remove; anything else in it is someone else's.
+_CHECKPOINT_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|meta\.pt|__\d+_\d+\.distcp")
 #: How every torch.save archive (Lightning's single-file checkpoints) begins: a zip file.
 _ZIP_MAGIC = b"PK\x03\x04"
 
