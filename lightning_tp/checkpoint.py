@@ -141,31 +141,38 @@ def _is_ours(path: Path) -> bool:
     return not path.exists()
 
 
-def check_save_target(path: Path) -> None:
-    """Refuse, before anything is written, a save to ``path`` that would replace or remove what this package did not
+def save_target_refusal(path: Path) -> OSError | None:
+    """Why a save to ``path`` must not start, or ``None``: it would replace or remove what this package did not
     write: a directory with other files (a run directory, a tokenizer), a file that is not a checkpoint, or a
-    ``.NAME.partial`` / ``.NAME.previous`` someone else made. Reads the file system only (no collective): call it on
-    every rank, so that every rank raises the same error."""
+    ``.NAME.partial`` / ``.NAME.previous`` someone else made. Reads the file system only."""
     if path.is_symlink():
-        return  # the link is replaced, its target kept
+        return None  # the link is replaced, its target kept
     if path.is_dir() and not _is_ours(path):
         foreign = _foreign_entries(path)
-        raise IsADirectoryError(
+        return IsADirectoryError(
             f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint (it holds "
             f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}), and saving replaces the path as a whole. "
             f"Save to a new path, e.g. {path / 'last.ckpt'}."
         )
     if path.exists() and not _is_ours(path):
-        raise FileExistsError(
+        return FileExistsError(
             f"Cannot save a checkpoint to {path}: a file that is not a checkpoint is there, and saving would replace "
             "it. Save to a new path, or move the file away."
         )
     for staging in (partial_path(path), _previous_path(path)):
         if not _is_ours(staging):
-            raise FileExistsError(
+            return FileExistsError(
                 f"Cannot save a checkpoint to {path}: {staging} exists and was not written by a save of this package "
                 "(it holds other files); saving would remove it. Move it away."
             )
+    return None
+
+
+def check_save_target(path: Path) -> None:
+    """Raise :func:`save_target_refusal`'s error, if any."""
+    refusal = save_target_refusal(path)
+    if refusal is not None:
+        raise refusal
 
 
 def remove_written(path: Path) -> None:

@@ -36,7 +36,6 @@ from lightning_tp.checkpoint import (
     SAFE_GLOBALS,
     UntrustedCheckpointError,
     check_checkpoint,
-    check_save_target,
     clear_partial,
     frozen_parameter_names,
     gather_rng_states,
@@ -48,6 +47,7 @@ from lightning_tp.checkpoint import (
     publish,
     remove_written,
     run_on_main_and_share_failure,
+    save_target_refusal,
     set_rng_state,
     stored_entries,
     untrusted_message,
@@ -527,8 +527,14 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         from lightning_tp.export import describe_models
 
-        path = Path(self.broadcast(filepath))
-        check_save_target(path)  # on every rank, before anything is written: never replace what we did not write
+        # Rank 0 decides whether the path may be replaced (never what this package did not write) and every rank
+        # learns it in the broadcast of the path: all raise the same error before anything is written, even where
+        # the ranks' file systems differ.
+        refusal = save_target_refusal(Path(filepath)) if self.is_global_zero else None
+        filepath, refusal = self.broadcast((filepath, refusal))
+        if refusal is not None:
+            raise refusal
+        path = Path(filepath)
         # Gathered on every rank (a collective), written by rank 0.
         checkpoint[RNG_KEY] = {
             "world_size": self.world_size,

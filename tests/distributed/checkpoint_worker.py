@@ -61,6 +61,7 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     module = ResumeModule()
     trainer = fit(module)
     trainer.save_checkpoint(out / "final")
+    results["save_into_run_dir"] = save_into_run_dir(trainer, out / "run_dir")
     module.model.save_pretrained(out / "pretrained")  # on every rank of the sharded model
     results["final_logits"] = probe_logits(module.model)
     # One process -> TP 2: a checkpoint a plain single-device Trainer wrote.
@@ -76,6 +77,19 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     results["lora_logits"] = probe_logits(module.model)
     save_tied(out)
     return results
+
+
+def save_into_run_dir(trainer: L.Trainer, run_dir: Path) -> str | None:
+    """A save into a directory that is not a checkpoint (rank 0 sees a file there): every rank raises the same error
+    and nothing is removed (issue 11, defect 1); the ranks stay in step for what follows."""
+    run_dir.mkdir(exist_ok=True)
+    if dist.get_rank() == 0:
+        (run_dir / "notes.txt").write_text("mine")
+    try:
+        trainer.save_checkpoint(run_dir)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def save_tied(out: Path) -> None:

@@ -162,6 +162,17 @@ def test_save_pretrained_inside_the_run(tp2: dict[str, Any]) -> None:
     torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
 
 
+def test_a_save_into_a_run_directory_is_refused_on_every_rank(tp2: dict[str, Any]) -> None:
+    """Before the fix the directory was moved aside and deleted; the run went on with the next saves either way."""
+    for result in tp2["ranks"]:
+        error = result["save_into_run_dir"]
+        assert error is not None and error.startswith("IsADirectoryError: Cannot save a checkpoint to"), error
+        assert "notes.txt" in error
+    run_dir = tp2["out"] / "run_dir"
+    assert [p.name for p in run_dir.iterdir()] == ["notes.txt"] and (run_dir / "notes.txt").read_text() == "mine"
+    assert not [p for p in tp2["out"].iterdir() if p.name.startswith(".run_dir")]
+
+
 @pytest.mark.parametrize("name", ["tied_pretrained", "tied_merged"])
 def test_a_tied_sharded_model_saves_transformers_keys(tp2: dict[str, Any], name: str) -> None:
     """`save_pretrained` and `save_merged` of a tied model sharded over TP 2 against Transformers' own save of the
