@@ -19,8 +19,15 @@ on 2-D. What DCP and Lightning leave to us:
 
 from __future__ import annotations
 
+import argparse
+import collections
+import dataclasses
+import enum
 import os
+import pathlib
+import pickle
 import random
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -74,8 +81,10 @@ def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary sibling of ``directory`` to write into; on success each written file is renamed into
     ``directory`` (an atomic replace per file), so no reader sees a half-written file, and files already there that
     this write does not produce (a tokenizer, logs) are kept. On failure the temporary directory is removed and
-    ``directory`` is left as it was."""
+    ``directory`` is left as it was. A file at ``directory`` is refused before anything is written."""
     target = Path(directory)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{target} is a file, not a directory to write into: choose another path.")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
@@ -86,7 +95,7 @@ def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
             destination.parent.mkdir(parents=True, exist_ok=True)
             os.replace(file, destination)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # made by mkdtemp above: ours, whatever it holds
 
 
 class IncompleteCheckpointError(ValueError):
@@ -102,7 +111,74 @@ def _previous_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.previous")
 
 
-def _remove(path: Path) -> None:
+#: The files of a checkpoint directory: DCP's index (global or per rank, and the temporary name it is written under)
+#: and shards, Lightning's ``meta.pt``. A directory holding only these (or nothing) is one this package may replace
+#: or remove; anything else in it is someone else's.
+_CHECKPOINT_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|meta\.pt|__\d+_\d+\.distcp")
+#: How every torch.save archive (Lightning's single-file checkpoints) begins: a zip file.
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """What ``directory`` holds that no save of this package writes (sub-directories included)."""
+    return sorted(
+        entry.name for entry in directory.iterdir() if entry.is_dir() or not _CHECKPOINT_FILE.fullmatch(entry.name)
+    )
+
+
+def _is_ours(path: Path) -> bool:
+    """Whether ``path`` is something a save of this package may replace or remove: a link (replaced, never followed:
+    ModelCheckpoint's ``save_last="link"``), a checkpoint directory (see ``_CHECKPOINT_FILE``), or an empty file or
+    torch.save archive (a single-file checkpoint, whole or cut short)."""
+    if path.is_symlink():
+        return True
+    if path.is_dir():
+        return not _foreign_entries(path)
+    if path.is_file():
+        with open(path, "rb") as f:
+            head = f.read(len(_ZIP_MAGIC))
+        return head in (b"", _ZIP_MAGIC)
+    return not path.exists()
+
+
+def save_target_refusal(path: Path) -> OSError | None:
+    """Why a save to ``path`` must not start, or ``None``: it would replace or remove what this package did not
+    write: a directory with other files (a run directory, a tokenizer), a file that is not a checkpoint, or a
+    ``.NAME.partial`` / ``.NAME.previous`` someone else made. Reads the file system only."""
+    if path.is_symlink():
+        return None  # the link is replaced, its target kept
+    if path.is_dir() and not _is_ours(path):
+        foreign = _foreign_entries(path)
+        return IsADirectoryError(
+            f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint (it holds "
+            f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}), and saving replaces the path as a whole. "
+            f"Save to a new path, e.g. {path / 'last.ckpt'}."
+        )
+    if path.exists() and not _is_ours(path):
+        return FileExistsError(
+            f"Cannot save a checkpoint to {path}: a file that is not a checkpoint is there, and saving would replace "
+            "it. Save to a new path, or move the file away."
+        )
+    for staging in (partial_path(path), _previous_path(path)):
+        if not _is_ours(staging):
+            return FileExistsError(
+                f"Cannot save a checkpoint to {path}: {staging} exists and was not written by a save of this package "
+                "(it holds other files); saving would remove it. Move it away."
+            )
+    return None
+
+
+def check_save_target(path: Path) -> None:
+    """Raise :func:`save_target_refusal`'s error, if any."""
+    refusal = save_target_refusal(path)
+    if refusal is not None:
+        raise refusal
+
+
+def remove_written(path: Path) -> None:
+    """Remove ``path`` if it is ours to remove (see :func:`_is_ours`); else raise, removing nothing."""
+    if not _is_ours(path):
+        raise FileExistsError(f"Refusing to remove {path}: it was not written by a save of this package.")
     if path.is_symlink() or path.is_file():  # a link (ModelCheckpoint's `save_last="link"`) is removed, not followed
         path.unlink()
     elif path.is_dir():
@@ -111,25 +187,122 @@ def _remove(path: Path) -> None:
 
 def clear_partial(path: Path) -> None:
     """Remove what an interrupted save to ``path`` left behind (main rank only, before the save starts)."""
-    _remove(partial_path(path))
+    remove_written(partial_path(path))
 
 
 def publish(path: Path) -> None:
     """Make the finished ``.NAME.partial`` the checkpoint at ``path`` (main rank only, after every rank wrote).
 
-    A file replaces a file in one atomic rename. A directory takes two: the old checkpoint moves aside, the new one
-    takes its name; the old one is deleted last. A crash between those renames leaves ``.NAME.previous`` whole, and
-    :func:`check_checkpoint` points to it (``ckpt_path="last"`` does not look there: resume from it by name)."""
+    A file replaces a file (or a link) in one atomic rename. A directory takes two: the old checkpoint moves aside,
+    the new one takes its name; the old one is deleted last. A crash between those renames leaves ``.NAME.previous``
+    whole, and :func:`check_checkpoint` points to it (``ckpt_path="last"`` does not look there: resume from it by
+    name). Only what a save of this package wrote (or a link) is ever moved aside or removed."""
     staged = partial_path(path)
-    if staged.is_file() and not path.is_dir():
+    if not (path.exists() or path.is_symlink()):
+        os.replace(staged, path)  # nothing to replace; a `.NAME.previous` left by a crash is removed once replaced
+        remove_written(_previous_path(path))
+        return
+    if not _is_ours(path):  # checked before the save started; the path may have changed since
+        raise FileExistsError(f"Refusing to replace {path}: it was not written by a save of this package.")
+    if staged.is_file() and (path.is_file() or path.is_symlink()):
         os.replace(staged, path)  # one atomic rename: no moment without a checkpoint
         return
     previous = _previous_path(path)
-    _remove(previous)
-    if path.exists() or path.is_symlink():
-        os.replace(path, previous)
+    remove_written(previous)  # an older one, from a save interrupted earlier: `path` is whole
+    os.replace(path, previous)
     os.replace(staged, path)
-    _remove(previous)
+    remove_written(previous)
+
+
+# ---------------------------------------------------------------------------------------------------- untrusted input
+
+
+class UntrustedCheckpointError(ValueError):
+    """A checkpoint holds objects that only arbitrary code from the file can rebuild, and loading them was not
+    allowed."""
+
+
+#: Plain types Lightning checkpoints often hold in their hyper-parameters; rebuilding them runs no code of the file.
+SAFE_GLOBALS = [pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath, argparse.Namespace]
+
+
+def load_torch_file(path: Path | str, *, weights_only: bool, opt_in: str, mmap: bool = False) -> Any:
+    """``torch.load`` onto the CPU (tensors saved from ``cuda:0`` would otherwise land on GPU 0 of every rank). With
+    ``weights_only`` only tensors, plain values and :data:`SAFE_GLOBALS` are rebuilt; anything else raises
+    :class:`UntrustedCheckpointError` saying what loading it risks and how to allow it (``opt_in``)."""
+    if not weights_only:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        try:
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise UntrustedCheckpointError(untrusted_message(path, err, opt_in=opt_in)) from err
+
+
+def untrusted_message(path: Path | str, err: Exception, *, opt_in: str) -> str:
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(err))
+    what = f"an object of type {found.group(1)}" if found else "objects that are not tensors or plain values"
+    return (
+        f"{path} holds {what}. Loading it would run code the file names, which can do anything your user can "
+        f"(a crafted checkpoint runs commands this way), so only tensors and plain values are loaded by default. If "
+        f"you trust where the checkpoint comes from, {opt_in}."
+    )
+
+
+#: The classes a DCP index (``.metadata``) is made of: torch's own dataclasses and enums in these modules.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index, rebuilding only what an index holds. DCP's own reader calls ``pickle.load`` on
+    ``.metadata``: a crafted index runs code on every rank that opens the checkpoint (export, resume)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if module in _DCP_MODULES + ("torch", "pathlib") else None
+        if module in _DCP_MODULES and isinstance(found, type):
+            if dataclasses.is_dataclass(found) or issubclass(found, enum.Enum):
+                return found
+        if module == "torch" and (found is torch.Size or isinstance(found, (torch.dtype, torch.memory_format))):
+            return found
+        if (module, name) == ("torch.serialization", "_get_layout"):  # looks a layout up by its name
+            return torch.serialization._get_layout
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "PureWindowsPath"):
+            return found
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(
+            f"The checkpoint index names {module}.{name}, which a DCP index does not hold: refused (unpickling it "
+            "could run code the file names)."
+        )
+
+
+def _safe_reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeIndexReader(FileSystemReader):
+        """DCP's reader, reading ``.metadata`` with :class:`_IndexUnpickler` (as ``FileSystemReader.read_metadata``
+        does otherwise, private ``_get_metadata_path`` included), and once (``load`` reads it on every call)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self, "_lightning_tp_metadata", None) is None:
+                with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                    try:
+                        metadata = _IndexUnpickler(f).load()
+                    except pickle.UnpicklingError as err:
+                        raise UntrustedCheckpointError(f"{self.path}: {err}") from err
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                self._lightning_tp_metadata = metadata
+            self._lightning_tp_metadata.storage_meta.load_id = self.load_id
+            return self._lightning_tp_metadata
+
+    return SafeIndexReader
+
+
+def index_reader(path: Path | str) -> Any:
+    """A DCP storage reader for the checkpoint directory ``path`` that never runs code from its index."""
+    return _safe_reader_class()(str(path))
 
 
 def check_checkpoint(path: Path) -> None:
@@ -154,10 +327,10 @@ def check_checkpoint(path: Path) -> None:
             f"The checkpoint directory {path} is incomplete: {', '.join(missing)} missing. A save that did not "
             "finish, or a copy that was cut short; resume from an earlier checkpoint."
         )
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = index_reader(path).read_metadata()
+    except UntrustedCheckpointError:
+        raise
     except Exception as err:
         raise IncompleteCheckpointError(f"The index {path / DCP_INDEX} cannot be read ({err}).") from err
     needed: dict[str, int] = {}
@@ -190,10 +363,9 @@ def _check_file(path: Path) -> None:
 def stored_entries(path: Path) -> dict[str, torch.Size | None]:
     """Every entry of a DCP checkpoint directory by its flattened key (``state_dict.<name>``), with the global shape
     of tensors (``None`` for other values)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = index_reader(path).read_metadata()
     return {
         key: value.size if isinstance(value, TensorStorageMetadata) else None
         for key, value in metadata.state_dict_metadata.items()
@@ -308,11 +480,15 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
         is_main = kwargs.pop("is_main_process", None)
         is_main = _is_main() if is_main is None else is_main
         state = {}
-        for name, tensor in model.state_dict().items():
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()  # a collective, on every rank
+        gathered: dict[int, torch.Tensor | None] = {}
+        # `keep_vars`: tied weights (`lm_head.weight` of a tied model) come as one object under two names. Gathered
+        # once and kept as one tensor, so that Transformers sees the shared storage and writes only its own keys.
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) not in gathered:
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective, on every rank
+                gathered[id(tensor)] = whole.detach().cpu() if is_main else None
             if is_main:
-                state[name] = tensor.detach().cpu()
+                state[name] = gathered[id(tensor)]
 
         def write() -> None:
             with publish_directory(save_directory) as tmp:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tp.checkpoint import publish_directory
+from lightning_tp.checkpoint import UntrustedCheckpointError, index_reader, load_torch_file, publish_directory
 from lightning_tp.lora import peft_models
 
 #: Key of the entry in Lightning's checkpoint dict (``meta.pt`` of a distributed checkpoint).
@@ -137,24 +137,17 @@ class _Spec:
 class _DcpCheckpoint:
     """A distributed checkpoint directory: each tensor is read alone, whatever the layout it was saved with."""
 
-    def __init__(self, path: Path):
-        from torch.distributed.checkpoint import FileSystemReader
+    def __init__(self, path: Path, *, trust: bool):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        class Reader(FileSystemReader):  # ``load`` reads the metadata file again on every call otherwise
-            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-                if not hasattr(self, "_cached"):
-                    self._cached = super().read_metadata(*args, **kwargs)
-                return self._cached
-
-        self.reader = Reader(path)
+        self.reader = index_reader(path)  # never runs code from the index; reads it once
         items = self.reader.read_metadata().state_dict_metadata.items()
         self.specs = {
             key.removeprefix(_DCP_PREFIX): _Spec(tuple(md.size), md.properties.dtype)
             for key, md in items
             if key.startswith(_DCP_PREFIX) and isinstance(md, TensorStorageMetadata)
         }
-        self.meta = _load_meta(path / _META_FILE) if (path / _META_FILE).is_file() else {}
+        self.meta = _load_meta(path / _META_FILE, trust=trust) if (path / _META_FILE).is_file() else {}
 
     def read(self, key: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
@@ -171,9 +164,11 @@ class _FileCheckpoint:
     """A single-file checkpoint (``save_distributed_checkpoint=False``), memory-mapped: tensors are paged in as
     they are written out."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, trust: bool):
         try:
-            self.meta = _load_meta(path, mmap=True)
+            self.meta = _load_meta(path, mmap=True, trust=trust)
+        except UntrustedCheckpointError:
+            raise
         except Exception as err:  # not a torch file, or torch's legacy format (which cannot be memory-mapped)
             raise ValueError(f"{path} is not a checkpoint torch.load can memory-map: {err}") from err
         state = self.meta.pop("state_dict", None) if isinstance(self.meta, dict) else None
@@ -212,12 +207,15 @@ class _SafetensorsDirectory:
             return f.get_tensor(key)
 
 
-def _load_meta(path: Path, *, mmap: bool = False) -> dict[str, Any]:
-    # Lightning checkpoints hold arbitrary objects (hyper-parameters, callback states): not loadable weights-only.
-    return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+_TRUST_OPT_IN = "pass `--trust-checkpoint` (`trust_checkpoint=True` in `export_checkpoint`)"
 
 
-def _open_checkpoint(path: Path) -> _DcpCheckpoint | _FileCheckpoint:
+def _load_meta(path: Path, *, trust: bool, mmap: bool = False) -> dict[str, Any]:
+    # Tensors and plain values only, unless trusted: hyper-parameters of other types are the user's opt-in.
+    return load_torch_file(path, weights_only=not trust, opt_in=_TRUST_OPT_IN, mmap=mmap)
+
+
+def _open_checkpoint(path: Path, *, trust: bool) -> _DcpCheckpoint | _FileCheckpoint:
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if path.is_dir():
@@ -226,8 +224,8 @@ def _open_checkpoint(path: Path) -> _DcpCheckpoint | _FileCheckpoint:
                 f"{path} is a directory but not a distributed checkpoint (no .metadata file): pass the directory "
                 "Lightning's ModelCheckpoint wrote, or a single-file checkpoint."
             )
-        return _DcpCheckpoint(path)
-    return _FileCheckpoint(path)
+        return _DcpCheckpoint(path, trust=trust)
+    return _FileCheckpoint(path, trust=trust)
 
 
 def _select_model(meta: dict[str, Any], model_prefix: str | None, *, path: Path) -> dict[str, Any]:
@@ -271,17 +269,28 @@ def _config(entry: dict[str, Any], *, dtype: torch.dtype) -> Any:
     return config
 
 
-def _meta_model(entry: dict[str, Any]) -> nn.Module:
+def _model_class(entry: dict[str, Any]) -> type:
     import transformers
 
     cls = getattr(transformers, entry["architecture"], None)
-    if cls is None:
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):  # the checkpoint names it
         raise ValueError(
             f"{entry['architecture']} is not a class of Transformers {transformers.__version__} (remote code?): "
             "export rebuilds the model from Transformers' own classes."
         )
+    return cls
+
+
+def _check_entry(entry: dict[str, Any]) -> None:
+    """What the checkpoint names that export builds or writes from, checked before anything is written."""
+    _model_class(entry)
+    for name in (entry.get("peft") or {}).get("adapters", {}):
+        _check_adapter_name(name)
+
+
+def _meta_model(entry: dict[str, Any]) -> nn.Module:
     with torch.device("meta"):
-        return cls(_config(entry, dtype=torch.float32))
+        return _model_class(entry)(_config(entry, dtype=torch.float32))
 
 
 def _meta_peft_model(entry: dict[str, Any]) -> nn.Module:
@@ -297,6 +306,16 @@ def _meta_peft_model(entry: dict[str, Any]) -> nn.Module:
             model.add_adapter(name, configs[name], low_cpu_mem_usage=True)
         model.base_model.set_adapter(info["active_adapters"])
     return model
+
+
+def _check_adapter_name(name: Any) -> None:
+    """Adapter names come from the checkpoint and become directory names (PEFT writes adapter ``X`` into ``X/``):
+    nothing may lead out of the output directory."""
+    if not isinstance(name, str) or not re.fullmatch(r"[^/\\\x00]+", name) or name in (".", "..") or ":" in name:
+        raise ValueError(
+            f"The checkpoint names a LoRA adapter {name!r}: adapter names become directory names, so a name with a "
+            "path separator, '..' or a drive is refused. Rename the adapter in the training script."
+        )
 
 
 def _saved_names(model: nn.Module) -> list[str]:
@@ -558,7 +577,8 @@ def _tokenizer(name_or_path: str | os.PathLike | None, *, explicit: bool) -> Any
     if name_or_path is None:
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True)
+        # Never code from the tokenizer's directory (its `auto_map`): the path may come from the checkpoint.
+        return AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True, trust_remote_code=False)
     except Exception as err:  # any failure means "no tokenizer here"; an explicit one is an error
         if explicit:
             raise ValueError(f"--tokenizer {name_or_path}: cannot load a tokenizer ({type(err).__name__}).") from err
@@ -579,6 +599,7 @@ def export_checkpoint(
     tokenizer: str | os.PathLike | None = None,
     model_prefix: str | None = None,
     base: str | os.PathLike | None = None,
+    trust_checkpoint: bool = False,
 ) -> Path:
     """Write a Transformers directory (or, for a LoRA run without ``merge``, a PEFT adapter directory) from a
     ``TensorParallelStrategy`` checkpoint, one tensor in memory at a time, published into ``out_dir`` only once
@@ -594,11 +615,16 @@ def export_checkpoint(
         model_prefix: The model to export when the checkpoint holds several (its prefix, e.g. ``"model."``).
         base: Transformers directory with the base weights the checkpoint does not hold (LoRA runs that leave the
             frozen base out); default: the run's model source when it is a local directory.
+        trust_checkpoint: Also unpickle objects other than tensors and plain values (custom hyper-parameter types).
+            Unpickling them runs code the file names: only for checkpoints from a source you trust.
     """
     path = Path(checkpoint)
     cast = _dtype(dtype)
-    source = _open_checkpoint(path)
+    if Path(out_dir).resolve() == path.resolve():
+        raise ValueError(f"The output directory {out_dir} is the checkpoint itself: export to another directory.")
+    source = _open_checkpoint(path, trust=trust_checkpoint)
     entry = _select_model(source.meta, model_prefix, path=path)
+    _check_entry(entry)
     if merge and not entry.get("peft"):
         raise ValueError(f"--merge: the model {entry['prefix']!r} of {path} has no LoRA adapters; export it without.")
     sources = _Sources(source, _base_directory(base, entry, needed=bool(entry.get("peft")) and merge))
@@ -681,6 +707,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory or cached hub id")
     parser.add_argument("--model-prefix", default=None, help="the model to export, e.g. 'model.'")
     parser.add_argument("--base", default=None, help="Transformers directory with base weights the checkpoint lacks")
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="also unpickle objects other than tensors and plain values: runs code the file names; trusted files only",
+    )
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(
@@ -692,8 +723,9 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=args.tokenizer,
             model_prefix=args.model_prefix,
             base=args.base,
+            trust_checkpoint=args.trust_checkpoint,
         )
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"Exported {args.checkpoint} to {out}")

@@ -209,9 +209,11 @@ def install_distributed_save(peft_model: nn.Module) -> None:
     peft_model._lightning_tp_save = True
 
 
-def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any]]:
-    """The LoRA layers of the base model, and its state dict whole on the CPU of rank 0 (empty elsewhere). Every
-    rank must call it (gathering a shard is a collective); what can be wrong is checked before, on every rank."""
+def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, str]]:
+    """The LoRA layers of the base model, its state dict whole on the CPU of rank 0 (empty elsewhere), and the names
+    under which a tensor is seen again (tied weights: ``{"lm_head.weight": "model.embed_tokens.weight"}``), gathered
+    once. Every rank must call it (gathering a shard is a collective); what can be wrong is checked before, on every
+    rank."""
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
@@ -225,17 +227,27 @@ def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dic
             f"Cannot merge the adapters of {unmergeable[:4]}: only unmerged LoRA on linear and embedding layers."
         )
     full: dict[str, Any] = {}
-    for name, tensor in base.state_dict().items():
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in base.state_dict(keep_vars=True).items():  # `keep_vars`: one object under each tied name
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+            continue
+        first[id(tensor)] = name
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()  # one tensor at a time
         if keep:
             full[name] = tensor.detach().cpu()
-    return layers, full
+    return layers, full, aliases
 
 
-def _merge(layers: dict[str, nn.Module], full: dict[str, Any]) -> dict[str, Any]:
+def _merge(layers: dict[str, nn.Module], full: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
     """``W + scaling * B @ A`` for each active adapter, under the base model's own names (what ``merge_and_unload``
-    gives); inactive adapters are left out, as ``merge_and_unload`` drops them."""
+    gives); inactive adapters are left out, as ``merge_and_unload`` drops them. A tied name holds the very tensor of
+    the name it is tied to, so that Transformers writes it once, as its own ``save_pretrained``; merging an adapter
+    into one of them unties them."""
+    for alias, source in aliases.items():
+        full[alias] = full[source]
     for name, module in layers.items():
         weight = full[f"{name}.base_layer.weight"].float()
         for adapter in module.active_adapters:
@@ -256,11 +268,11 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     (``config.json``, safetensors), loadable with ``AutoModelForCausalLM.from_pretrained`` on one process, without
     changing the sharded model that keeps training. Call it on every rank: they gather one tensor at a time; rank 0
     merges and writes, and a failure there raises on every rank."""
-    layers, full = _gather_base_state(peft_model)
+    layers, full, aliases = _gather_base_state(peft_model)
     is_main = _is_main()
 
     def write() -> None:
-        state = _merge(layers, full)
+        state = _merge(layers, full, aliases)
         with publish_directory(directory) as tmp:
             peft_model.get_base_model().save_pretrained(tmp, state_dict=state, is_main_process=True, **save_kwargs)
 

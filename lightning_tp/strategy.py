@@ -3,6 +3,7 @@ order in which they run and why."""
 
 from __future__ import annotations
 
+import pickle
 import types
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -31,17 +32,24 @@ from lightning_tp.checkpoint import (
     META_FILENAME,
     MODELS_KEY,
     RNG_KEY,
+    SAFE_GLOBALS,
+    UntrustedCheckpointError,
     check_checkpoint,
     clear_partial,
     frozen_parameter_names,
     gather_rng_states,
+    index_reader,
     install_distributed_save_pretrained,
+    load_torch_file,
     match_model_state,
     partial_path,
     publish,
+    remove_written,
     run_on_main_and_share_failure,
+    save_target_refusal,
     set_rng_state,
     stored_entries,
+    untrusted_message,
 )
 from lightning_tp.fsdp import (
     BF16_NAMES,
@@ -84,6 +92,10 @@ if TYPE_CHECKING:
 
 #: Precisions whose parameters and gradients this strategy keeps exact under TP.
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+#: How to load a checkpoint that holds arbitrary objects, in the error that refuses it.
+_LOAD_OPT_IN = "pass `weights_only=False` to `trainer.fit`/`validate`/`test`/`predict` along with `ckpt_path`"
 
 
 class TensorParallelStrategy(ModelParallelStrategy):
@@ -587,9 +599,14 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         from lightning_tp.export import describe_models
 
-        path = Path(self.broadcast(filepath))
-        if path.is_dir() and not self._save_distributed_checkpoint and not (path / META_FILENAME).is_file():
-            raise IsADirectoryError(f"The checkpoint path {path} is a directory that is not a checkpoint.")
+        # Rank 0 decides whether the path may be replaced (never what this package did not write) and every rank
+        # learns it in the broadcast of the path: all raise the same error before anything is written, even where
+        # the ranks' file systems differ.
+        refusal = save_target_refusal(Path(filepath)) if self.is_global_zero else None
+        filepath, refusal = self.broadcast((filepath, refusal))
+        if refusal is not None:
+            raise refusal
+        path = Path(filepath)
         # Gathered on every rank (a collective), written by rank 0.
         checkpoint[RNG_KEY] = {
             "world_size": self.world_size,
@@ -624,12 +641,30 @@ class TensorParallelStrategy(ModelParallelStrategy):
         run_on_main_and_share_failure(lambda: publish(path), is_main=self.is_global_zero)
 
     @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """``ModelCheckpoint`` removes the checkpoints it no longer keeps: only what a save of this package wrote is
+        removed (a link, not its target); anything else there is kept, with a warning."""
+        if self.is_global_zero:
+            try:
+                remove_written(Path(filepath))
+            except FileExistsError as err:
+                rank_zero_warn(f"{err} It is kept.")
+
+    @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole."""
+        """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole.
+
+        Only tensors and plain values are unpickled unless ``weights_only=False`` is passed (``trainer.fit(...,
+        weights_only=False)``): a checkpoint is untrusted input, and unpickling other objects runs code it names."""
+        weights_only = True if weights_only is None else weights_only  # Lightning passes None: never default to False
         path = Path(self.broadcast(checkpoint_path))
         check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
         if path.is_file():
-            metadata = super().load_checkpoint(path, weights_only=weights_only)
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                try:
+                    metadata = super().load_checkpoint(path, weights_only=weights_only)
+                except pickle.UnpicklingError as err:  # the same on every rank, before any collective
+                    raise UntrustedCheckpointError(untrusted_message(path, err, opt_in=_LOAD_OPT_IN)) from err
         else:
             metadata = self._load_distributed_checkpoint(path, weights_only=weights_only)
         metadata.pop(MODELS_KEY, None)
@@ -663,7 +698,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "from its first batch. Weights, optimizer, scheduler and loop counters are restored."
             )
 
-    def _load_distributed_checkpoint(self, path: Path, *, weights_only: bool | None) -> dict[str, Any]:
+    def _load_distributed_checkpoint(self, path: Path, *, weights_only: bool) -> dict[str, Any]:
         """Lightning's DCP load, with the model's entries checked against the checkpoint's index first (names and
         shapes, with clear errors) and frozen weights the checkpoint left out skipped."""
         from torch.distributed.checkpoint import load
@@ -674,6 +709,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
+        # Unpickled first, on every rank, before any collective: a refused meta.pt raises the same error everywhere.
+        metadata = load_torch_file(path / META_FILENAME, weights_only=weights_only, opt_in=_LOAD_OPT_IN)
         assert self.model is not None and self.lightning_module is not None
         stored = stored_entries(path)
         template = get_model_state_dict(self.model)
@@ -692,16 +729,16 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"{len(self.optimizers)}: nothing for {missing_optimizers}."
             )
         model_state = {"state_dict": {key: template[key] for key in keys}}
-        load(model_state, checkpoint_id=path)
+        load(model_state, checkpoint_id=path, storage_reader=index_reader(path))
         self.model.load_state_dict(model_state["state_dict"], strict=False)  # completeness was checked above
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            load(optimizer_state, checkpoint_id=path)
+            load(optimizer_state, checkpoint_id=path, storage_reader=index_reader(path))
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
             )
-        return torch.load(path / META_FILENAME, weights_only=weights_only)
+        return metadata
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_tp import TensorParallelStrategy
+from tests.helpers.cases import CHECKPOINT_ENV
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
 
@@ -60,6 +61,7 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     module = ResumeModule()
     trainer = fit(module)
     trainer.save_checkpoint(out / "final")
+    results["save_into_run_dir"] = save_into_run_dir(trainer, out / "run_dir")
     module.model.save_pretrained(out / "pretrained")  # on every rank of the sharded model
     results["final_logits"] = probe_logits(module.model)
     # One process -> TP 2: a checkpoint a plain single-device Trainer wrote.
@@ -73,7 +75,61 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     }
     trainer.save_checkpoint(out / "lora_final")
     results["lora_logits"] = probe_logits(module.model)
+    save_tied(out)
     return results
+
+
+def save_into_run_dir(trainer: L.Trainer, run_dir: Path) -> str | None:
+    """A save into a directory that is not a checkpoint (rank 0 sees a file there): every rank raises the same error
+    and nothing is removed (issue 11, defect 1); the ranks stay in step for what follows."""
+    run_dir.mkdir(exist_ok=True)
+    if dist.get_rank() == 0:
+        (run_dir / "notes.txt").write_text("mine")
+    try:
+        trainer.save_checkpoint(run_dir)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def save_tied(out: Path) -> None:
+    """A model with tied embeddings, sharded over TP 2 as the strategy shards it, saved with `save_pretrained` on
+    every rank, and the same model with LoRA saved merged (`save_merged`), with Transformers' own save of the merged
+    model on one process as the reference: `lm_head.weight` shares the embedding's shards and must not be written
+    (issue 11, defect 3)."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from lightning_tp import save_merged
+    from lightning_tp.checkpoint import install_distributed_save_pretrained
+    from lightning_tp.lora import extend_plan_to_adapters
+    from lightning_tp.plan import resolve_plan
+    from lightning_tp.tensor_parallel import apply_tensor_parallel
+
+    def tied(lora: bool) -> Any:
+        model = AutoModelForCausalLM.from_pretrained(Path(os.environ[CHECKPOINT_ENV]) / "tied", dtype=torch.float32)
+        if lora:
+            torch.manual_seed(3)
+            config = LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+            return get_peft_model(model, config)
+        return model
+
+    mesh = init_device_mesh("cpu", (2,))
+    for lora in (False, True):
+        model = tied(lora)
+        base = model.get_base_model() if lora else model
+        plan = resolve_plan(base, "auto", tp_size=2)
+        apply_tensor_parallel(base, mesh, extend_plan_to_adapters(base, plan) if lora else plan)
+        assert base.lm_head.weight is base.model.embed_tokens.weight, "the test needs the tie kept through sharding"
+        if lora:
+            save_merged(model, out / "tied_merged")
+        else:
+            install_distributed_save_pretrained(model)
+            model.save_pretrained(out / "tied_pretrained")
+    if dist.get_rank() == 0:
+        tied(True).merge_and_unload().save_pretrained(out / "tied_merged_reference")
+    dist.barrier()
 
 
 class KillDuringSave(L.Callback):

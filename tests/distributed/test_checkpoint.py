@@ -162,6 +162,40 @@ def test_save_pretrained_inside_the_run(tp2: dict[str, Any]) -> None:
     torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
 
 
+def test_a_save_into_a_run_directory_is_refused_on_every_rank(tp2: dict[str, Any]) -> None:
+    """Before the fix the directory was moved aside and deleted; the run went on with the next saves either way."""
+    for result in tp2["ranks"]:
+        error = result["save_into_run_dir"]
+        assert error is not None and error.startswith("IsADirectoryError: Cannot save a checkpoint to"), error
+        assert "notes.txt" in error
+    run_dir = tp2["out"] / "run_dir"
+    assert [p.name for p in run_dir.iterdir()] == ["notes.txt"] and (run_dir / "notes.txt").read_text() == "mine"
+    assert not [p for p in tp2["out"].iterdir() if p.name.startswith(".run_dir")]
+
+
+@pytest.mark.parametrize("name", ["tied_pretrained", "tied_merged"])
+def test_a_tied_sharded_model_saves_transformers_keys(tp2: dict[str, Any], name: str) -> None:
+    """`save_pretrained` and `save_merged` of a tied model sharded over TP 2 against Transformers' own save of the
+    same model on one process (the fixture's `tied` directory; the merged model saved by `merge_and_unload`): same
+    keys, same values, the same file size. Before the fix `lm_head.weight` was written too."""
+    import os
+
+    from safetensors import safe_open
+
+    from tests.helpers.cases import CHECKPOINT_ENV
+
+    ours = tp2["out"] / name / "model.safetensors"
+    if name == "tied_pretrained":
+        reference = Path(os.environ[CHECKPOINT_ENV]) / "tied" / "model.safetensors"
+    else:
+        reference = tp2["out"] / "tied_merged_reference" / "model.safetensors"
+    with safe_open(ours, framework="pt") as mine, safe_open(reference, framework="pt") as theirs:
+        assert set(mine.keys()) == set(theirs.keys()) and "lm_head.weight" not in set(mine.keys())
+        for key in theirs.keys():
+            torch.testing.assert_close(mine.get_tensor(key), theirs.get_tensor(key), atol=1e-6, rtol=0, msg=key)
+    assert abs(ours.stat().st_size - reference.stat().st_size) < 1024
+
+
 @pytest.mark.parametrize("name", ["final", "final_full.ckpt"])
 def test_export_round_trip(tp2: dict[str, Any], name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM

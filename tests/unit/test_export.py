@@ -435,3 +435,119 @@ def test_several_models_need_a_prefix(tmp_path):
         export_checkpoint(ckpt, tmp_path / "out", model_prefix="value")
     out = export_checkpoint(ckpt, tmp_path / "out", model_prefix="reward")
     assert torch.allclose(logits(load(out)), logits(reward), rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints are untrusted input
+
+
+class _CreatesAFile:
+    """Unpickling this runs a command that creates a file: what a crafted checkpoint does."""
+
+    def __init__(self, probe: Path):
+        self.probe = probe
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.probe}",))
+
+
+class _CustomHyperParameter:
+    """A harmless object of a type torch's weights-only loader does not know (a user's hyper-parameter class)."""
+
+    def __eq__(self, other):
+        return type(other) is type(self)
+
+
+def test_a_crafted_checkpoint_runs_no_code(tmp_path):
+    """Issue 11, security: a crafted single file, a replaced meta.pt, a replaced DCP index each ran a command."""
+    import pickle
+
+    from lightning_tp.checkpoint import UntrustedCheckpointError, check_checkpoint
+
+    model = build_causal_lm(tiny_config("llama"))
+    probe = tmp_path / "probe"
+    single = save_file(Root(model), tmp_path / "ckpt.pt")
+    checkpoint = torch.load(single, weights_only=True)
+    torch.save({**checkpoint, "hyper_parameters": {"x": _CreatesAFile(probe)}}, single)
+    meta = save_dcp(Root(model), tmp_path / "meta")
+    torch.save({**torch.load(meta / "meta.pt", weights_only=True), "x": _CreatesAFile(probe)}, meta / "meta.pt")
+    index = save_dcp(Root(model), tmp_path / "index")
+    (index / ".metadata").write_bytes(pickle.dumps(_CreatesAFile(probe)))
+
+    for crafted in (single, meta):
+        with pytest.raises(UntrustedCheckpointError, match=r"posix.system.*--trust-checkpoint"):
+            export_checkpoint(crafted, tmp_path / "out")
+        assert main([str(crafted), str(tmp_path / "out")]) == 1
+    for load_index in (
+        lambda: export_checkpoint(index, tmp_path / "out", trust_checkpoint=True),
+        lambda: check_checkpoint(index),
+    ):
+        with pytest.raises(UntrustedCheckpointError, match="names posix.system, which a DCP index does not hold"):
+            load_index()  # the index is never trusted: a real one holds only DCP's own types
+    assert not probe.exists() and not (tmp_path / "out").exists()
+
+
+def test_trust_checkpoint_is_an_explicit_opt_in(tmp_path, capsys):
+    model = build_causal_lm(tiny_config("llama"))
+    ckpt = save_dcp(Root(model), tmp_path / "ckpt")
+    meta = torch.load(ckpt / "meta.pt", weights_only=True)
+    torch.save(
+        {**meta, "hyper_parameters": {"path": Path("/data"), "custom": _CustomHyperParameter()}}, ckpt / "meta.pt"
+    )
+
+    assert main([str(ckpt), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "_CustomHyperParameter" in err and "run code" in err and "--trust-checkpoint" in err
+    assert main([str(ckpt), str(tmp_path / "out"), "--trust-checkpoint"]) == 0
+    assert torch.allclose(logits(load(tmp_path / "out")), logits(model), rtol=0, atol=1e-6)
+
+    # paths and namespaces (common hyper-parameters) load without the opt-in
+    torch.save({**meta, "hyper_parameters": {"path": Path("/data")}}, ckpt / "meta.pt")
+    export_checkpoint(ckpt, tmp_path / "out2")
+
+
+def test_names_from_the_checkpoint_cannot_leave_the_output_directory(tmp_path):
+    outside = tmp_path / "outside"
+    assert "." not in str(outside), "PEFT refuses adapter names with dots"
+    peft_model = lora(build_causal_lm(tiny_config("qwen3")), LoraConfig(r=4, target_modules=["q_proj"]))
+    peft_model.add_adapter(str(outside), LoraConfig(r=2, target_modules=["v_proj"]))  # PEFT takes an absolute path
+    ckpt = save_dcp(Root(peft_model), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="adapter names become directory names"):
+        export_checkpoint(ckpt, tmp_path / "out" / "adapter")  # it was written to `outside` itself
+    original = torch.load(ckpt / "meta.pt", weights_only=True)
+    original["lightning_tp"]["models"][0]["peft"]["adapters"].pop(str(outside))
+    for name in ("../outside", "a/../../outside", "..", "a\\..\\..\\outside", "C:outside"):
+        meta = json.loads(json.dumps(original))
+        adapters = meta["lightning_tp"]["models"][0]["peft"]["adapters"]
+        adapters[name] = adapters["default"]
+        torch.save(meta, ckpt / "meta.pt")
+        with pytest.raises(ValueError, match="adapter names become directory names"):
+            export_checkpoint(ckpt, tmp_path / "out" / "adapter")
+    assert not outside.exists() and not (tmp_path / "out").exists()
+
+    meta = json.loads(json.dumps(original))
+    meta["lightning_tp"]["models"][0]["architecture"] = "pipeline"  # a callable of transformers, not a model class
+    torch.save(meta, ckpt / "meta.pt")
+    with pytest.raises(ValueError, match="pipeline is not a class of Transformers"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    with pytest.raises(ValueError, match="is the checkpoint itself"):
+        export_checkpoint(ckpt, ckpt)
+
+
+def test_a_tokenizer_directory_named_by_the_checkpoint_runs_no_code(tmp_path):
+    """The run's source comes from the checkpoint: a tokenizer there whose config points at its own code is not
+    loaded with that code."""
+    model = build_causal_lm(tiny_config("llama"))
+    source = make_tokenizer(tmp_path / "source")
+    probe = tmp_path / "probe"
+    (source / "evil_tokenizer.py").write_text(
+        f"import pathlib\npathlib.Path({str(probe)!r}).touch()\n"
+        "from transformers import PreTrainedTokenizerFast\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]}
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    model.config._name_or_path = str(source)
+    out = export_checkpoint(save_dcp(Root(model), tmp_path / "ckpt"), tmp_path / "out")
+    assert not probe.exists()
+    assert torch.allclose(logits(load(out)), logits(model), rtol=0, atol=1e-6)

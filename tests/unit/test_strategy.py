@@ -196,3 +196,35 @@ def test_bf16_all_gathers_warn_where_ignored(precision: str, world: int, fragmen
 def test_fsdp_param_dtype_values_are_checked_when_the_strategy_is_built() -> None:
     with pytest.raises(ValueError, match="`fsdp_param_dtype` must be None .* or 'bf16'.*got 'fp16'"):
         TensorParallelStrategy(fsdp_param_dtype="fp16")
+
+
+class _CreatesAFile:
+    def __init__(self, probe):
+        self.probe = probe
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.probe}",))
+
+
+def test_resume_unpickles_only_plain_data_onto_the_cpu(tmp_path, monkeypatch):
+    """Lightning passes `weights_only=None`: a crafted meta.pt is refused (naming the opt-in) before any collective,
+    and meta.pt is loaded onto the CPU (saved from cuda:0, it would land on GPU 0 of every rank otherwise)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_tp.checkpoint import UntrustedCheckpointError
+
+    path = tmp_path / "ckpt"
+    dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=path, no_dist=True)
+    probe = tmp_path / "probe"
+    torch.save({"epoch": 0, "hyper_parameters": {"x": _CreatesAFile(probe)}}, path / "meta.pt")
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    with pytest.raises(
+        UntrustedCheckpointError, match=r"posix.system.*run code.*`weights_only=False` to `trainer.fit`"
+    ):
+        TensorParallelStrategy().load_checkpoint(path)
+    assert not probe.exists()
+    assert loads == [{"map_location": "cpu", "mmap": False, "weights_only": True}]
