@@ -187,13 +187,13 @@ def _check_file(path: Path) -> None:
         )
 
 
-def stored_entries(path: Path) -> dict[str, torch.Size | None]:
+def stored_entries(path: Path, *, reader: Any | None = None) -> dict[str, torch.Size | None]:
     """Every entry of a DCP checkpoint directory by its flattened key (``state_dict.<name>``), with the global shape
-    of tensors (``None`` for other values)."""
+    of tensors (``None`` for other values). ``reader``: a DCP storage reader to use instead (a URL's)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = (reader or FileSystemReader(str(path))).read_metadata()
     return {
         key: value.size if isinstance(value, TensorStorageMetadata) else None
         for key, value in metadata.state_dict_metadata.items()

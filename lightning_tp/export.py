@@ -12,6 +12,7 @@ learn names, shapes, tied weights and LoRA scalings, never to hold weights.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tp import remote
 from lightning_tp.checkpoint import publish_directory
 from lightning_tp.lora import peft_models
 
@@ -137,11 +139,14 @@ class _Spec:
 class _DcpCheckpoint:
     """A distributed checkpoint directory: each tensor is read alone, whatever the layout it was saved with."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | str):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        class Reader(FileSystemReader):  # ``load`` reads the metadata file again on every call otherwise
+        # A URL's data directory (checked by `remote.resolve`) reads through fsspec.
+        base = type(remote.dcp_reader(path)) if remote.is_url(path) else FileSystemReader
+
+        class Reader(base):  # ``load`` reads the metadata file again on every call otherwise
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
                 if not hasattr(self, "_cached"):
                     self._cached = super().read_metadata(*args, **kwargs)
@@ -154,7 +159,10 @@ class _DcpCheckpoint:
             for key, md in items
             if key.startswith(_DCP_PREFIX) and isinstance(md, TensorStorageMetadata)
         }
-        self.meta = _load_meta(path / _META_FILE) if (path / _META_FILE).is_file() else {}
+        if remote.is_url(path):
+            self.meta = _load_meta(remote.join(path, _META_FILE))
+        else:
+            self.meta = _load_meta(path / _META_FILE) if (path / _META_FILE).is_file() else {}
 
     def read(self, key: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
@@ -171,9 +179,9 @@ class _FileCheckpoint:
     """A single-file checkpoint (``save_distributed_checkpoint=False``), memory-mapped: tensors are paged in as
     they are written out."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | str):
         try:
-            self.meta = _load_meta(path, mmap=True)
+            self.meta = _load_meta(path, mmap=not remote.is_url(path))
         except Exception as err:  # not a torch file, or torch's legacy format (which cannot be memory-mapped)
             raise ValueError(f"{path} is not a checkpoint torch.load can memory-map: {err}") from err
         state = self.meta.pop("state_dict", None) if isinstance(self.meta, dict) else None
@@ -212,12 +220,17 @@ class _SafetensorsDirectory:
             return f.get_tensor(key)
 
 
-def _load_meta(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+def _load_meta(path: Path | str, *, mmap: bool = False) -> dict[str, Any]:
+    if remote.is_url(path):  # read whole into memory: a URL cannot be memory-mapped
+        path = io.BytesIO(remote.read_bytes(path))
     # Lightning checkpoints hold arbitrary objects (hyper-parameters, callback states): not loadable weights-only.
     return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
 
 
-def _open_checkpoint(path: Path) -> _DcpCheckpoint | _FileCheckpoint:
+def _open_checkpoint(path: Path | str) -> _DcpCheckpoint | _FileCheckpoint:
+    if remote.is_url(path):
+        kind, data = remote.resolve(path)  # a directory without its commit marker is incomplete
+        return _DcpCheckpoint(data) if kind == "directory" else _FileCheckpoint(data)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if path.is_dir():
@@ -585,7 +598,8 @@ def export_checkpoint(
     complete.
 
     Args:
-        checkpoint: A distributed checkpoint directory, or a single-file checkpoint.
+        checkpoint: A distributed checkpoint directory, or a single-file checkpoint; a path or an fsspec URL
+            (``s3://...``: the filesystem's package, e.g. ``s3fs``, must be installed).
         out_dir: The directory to write; files already there that the export does not write are kept.
         merge: LoRA runs: write the model with the active adapters merged instead of the adapters.
         dtype: Cast floating tensors to this dtype (``"bfloat16"``, ``torch.float16``, ...).
@@ -595,7 +609,7 @@ def export_checkpoint(
         base: Transformers directory with the base weights the checkpoint does not hold (LoRA runs that leave the
             frozen base out); default: the run's model source when it is a local directory.
     """
-    path = Path(checkpoint)
+    path = checkpoint if remote.is_url(checkpoint) else Path(checkpoint)
     cast = _dtype(dtype)
     source = _open_checkpoint(path)
     entry = _select_model(source.meta, model_prefix, path=path)
@@ -673,7 +687,9 @@ def _export_adapters(directory: Path, entry: dict[str, Any], sources: _Sources, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_tp.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a distributed checkpoint directory, or a single-file checkpoint")
+    parser.add_argument(
+        "checkpoint", help="a distributed checkpoint directory, or a single-file checkpoint (a path or an fsspec URL)"
+    )
     parser.add_argument("out_dir", help="the Transformers (or PEFT adapter) directory to write")
     parser.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapters into the model")
     parser.add_argument("--dtype", choices=list(_DTYPES), default=None, help="cast floating tensors")

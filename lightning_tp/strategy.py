@@ -3,6 +3,8 @@ order in which they run and why."""
 
 from __future__ import annotations
 
+import io
+import tempfile
 import types
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_tp import remote
 from lightning_tp.checkpoint import (
     META_FILENAME,
     MODELS_KEY,
@@ -59,6 +62,7 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.remote import is_url
 from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -515,8 +519,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         from lightning_tp.export import describe_models
 
-        path = Path(self.broadcast(filepath))
-        if path.is_dir() and not self._save_distributed_checkpoint and not (path / META_FILENAME).is_file():
+        filepath = self.broadcast(filepath)
+        path = Path(filepath)  # a URL's checkpoint is written by `_save_to_url`; this is the local path
+        if not is_url(filepath) and path.is_dir() and not self._save_distributed_checkpoint and not (path / META_FILENAME).is_file():
             raise IsADirectoryError(f"The checkpoint path {path} is a directory that is not a checkpoint.")
         # Gathered on every rank (a collective), written by rank 0.
         checkpoint[RNG_KEY] = {
@@ -526,6 +531,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             "states": gather_rng_states(),
         }
         checkpoint[MODELS_KEY] = describe_models(self.lightning_module)
+        if is_url(filepath):
+            self._save_to_url(checkpoint, filepath)
+            return
         staged = partial_path(path)
         # The rank-0 steps run through `run_on_main_and_share_failure`: a failure there raises on every rank, and
         # the exchange it ends with keeps the ranks in step (nobody writes into a stale staging directory).
@@ -551,15 +559,64 @@ class TensorParallelStrategy(ModelParallelStrategy):
             )
         run_on_main_and_share_failure(lambda: publish(path), is_main=self.is_global_zero)
 
+    def _save_to_url(self, checkpoint: dict[str, Any], url: str) -> None:
+        """A save to an fsspec URL: a fresh data directory committed by a marker written last, or one object moved
+        into place (see :mod:`lightning_tp.remote`: object stores have no atomic rename)."""
+        from torch.distributed.checkpoint import save
+
+        # Rank 0 looks at what is there and names where the ranks write; every rank raises the same error.
+        plan = self.broadcast(
+            remote.plan_save(url, directory=self._save_distributed_checkpoint) if self.is_global_zero else None
+        )
+        if plan.get("error"):
+            raise ValueError(plan["error"])
+        data = plan["data"]
+        if self._save_distributed_checkpoint:
+            tensors = {"state_dict": checkpoint.pop("state_dict")}
+            for idx, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                tensors[f"optimizer_{idx}"] = optimizer_state
+            save(tensors, storage_writer=remote.dcp_writer(data))  # every rank writes its shards
+            run_on_main_and_share_failure(lambda: remote.write_meta(data, checkpoint), is_main=self.is_global_zero)
+            run_on_main_and_share_failure(lambda: remote.commit(url, data), is_main=self.is_global_zero)
+            return
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        if isinstance(self.checkpoint_io, AsyncCheckpointIO):
+            raise ValueError(
+                "`AsyncCheckpointIO` returns before the file is written, so the checkpoint cannot be moved into place "
+                "once complete. Drop it, or keep `save_distributed_checkpoint=True`."
+            )
+        run_on_main_and_share_failure(
+            lambda: self.checkpoint_io.save_checkpoint(checkpoint, data), is_main=self.is_global_zero
+        )
+        run_on_main_and_share_failure(lambda: remote.publish_file(data, url), is_main=self.is_global_zero)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """A URL: remove only what this package wrote there (``ModelCheckpoint`` removes checkpoints it replaced)."""
+        if not is_url(filepath):
+            super().remove_checkpoint(filepath)
+            return
+        if self.is_global_zero:
+            for kept in remote.remove_checkpoint(filepath):
+                rank_zero_warn(
+                    f"{kept} was not removed: it has no commit marker ({remote.COMMIT_MARKER}), so lightning_tp did "
+                    "not write it (or not completely)."
+                )
+
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole."""
-        path = Path(self.broadcast(checkpoint_path))
-        check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
-        if path.is_file():
-            metadata = super().load_checkpoint(path, weights_only=weights_only)
+        checkpoint_path = self.broadcast(checkpoint_path)
+        if is_url(checkpoint_path):
+            metadata = self._load_from_url(checkpoint_path, weights_only=weights_only)
         else:
-            metadata = self._load_distributed_checkpoint(path, weights_only=weights_only)
+            path = Path(checkpoint_path)
+            check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
+            if path.is_file():
+                metadata = super().load_checkpoint(path, weights_only=weights_only)
+            else:
+                metadata = self._load_distributed_checkpoint(path, weights_only=weights_only)
         metadata.pop(MODELS_KEY, None)
         rng = metadata.pop(RNG_KEY, None)
         if rng is not None and rng.get("dp_size", self.layout.dp_size) != self.layout.dp_size:
@@ -576,6 +633,30 @@ class TensorParallelStrategy(ModelParallelStrategy):
             )
         return metadata
 
+    def _load_from_url(self, url: str, *, weights_only: bool | None) -> dict[str, Any]:
+        kind, data = remote.resolve(url)  # on every rank, before any collective: every rank raises the same error
+        if kind == "directory":
+            return self._load_distributed_checkpoint(data, weights_only=weights_only)
+        # A full file: each rank reads its own local copy (torch.load memory-maps it, as for a local file).
+        # Private import: `ModelParallelStrategy.load_checkpoint` would broadcast rank 0's temporary path.
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        assert self.lightning_module is not None
+        state = {
+            "state_dict": self.model,
+            **{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)},
+        }
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+            local = Path(tmp) / "checkpoint.ckpt"
+            remote.download(url, local)
+            return _load_checkpoint(
+                path=local,
+                state=state,
+                strict=self.lightning_module.strict_loading,
+                optimizer_states_from_list=True,
+                weights_only=weights_only,
+            )
+
     def _layout_sizes(self) -> dict[str, int]:
         layout = self.layout
         return {"tp": layout.tp_size, "dp_shard": layout.dp_shard_size, "dp_replicate": layout.dp_replicate_size}
@@ -591,7 +672,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "from its first batch. Weights, optimizer, scheduler and loop counters are restored."
             )
 
-    def _load_distributed_checkpoint(self, path: Path, *, weights_only: bool | None) -> dict[str, Any]:
+    def _load_distributed_checkpoint(self, path: Path | str, *, weights_only: bool | None) -> dict[str, Any]:
         """Lightning's DCP load, with the model's entries checked against the checkpoint's index first (names and
         shapes, with clear errors) and frozen weights the checkpoint left out skipped."""
         from torch.distributed.checkpoint import load
@@ -603,7 +684,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
-        stored = stored_entries(path)
+        url = path if is_url(path) else None
+        stored = stored_entries(path, reader=remote.dcp_reader(url) if url else None)
         template = get_model_state_dict(self.model)
         keys = match_model_state(
             template,
@@ -620,16 +702,17 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"{len(self.optimizers)}: nothing for {missing_optimizers}."
             )
         model_state = {"state_dict": {key: template[key] for key in keys}}
-        load(model_state, checkpoint_id=path)
+        load(model_state, checkpoint_id=path, storage_reader=remote.dcp_reader(url) if url else None)
         self.model.load_state_dict(model_state["state_dict"], strict=False)  # completeness was checked above
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            load(optimizer_state, checkpoint_id=path)
+            load(optimizer_state, checkpoint_id=path, storage_reader=remote.dcp_reader(url) if url else None)
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
             )
-        return torch.load(path / META_FILENAME, weights_only=weights_only)
+        meta = io.BytesIO(remote.read_bytes(remote.join(url, META_FILENAME))) if url else path / META_FILENAME
+        return torch.load(meta, weights_only=weights_only)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
