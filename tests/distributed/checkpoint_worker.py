@@ -2,7 +2,8 @@
 
 Usage: checkpoint_worker.py OUT_DIR PHASE [--from CHECKPOINT] [--truncated CHECKPOINT]
 
-Phases: ``tp2`` (2 processes: exact resume, full-file checkpoints, 1 -> TP 2, LoRA, in-run save_pretrained),
+Phases: ``tp2`` (2 processes: exact resume, full-file checkpoints, 1 -> TP 2, LoRA, in-run save_pretrained, file://
+URLs),
 ``crash`` (2 processes: a save killed midway; the launch fails on purpose), ``one`` (1 process: TP 2 -> 1) and ``2d``
 (4 processes: TP 2 -> 2-D, and a truncated checkpoint).
 """
@@ -24,7 +25,7 @@ from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
 
 
-def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=(), **strategy_kwargs: Any) -> L.Trainer:
+def fit(module: ResumeModule, *, ckpt_path: Path | str | None = None, callbacks=(), **strategy_kwargs: Any) -> L.Trainer:
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -36,7 +37,7 @@ def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=(), **
     return trainer
 
 
-def resumed_losses(path: Path, **kwargs: Any) -> dict[int, float]:
+def resumed_losses(path: Path | str, **kwargs: Any) -> dict[int, float]:
     module = ResumeModule(**{k: kwargs.pop(k) for k in ("dropout", "lora", "stateful_data") if k in kwargs})
     fit(module, ckpt_path=path, **kwargs)
     return module.losses
@@ -73,6 +74,21 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     }
     trainer.save_checkpoint(out / "lora_final")
     results["lora_logits"] = probe_logits(module.model)
+    # file:// URLs go through fsspec and the commit marker, as an object store would: saved twice at one URL,
+    # resumed exactly, a final checkpoint for export; and a single file.
+    url = (out / "url_mid").as_uri()
+    module = ResumeModule()
+    trainer = fit(module, callbacks=[SaveAt(steps={4: url, 6: url})])
+    results["url"] = {"reference": module.losses, "mid": resumed_losses(url)}
+    trainer.save_checkpoint((out / "url_final").as_uri())
+    results["url_logits"] = probe_logits(module.model)
+    module = ResumeModule()
+    url = (out / "url_full.ckpt").as_uri()
+    fit(module, save_distributed_checkpoint=False, callbacks=[SaveAt(steps={5: url})])
+    results["url_full"] = {
+        "reference": module.losses,
+        "mid": resumed_losses(url, save_distributed_checkpoint=False),
+    }
     return results
 
 
