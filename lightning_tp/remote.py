@@ -24,6 +24,7 @@ import io
 import json
 import os
 import posixpath
+import re
 import uuid
 import zipfile
 from typing import Any
@@ -33,6 +34,9 @@ from lightning_tp.checkpoint import DCP_INDEX, META_FILENAME, IncompleteCheckpoi
 #: Written last into a checkpoint directory at a URL; without it the directory is not a checkpoint.
 COMMIT_MARKER = ".lightning_tp_complete"
 _DATA_PREFIX = "shards-"
+_DATA_DIRECTORY = re.compile(rf"{_DATA_PREFIX}[0-9a-f]{{16}}")
+#: What DCP's writer and this package write into a data directory.
+_WRITTEN_FILE = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|meta\.pt")
 
 
 def is_url(path: Any) -> bool:
@@ -143,6 +147,25 @@ def commit(url: str, data_url: str) -> None:
     fs.mv(staged, posixpath.join(root, COMMIT_MARKER))  # a rename on disks; one object replaced whole on stores
     if previous is not None and previous["data"] != data:
         _remove_listed(fs, root, previous)
+    _remove_unfinished(fs, root, keep=data)
+
+
+def _remove_unfinished(fs: Any, root: str, *, keep: str) -> None:
+    """Remove the data directories that saves killed before their commit left under ``root``: named as this package
+    names them and holding only the files DCP and this package write there (anything else keeps the directory)."""
+    for entry in fs.ls(root, detail=False):
+        name = posixpath.basename(entry.rstrip("/"))
+        if name == keep or not _DATA_DIRECTORY.fullmatch(name) or not fs.isdir(entry):
+            continue
+        files = fs.find(entry)
+        if all(_WRITTEN_FILE.fullmatch(posixpath.relpath(f, entry)) for f in files):
+            for file in files:
+                fs.rm_file(file)
+            try:
+                if fs.isdir(entry):
+                    fs.rmdir(entry)
+            except (OSError, NotImplementedError):
+                pass
 
 
 def publish_file(staged_url: str, url: str) -> None:

@@ -111,12 +111,18 @@ def test_a_truncated_shard_at_a_url_is_incomplete(root: str) -> None:
 
 def test_a_save_into_a_users_directory_keeps_their_files(root: str) -> None:
     url = f"{root}/run"
-    MEM.pipe_file(f"/{url.removeprefix('memory://')}/notes.txt", b"mine")
+    base = url.removeprefix("memory://")
+    MEM.pipe_file(f"/{base}/notes.txt", b"mine")
+    # What a save killed before its commit leaves (removed by the next save), and a user's look-alike (kept).
+    MEM.pipe_file(f"/{base}/shards-0123456789abcdef/__1_0.distcp", b"unfinished")
+    MEM.pipe_file(f"/{base}/shards-fedcba9876543210/__0_0.distcp", b"x")
+    MEM.pipe_file(f"/{base}/shards-fedcba9876543210/README", b"mine")
     fit(callbacks=[SaveAt(steps={2: url, 4: url})])
     _, trainer = fit(ckpt_path=url)
     trainer.strategy.remove_checkpoint(url)  # removes what the saves wrote, nothing else
-    assert _tree(url) == ["notes.txt"]
-    assert MEM.cat_file(f"/{url.removeprefix('memory://')}/notes.txt") == b"mine"
+    kept = ["shards-fedcba9876543210", "shards-fedcba9876543210/README", "shards-fedcba9876543210/__0_0.distcp"]
+    assert _tree(url) == sorted(["notes.txt", *kept])
+    assert MEM.cat_file(f"/{base}/notes.txt") == b"mine"
 
 
 def test_model_checkpoint_at_a_url_keeps_top_k_and_last(root: str) -> None:
