@@ -79,12 +79,16 @@ def _read_marker(url: str) -> dict[str, Any] | None:
         return None
     try:
         marker = json.loads(fs.cat_file(path))
-        if not isinstance(marker, dict) or not isinstance(marker.get("data"), str) or "/" in marker["data"]:
+        if not isinstance(marker, dict) or not _DATA_DIRECTORY.fullmatch(str(marker.get("data"))):
             raise ValueError("not a lightning_tp commit marker")
-        if not all(isinstance(f, str) and not f.startswith(("/", "..")) for f in marker.get("files", [])):
-            raise ValueError("a listed file leaves the checkpoint directory")
-    except ValueError as err:
-        raise IncompleteCheckpointError(f"The commit marker {join(url, COMMIT_MARKER)} cannot be read ({err}).") from err
+        # The marker steers what is removed: only names this package writes, inside its data directory.
+        for file in marker.get("files", []):
+            head, _, name = str(file).partition("/")
+            if head != marker["data"] or not _WRITTEN_FILE.fullmatch(name):
+                raise ValueError(f"it lists {file!r}, which lightning_tp does not write")
+    except ValueError as err:  # json's errors are ValueErrors too
+        where = join(url, COMMIT_MARKER)
+        raise IncompleteCheckpointError(f"The commit marker {where} cannot be read ({err}).") from err
     return marker
 
 

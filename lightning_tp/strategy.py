@@ -35,6 +35,7 @@ from lightning_tp.checkpoint import (
     META_FILENAME,
     MODELS_KEY,
     RNG_KEY,
+    IncompleteCheckpointError,
     check_checkpoint,
     clear_partial,
     frozen_parameter_names,
@@ -521,7 +522,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         filepath = self.broadcast(filepath)
         path = Path(filepath)  # a URL's checkpoint is written by `_save_to_url`; this is the local path
-        if not is_url(filepath) and path.is_dir() and not self._save_distributed_checkpoint and not (path / META_FILENAME).is_file():
+        local = not is_url(filepath)
+        if local and path.is_dir() and not self._save_distributed_checkpoint and not (path / META_FILENAME).is_file():
             raise IsADirectoryError(f"The checkpoint path {path} is a directory that is not a checkpoint.")
         # Gathered on every rank (a collective), written by rank 0.
         checkpoint[RNG_KEY] = {
@@ -565,9 +567,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         from torch.distributed.checkpoint import save
 
         # Rank 0 looks at what is there and names where the ranks write; every rank raises the same error.
-        plan = self.broadcast(
-            remote.plan_save(url, directory=self._save_distributed_checkpoint) if self.is_global_zero else None
-        )
+        plan = self._decide_on_main(lambda: remote.plan_save(url, directory=self._save_distributed_checkpoint), url=url)
         if plan.get("error"):
             raise ValueError(plan["error"])
         data = plan["data"]
@@ -597,12 +597,35 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if not is_url(filepath):
             super().remove_checkpoint(filepath)
             return
+        if not self.is_global_zero:
+            return
+        try:
+            kept = remote.remove_checkpoint(filepath)
+        except Exception as err:  # no collective follows: rank 0 alone raising would leave the others waiting later
+            rank_zero_warn(f"Removing the checkpoint {filepath} failed ({type(err).__name__}: {err}); training goes on")
+            return
+        for url in kept:
+            rank_zero_warn(
+                f"{url} was not removed: it has no commit marker ({remote.COMMIT_MARKER}), so lightning_tp did not "
+                "write it (or not completely)."
+            )
+
+    def _decide_on_main(self, decide: Any, *, url: str) -> Any:
+        """``decide()`` on rank 0 (one look at the store, not one per rank), its result or its error on every rank: a
+        failure on rank 0 alone must not leave the others in the next collective."""
+        outcome: dict[str, Any] | None = None
         if self.is_global_zero:
-            for kept in remote.remove_checkpoint(filepath):
-                rank_zero_warn(
-                    f"{kept} was not removed: it has no commit marker ({remote.COMMIT_MARKER}), so lightning_tp did "
-                    "not write it (or not completely)."
-                )
+            try:
+                outcome = {"value": decide()}
+            except (IncompleteCheckpointError, FileNotFoundError, ValueError) as err:
+                outcome = {"error": type(err).__name__, "message": str(err)}
+            except Exception as err:  # the store: permissions, network
+                outcome = {"error": "OSError", "message": f"Accessing {url} failed: {type(err).__name__}: {err}"}
+        outcome = self.broadcast(outcome)
+        if "error" in outcome:
+            kinds = {error.__name__: error for error in (IncompleteCheckpointError, FileNotFoundError, ValueError)}
+            raise kinds.get(outcome["error"], OSError)(outcome["message"])
+        return outcome["value"]
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -634,7 +657,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         return metadata
 
     def _load_from_url(self, url: str, *, weights_only: bool | None) -> dict[str, Any]:
-        kind, data = remote.resolve(url)  # on every rank, before any collective: every rank raises the same error
+        # Checked on rank 0 before any collective of the load; every rank raises the same error.
+        kind, data = self._decide_on_main(lambda: remote.resolve(url), url=url)
         if kind == "directory":
             return self._load_distributed_checkpoint(data, weights_only=weights_only)
         # A full file: each rank reads its own local copy (torch.load memory-maps it, as for a local file).

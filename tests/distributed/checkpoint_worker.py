@@ -25,7 +25,9 @@ from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
 
 
-def fit(module: ResumeModule, *, ckpt_path: Path | str | None = None, callbacks=(), **strategy_kwargs: Any) -> L.Trainer:
+def fit(
+    module: ResumeModule, *, ckpt_path: Path | str | None = None, callbacks=(), **strategy_kwargs: Any
+) -> L.Trainer:
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),

@@ -65,7 +65,8 @@ def _after(losses: dict[int, float], step: int) -> dict[int, float]:
 
 def _tree(url: str) -> list[str]:
     base = url.removeprefix("memory://").strip("/")
-    return sorted(p.removeprefix("/").removeprefix(base).lstrip("/") for p in MEM.find(f"/{base}", withdirs=True) if p.strip("/") != base)
+    found = [p.strip("/") for p in MEM.find(f"/{base}", withdirs=True)]
+    return sorted(p.removeprefix(base).lstrip("/") for p in found if p != base)
 
 
 @pytest.mark.parametrize("distributed", [True, False], ids=["directory", "file"])
@@ -159,3 +160,17 @@ def test_export_reads_a_url(root: str, tmp_path: Path) -> None:
     MEM.rm_file(f"/{root.removeprefix('memory://')}/final/{COMMIT_MARKER}")
     assert main([f"{root}/final", str(tmp_path / "again")]) == 1
     assert not os.path.exists(tmp_path / "again")
+
+
+def test_a_crafted_marker_removes_nothing(root: str) -> None:
+    """The marker steers what removal deletes: a name outside its data directory makes it unreadable."""
+    from lightning_tp.remote import remove_checkpoint
+
+    base = root.removeprefix("memory://")
+    MEM.pipe_file(f"/{base}/notes.txt", b"mine")
+    marker = {"format": 1, "data": "shards-0123456789abcdef", "files": ["shards-0123456789abcdef/../notes.txt"]}
+    MEM.pipe_file(f"/{base}/ckpt/{COMMIT_MARKER}", json.dumps(marker).encode())
+    with pytest.raises(IncompleteCheckpointError, match="which lightning_tp does not write"):
+        resolve(f"{root}/ckpt")
+    assert remove_checkpoint(f"{root}/ckpt") == [f"{root}/ckpt"]  # left alone: the caller warns
+    assert MEM.cat_file(f"/{base}/notes.txt") == b"mine"
