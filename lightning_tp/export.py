@@ -144,7 +144,7 @@ class _DcpCheckpoint:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         # A URL's data directory (checked by `remote.resolve`) reads through fsspec.
-        base = type(remote.dcp_reader(path)) if remote.is_url(path) else FileSystemReader
+        base = remote.dcp_reader_class() if remote.is_url(path) else FileSystemReader
 
         class Reader(base):  # ``load`` reads the metadata file again on every call otherwise
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:

@@ -62,10 +62,14 @@ def dcp_writer(url: str) -> Any:
     return FsspecWriter(url)
 
 
-def dcp_reader(url: str) -> Any:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+def dcp_reader_class() -> type:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # private, as for the writer
 
-    return FsspecReader(url)
+    return FsspecReader
+
+
+def dcp_reader(url: str) -> Any:
+    return dcp_reader_class()(url)
 
 
 def read_bytes(url: str) -> bytes:
