@@ -48,21 +48,29 @@ def resumed_losses(path: Path | str, **kwargs: Any) -> dict[int, float]:
 def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     # Exact resume mid-epoch with dropout (the random states and the data position matter).
+    # The same run also saves at a file:// URL, through fsspec and the commit marker as an object store would, twice
+    # (the second save replaces the first).
     module = ResumeModule(dropout=0.1)
-    fit(module, callbacks=[SaveAt(steps={6: out / "dropout_mid"})])
+    url = (out / "url_mid").as_uri()
+    fit(module, callbacks=[SaveAt(steps={6: out / "dropout_mid"}), SaveAt(steps={4: url, 6: url})])
     results["dropout"] = {"reference": module.losses, "mid": resumed_losses(out / "dropout_mid", dropout=0.1)}
+    results["url"] = resumed_losses(url, dropout=0.1)
     # A single-file checkpoint, then the final sharded one with the model's logits, for export.
     module = ResumeModule()
-    trainer = fit(module, save_distributed_checkpoint=False, callbacks=[SaveAt(steps={5: out / "full_mid.ckpt"})])
+    url = (out / "url_full.ckpt").as_uri()
+    callbacks = [SaveAt(steps={5: out / "full_mid.ckpt"}), SaveAt(steps={5: url})]
+    trainer = fit(module, save_distributed_checkpoint=False, callbacks=callbacks)
     results["full"] = {
         "reference": module.losses,
         "mid": resumed_losses(out / "full_mid.ckpt", save_distributed_checkpoint=False),
+        "url": resumed_losses(url, save_distributed_checkpoint=False),
     }
     trainer.save_checkpoint(out / "final_full.ckpt")
     results["final_full_logits"] = probe_logits(module.model)
     module = ResumeModule()
     trainer = fit(module)
     trainer.save_checkpoint(out / "final")
+    trainer.save_checkpoint((out / "url_final").as_uri())  # for export from a URL
     module.model.save_pretrained(out / "pretrained")  # on every rank of the sharded model
     results["final_logits"] = probe_logits(module.model)
     # One process -> TP 2: a checkpoint a plain single-device Trainer wrote.
@@ -76,21 +84,6 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     }
     trainer.save_checkpoint(out / "lora_final")
     results["lora_logits"] = probe_logits(module.model)
-    # file:// URLs go through fsspec and the commit marker, as an object store would: saved twice at one URL,
-    # resumed exactly, a final checkpoint for export; and a single file.
-    url = (out / "url_mid").as_uri()
-    module = ResumeModule()
-    trainer = fit(module, callbacks=[SaveAt(steps={4: url, 6: url})])
-    results["url"] = {"reference": module.losses, "mid": resumed_losses(url)}
-    trainer.save_checkpoint((out / "url_final").as_uri())
-    results["url_logits"] = probe_logits(module.model)
-    module = ResumeModule()
-    url = (out / "url_full.ckpt").as_uri()
-    fit(module, save_distributed_checkpoint=False, callbacks=[SaveAt(steps={5: url})])
-    results["url_full"] = {
-        "reference": module.losses,
-        "mid": resumed_losses(url, save_distributed_checkpoint=False),
-    }
     return results
 
 

@@ -115,8 +115,8 @@ def test_exact_resume_from_file_urls(tp2: dict[str, Any]) -> None:
     from lightning_tp.remote import COMMIT_MARKER
 
     for result in tp2["ranks"]:
-        _assert_close(result["url"]["mid"], _after(result["url"]["reference"], 6), EXACT)
-        _assert_close(result["url_full"]["mid"], _after(result["url_full"]["reference"], 5), EXACT)
+        _assert_close(result["url"], _after(result["dropout"]["reference"], 6), EXACT)
+        _assert_close(result["full"]["url"], _after(result["full"]["reference"], 5), EXACT)
     directory = tp2["out"] / "url_mid"
     (data,) = [p for p in directory.iterdir() if p.name != COMMIT_MARKER]
     assert sorted(p.name for p in directory.iterdir()) == sorted([COMMIT_MARKER, data.name])
@@ -195,7 +195,7 @@ def test_export_from_a_file_url(tp2: dict[str, Any], tmp_path: Path) -> None:
 
     assert main([(tp2["out"] / "url_final").as_uri(), str(tmp_path / "exported")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["url_logits"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
 
 
 def test_export_lora_run_adapter_and_merged(tp2: dict[str, Any], tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Checkpoints at fsspec URLs, on ``memory://`` (one process: fsspec's memory filesystem lives in this process).
 
 A one-device Trainer with ``TensorParallelStrategy`` runs in pytest without launching anything. The reference is
-the same run uninterrupted; a resume from the URL must give exactly its losses."""
+the same run uninterrupted; a resume from the URL must give exactly its losses. Single-file checkpoints at a URL are
+tested on ``file://`` with 2 processes (tests/distributed/test_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,22 @@ def _model_directory(tmp_path_factory: pytest.TempPathFactory):
         yield
 
 
+def _root() -> str:
+    return f"memory://lightning_tp_test_{uuid.uuid4().hex[:8]}"
+
+
+def _clean(url: str) -> None:
+    """The memory filesystem is global to the process: remove what a test wrote there."""
+    path = "/" + url.removeprefix("memory://")
+    if MEM.exists(path):
+        MEM.rm(path, recursive=True)
+
+
 @pytest.fixture
 def root():
-    """A fresh memory:// prefix, removed afterwards (the memory filesystem is global to the process)."""
-    name = f"lightning_tp_test_{uuid.uuid4().hex[:8]}"
-    yield f"memory://{name}"
-    if MEM.exists(f"/{name}"):
-        MEM.rm(f"/{name}", recursive=True)
+    url = _root()
+    yield url
+    _clean(url)
 
 
 def fit(*, ckpt_path: str | None = None, callbacks=(), **strategy_kwargs: Any) -> tuple[ResumeModule, Any]:
@@ -59,6 +69,46 @@ def fit(*, ckpt_path: str | None = None, callbacks=(), **strategy_kwargs: Any) -
     return module, trainer
 
 
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One run that saves at URLs in every way tested here (each fit costs seconds):
+
+    - ``mid``: saved at steps 3 and 5 (the second replaces the first);
+    - ``run``: a user's directory holding their files, a data directory a killed save left and a look-alike of one,
+      saved at steps 2 and 4;
+    - ``mc``: ``ModelCheckpoint`` with top-2 and ``last`` every 2 steps, next to a user's file;
+    - ``final``: ``trainer.save_checkpoint`` after the run.
+
+    Run from an empty working directory: a URL mangled into a local path (``memory:/...``) would land there."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root = _root()
+    base = root.removeprefix("memory://")
+    MEM.pipe_file(f"/{base}/run/notes.txt", b"mine")
+    MEM.pipe_file(f"/{base}/run/shards-0123456789abcdef/__1_0.distcp", b"unfinished")
+    MEM.pipe_file(f"/{base}/run/shards-fedcba9876543210/__0_0.distcp", b"x")
+    MEM.pipe_file(f"/{base}/run/shards-fedcba9876543210/README", b"mine")
+    MEM.pipe_file(f"/{base}/mc/notes.txt", b"mine")
+    checkpoint = ModelCheckpoint(
+        dirpath=f"{root}/mc", every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True
+    )
+    cwd = tmp_path_factory.mktemp("cwd")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        saves = SaveAt(steps={2: f"{root}/run", 3: f"{root}/mid", 4: f"{root}/run", 5: f"{root}/mid"})
+        module, trainer = fit(callbacks=[saves, checkpoint])
+        trainer.save_checkpoint(f"{root}/final")
+    yield {
+        "root": root,
+        "losses": module.losses,
+        "logits": probe_logits(module.model),
+        "trainer": trainer,
+        "checkpoint": checkpoint,
+        "cwd": cwd,
+    }
+    _clean(root)
+
+
 def _after(losses: dict[int, float], step: int) -> dict[int, float]:
     return {s: v for s, v in losses.items() if s > step}
 
@@ -69,29 +119,21 @@ def _tree(url: str) -> list[str]:
     return sorted(p.removeprefix(base).lstrip("/") for p in found if p != base)
 
 
-@pytest.mark.parametrize("distributed", [True, False], ids=["directory", "file"])
-def test_save_and_resume_at_a_url_exactly(root: str, distributed: bool, monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.chdir(tmp_path)  # a mangled URL (`memory:/...`) would land here
-    url = f"{root}/mid" if distributed else f"{root}/mid.ckpt"
-    # Saved twice at the same URL: the second save replaces the first.
-    reference, _ = fit(callbacks=[SaveAt(steps={3: url, 5: url})], save_distributed_checkpoint=distributed)
-    resumed, _ = fit(ckpt_path=url, save_distributed_checkpoint=distributed)
-    assert resumed.losses == _after(reference.losses, 5)
-    assert not list(tmp_path.iterdir()), "the URL was written as a local path"
-    if distributed:
-        marker = json.loads(MEM.cat_file(f"/{url.removeprefix('memory://')}/{COMMIT_MARKER}"))
-        # Only the second save's files are left: the first one's were removed once the second was committed.
-        assert _tree(url) == sorted([COMMIT_MARKER, marker["data"], *marker["files"]])
-        assert torch.load(
-            MEM.open(f"/{url.removeprefix('memory://')}/{marker['data']}/meta.pt"), weights_only=True
-        )["global_step"] == 5
-    else:
-        assert _tree(root) == ["mid.ckpt"]
+def test_save_and_resume_at_a_url_exactly(run: dict[str, Any]) -> None:
+    url = f"{run['root']}/mid"
+    resumed, _ = fit(ckpt_path=url)
+    assert resumed.losses == _after(run["losses"], 5)
+    assert not list(run["cwd"].iterdir()), "a URL was written as a local path"
+    marker = json.loads(MEM.cat_file(f"/{url.removeprefix('memory://')}/{COMMIT_MARKER}"))
+    # Only the second save's files are left: the first one's were removed once the second was committed.
+    assert _tree(url) == sorted([COMMIT_MARKER, marker["data"], *marker["files"]])
+    meta = MEM.open(f"/{url.removeprefix('memory://')}/{marker['data']}/meta.pt")
+    assert torch.load(meta, weights_only=True)["global_step"] == 5
 
 
-def test_a_directory_without_its_commit_marker_is_incomplete(root: str) -> None:
+def test_a_directory_without_its_commit_marker_is_incomplete(run: dict[str, Any], root: str) -> None:
     url = f"{root}/ckpt"
-    fit(callbacks=[SaveAt(steps={2: url})])
+    MEM.copy(f"/{run['root'].removeprefix('memory://')}/mid", f"/{url.removeprefix('memory://')}", recursive=True)
     resolve(url)  # whole
     MEM.rm_file(f"/{url.removeprefix('memory://')}/{COMMIT_MARKER}")  # as a save killed before its commit leaves it
     with pytest.raises(IncompleteCheckpointError, match=f"no commit marker \\({COMMIT_MARKER}\\)"):
@@ -100,9 +142,9 @@ def test_a_directory_without_its_commit_marker_is_incomplete(root: str) -> None:
         resolve(f"{root}/never_written")
 
 
-def test_a_truncated_shard_at_a_url_is_incomplete(root: str) -> None:
+def test_a_truncated_shard_at_a_url_is_incomplete(run: dict[str, Any], root: str) -> None:
     url = f"{root}/ckpt"
-    fit(callbacks=[SaveAt(steps={2: url})])
+    MEM.copy(f"/{run['root'].removeprefix('memory://')}/mid", f"/{url.removeprefix('memory://')}", recursive=True)
     _, data = resolve(url)
     shard = f"{data.removeprefix('memory://')}/__0_0.distcp"
     MEM.pipe_file(shard, MEM.cat_file(shard)[:100])
@@ -110,55 +152,41 @@ def test_a_truncated_shard_at_a_url_is_incomplete(root: str) -> None:
         resolve(url)
 
 
-def test_a_save_into_a_users_directory_keeps_their_files(root: str) -> None:
-    url = f"{root}/run"
-    base = url.removeprefix("memory://")
-    MEM.pipe_file(f"/{base}/notes.txt", b"mine")
-    # What a save killed before its commit leaves (removed by the next save), and a user's look-alike (kept).
-    MEM.pipe_file(f"/{base}/shards-0123456789abcdef/__1_0.distcp", b"unfinished")
-    MEM.pipe_file(f"/{base}/shards-fedcba9876543210/__0_0.distcp", b"x")
-    MEM.pipe_file(f"/{base}/shards-fedcba9876543210/README", b"mine")
-    fit(callbacks=[SaveAt(steps={2: url, 4: url})])
-    _, trainer = fit(ckpt_path=url)
-    trainer.strategy.remove_checkpoint(url)  # removes what the saves wrote, nothing else
+def test_saves_and_removal_keep_a_users_files(run: dict[str, Any]) -> None:
+    url = f"{run['root']}/run"
+    resolve(url)  # whole: the step-4 save
+    run["trainer"].strategy.remove_checkpoint(url)  # removes what the saves wrote, nothing else
+    # The data directory a killed save left went with the next commit; the look-alike holding a user's file stays.
     kept = ["shards-fedcba9876543210", "shards-fedcba9876543210/README", "shards-fedcba9876543210/__0_0.distcp"]
     assert _tree(url) == sorted(["notes.txt", *kept])
-    assert MEM.cat_file(f"/{base}/notes.txt") == b"mine"
+    assert MEM.cat_file(f"/{url.removeprefix('memory://')}/notes.txt") == b"mine"
 
 
-def test_model_checkpoint_at_a_url_keeps_top_k_and_last(root: str) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    MEM.pipe_file(f"/{root.removeprefix('memory://')}/notes.txt", b"mine")
-    checkpoint = ModelCheckpoint(
-        dirpath=root, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True
-    )
-    module, trainer = fit(callbacks=[checkpoint])
+def test_model_checkpoint_at_a_url_keeps_top_k_and_last(run: dict[str, Any]) -> None:
+    root = f"{run['root']}/mc"
     top = sorted(name for name in _tree(root) if "/" not in name)
     assert top == ["epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt", "notes.txt"]
-    assert checkpoint.last_model_path == f"{root}/last.ckpt"
+    assert run["checkpoint"].last_model_path == f"{root}/last.ckpt"
+    for name in top[:3]:
+        resolve(f"{root}/{name}")  # each whole
     # A directory this package did not write (no marker) is left alone, with a warning.
     MEM.pipe_file(f"/{root.removeprefix('memory://')}/other/data.bin", b"x")
     with pytest.warns(UserWarning, match="was not removed: it has no commit marker"):
-        trainer.strategy.remove_checkpoint(f"{root}/other")
+        run["trainer"].strategy.remove_checkpoint(f"{root}/other")
     assert MEM.isfile(f"/{root.removeprefix('memory://')}/other/data.bin")
-    resumed, _ = fit(ckpt_path=f"{root}/epoch=1-step=6.ckpt")
-    assert resumed.losses == _after(module.losses, 6)
 
 
-def test_export_reads_a_url(root: str, tmp_path: Path) -> None:
+def test_export_reads_a_url(run: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from lightning_tp.export import main
 
-    module, trainer = fit()
-    trainer.save_checkpoint(f"{root}/final")
-    expected = probe_logits(module.model)
-    assert main([f"{root}/final", str(tmp_path / "exported")]) == 0
+    url = f"{run['root']}/final"
+    assert main([url, str(tmp_path / "exported")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    torch.testing.assert_close(probe_logits(model), expected, atol=1e-5, rtol=0)
-    MEM.rm_file(f"/{root.removeprefix('memory://')}/final/{COMMIT_MARKER}")
-    assert main([f"{root}/final", str(tmp_path / "again")]) == 1
+    torch.testing.assert_close(probe_logits(model), run["logits"], atol=1e-5, rtol=0)
+    MEM.rm_file(f"/{url.removeprefix('memory://')}/{COMMIT_MARKER}")
+    assert main([url, str(tmp_path / "again")]) == 1
     assert not os.path.exists(tmp_path / "again")
 
 
