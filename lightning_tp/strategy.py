@@ -63,7 +63,6 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
-from lightning_tp.remote import is_url
 from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -522,7 +521,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         filepath = self.broadcast(filepath)
         path = Path(filepath)  # a URL's checkpoint is written by `_save_to_url`; this is the local path
-        local = not is_url(filepath)
+        local = not remote.is_url(filepath)
         if local and path.is_dir() and not self._save_distributed_checkpoint and not (path / META_FILENAME).is_file():
             raise IsADirectoryError(f"The checkpoint path {path} is a directory that is not a checkpoint.")
         # Gathered on every rank (a collective), written by rank 0.
@@ -533,7 +532,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             "states": gather_rng_states(),
         }
         checkpoint[MODELS_KEY] = describe_models(self.lightning_module)
-        if is_url(filepath):
+        if not local:
             self._save_to_url(checkpoint, filepath)
             return
         staged = partial_path(path)
@@ -594,7 +593,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         """A URL: remove only what this package wrote there (``ModelCheckpoint`` removes checkpoints it replaced)."""
-        if not is_url(filepath):
+        if not remote.is_url(filepath):
             super().remove_checkpoint(filepath)
             return
         if not self.is_global_zero:
@@ -631,7 +630,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole."""
         checkpoint_path = self.broadcast(checkpoint_path)
-        if is_url(checkpoint_path):
+        if remote.is_url(checkpoint_path):
             metadata = self._load_from_url(checkpoint_path, weights_only=weights_only)
         else:
             path = Path(checkpoint_path)
@@ -708,7 +707,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
-        url = path if is_url(path) else None
+        url = path if remote.is_url(path) else None
         stored = stored_entries(path, reader=remote.dcp_reader(url) if url else None)
         template = get_model_state_dict(self.model)
         keys = match_model_state(
