@@ -202,3 +202,15 @@ def test_a_crafted_marker_removes_nothing(root: str) -> None:
         resolve(f"{root}/ckpt")
     assert remove_checkpoint(f"{root}/ckpt") == [f"{root}/ckpt"]  # left alone: the caller warns
     assert MEM.cat_file(f"/{base}/notes.txt") == b"mine"
+
+
+def test_a_url_holding_the_other_kind_of_checkpoint_is_refused(root: str) -> None:
+    from lightning_tp.remote import plan_save
+
+    base = root.removeprefix("memory://")
+    MEM.pipe_file(f"/{base}/file.ckpt", b"x")
+    MEM.pipe_file(f"/{base}/directory/notes.txt", b"mine")
+    assert "is a file" in plan_save(f"{root}/file.ckpt", directory=True)["error"]
+    assert "is a directory" in plan_save(f"{root}/directory", directory=False)["error"]
+    assert plan_save(f"{root}/directory", directory=True)["data"].startswith(f"{root}/directory/shards-")
+    assert plan_save(f"{root}/file.ckpt", directory=False)["data"] == f"{root}/.file.ckpt.partial"
