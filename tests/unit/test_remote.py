@@ -33,6 +33,9 @@ def _model_directory(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CHECKPOINT_ENV, str(path))
         yield
+    # The one-device Trainers initialised a process group in this pytest process: leave none to later tests.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _root() -> str:
