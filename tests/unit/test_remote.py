@@ -217,3 +217,25 @@ def test_a_url_holding_the_other_kind_of_checkpoint_is_refused(root: str) -> Non
     assert "is a directory" in plan_save(f"{root}/directory", directory=False)["error"]
     assert plan_save(f"{root}/directory", directory=True)["data"].startswith(f"{root}/directory/shards-")
     assert plan_save(f"{root}/file.ckpt", directory=False)["data"] == f"{root}/.file.ckpt.partial"
+
+
+def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(root: str, monkeypatch) -> None:
+    from lightning_tp import remote
+
+    url = f"{root}/last"
+    calls = []
+    original = remote.commit
+
+    def commit_then_die(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 2:  # the second save wrote its shards and meta.pt, and dies before its marker
+            raise OSError("killed")
+        original(*args)
+
+    monkeypatch.setattr(remote, "commit", commit_then_die)
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(callbacks=[SaveAt(steps={2: url, 4: url})])
+    _, data = resolve(url)  # the first save, whole
+    assert torch.load(MEM.open(data.removeprefix("memory://") + "/meta.pt"), weights_only=True)["global_step"] == 2
+    unfinished = calls[1][1].removeprefix("memory://")
+    assert MEM.isfile(f"{unfinished}/meta.pt")  # written, never committed
