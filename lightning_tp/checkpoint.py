@@ -230,11 +230,20 @@ def load_torch_file(path: Path | str, *, weights_only: bool, opt_in: str, mmap: 
     """``torch.load`` onto the CPU (tensors saved from ``cuda:0`` would otherwise land on GPU 0 of every rank). With
     ``weights_only`` only tensors, plain values and :data:`SAFE_GLOBALS` are rebuilt; anything else raises
     :class:`UntrustedCheckpointError` saying what loading it risks and how to allow it (``opt_in``)."""
+    with unpickling_guard(path, weights_only=weights_only, opt_in=opt_in):
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+
+
+@contextmanager
+def unpickling_guard(path: Path | str | Any, *, weights_only: bool, opt_in: str) -> Iterator[None]:
+    """Around a ``torch.load`` (or Lightning's loader) of ``path``: weights-only loads also rebuild
+    :data:`SAFE_GLOBALS`, and an object they refuse raises :class:`UntrustedCheckpointError` naming the ``opt_in``."""
     if not weights_only:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+        yield
+        return
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         try:
-            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+            yield
         except pickle.UnpicklingError as err:
             raise UntrustedCheckpointError(untrusted_message(path, err, opt_in=opt_in)) from err
 
@@ -276,11 +285,10 @@ class _IndexUnpickler(pickle.Unpickler):
         )
 
 
-def _safe_reader_class() -> type:
-    from torch.distributed.checkpoint import FileSystemReader
+def _safe_reader_class(base: type) -> type:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class SafeIndexReader(FileSystemReader):
+    class SafeIndexReader(base):
         """DCP's reader, reading ``.metadata`` with :class:`_IndexUnpickler` (as ``FileSystemReader.read_metadata``
         does otherwise, private ``_get_metadata_path`` included), and once (``load`` reads it on every call)."""
 
@@ -300,9 +308,12 @@ def _safe_reader_class() -> type:
     return SafeIndexReader
 
 
-def index_reader(path: Path | str) -> Any:
-    """A DCP storage reader for the checkpoint directory ``path`` that never runs code from its index."""
-    return _safe_reader_class()(str(path))
+def index_reader(path: Path | str, *, base: type | None = None) -> Any:
+    """A DCP storage reader for the checkpoint directory ``path`` that never runs code from its index. ``base``: the
+    DCP reader class to extend (default ``FileSystemReader``; a URL's is fsspec's)."""
+    if base is None:
+        from torch.distributed.checkpoint import FileSystemReader as base
+    return _safe_reader_class(base)(str(path))
 
 
 def check_checkpoint(path: Path) -> None:
@@ -360,12 +371,12 @@ def _check_file(path: Path) -> None:
         )
 
 
-def stored_entries(path: Path) -> dict[str, torch.Size | None]:
+def stored_entries(path: Path, *, reader: Any | None = None) -> dict[str, torch.Size | None]:
     """Every entry of a DCP checkpoint directory by its flattened key (``state_dict.<name>``), with the global shape
-    of tensors (``None`` for other values)."""
+    of tensors (``None`` for other values). ``reader``: a DCP storage reader to use instead (a URL's)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = index_reader(path).read_metadata()
+    metadata = (reader or index_reader(path)).read_metadata()
     return {
         key: value.size if isinstance(value, TensorStorageMetadata) else None
         for key, value in metadata.state_dict_metadata.items()

@@ -12,6 +12,7 @@ learn names, shapes, tied weights and LoRA scalings, never to hold weights.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tp import remote
 from lightning_tp.checkpoint import UntrustedCheckpointError, index_reader, load_torch_file, publish_directory
 from lightning_tp.lora import peft_models
 
@@ -137,17 +139,22 @@ class _Spec:
 class _DcpCheckpoint:
     """A distributed checkpoint directory: each tensor is read alone, whatever the layout it was saved with."""
 
-    def __init__(self, path: Path, *, trust: bool):
+    def __init__(self, path: Path | str, *, trust: bool):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.reader = index_reader(path)  # never runs code from the index; reads it once
+        # Never runs code from the index; reads it once. A URL's data directory (checked by `remote.resolve`) reads
+        # through fsspec.
+        self.reader = remote.dcp_reader(path) if remote.is_url(path) else index_reader(path)
         items = self.reader.read_metadata().state_dict_metadata.items()
         self.specs = {
             key.removeprefix(_DCP_PREFIX): _Spec(tuple(md.size), md.properties.dtype)
             for key, md in items
             if key.startswith(_DCP_PREFIX) and isinstance(md, TensorStorageMetadata)
         }
-        self.meta = _load_meta(path / _META_FILE, trust=trust) if (path / _META_FILE).is_file() else {}
+        if remote.is_url(path):
+            self.meta = _load_meta(remote.join(path, _META_FILE), trust=trust)
+        else:
+            self.meta = _load_meta(path / _META_FILE, trust=trust) if (path / _META_FILE).is_file() else {}
 
     def read(self, key: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
@@ -164,9 +171,9 @@ class _FileCheckpoint:
     """A single-file checkpoint (``save_distributed_checkpoint=False``), memory-mapped: tensors are paged in as
     they are written out."""
 
-    def __init__(self, path: Path, *, trust: bool):
+    def __init__(self, path: Path | str, *, trust: bool):
         try:
-            self.meta = _load_meta(path, mmap=True, trust=trust)
+            self.meta = _load_meta(path, mmap=not remote.is_url(path), trust=trust)
         except UntrustedCheckpointError:
             raise
         except Exception as err:  # not a torch file, or torch's legacy format (which cannot be memory-mapped)
@@ -210,12 +217,17 @@ class _SafetensorsDirectory:
 _TRUST_OPT_IN = "pass `--trust-checkpoint` (`trust_checkpoint=True` in `export_checkpoint`)"
 
 
-def _load_meta(path: Path, *, trust: bool, mmap: bool = False) -> dict[str, Any]:
+def _load_meta(path: Path | str, *, trust: bool, mmap: bool = False) -> dict[str, Any]:
+    if remote.is_url(path):  # read whole into memory: a URL cannot be memory-mapped
+        path = io.BytesIO(remote.read_bytes(path))
     # Tensors and plain values only, unless trusted: hyper-parameters of other types are the user's opt-in.
     return load_torch_file(path, weights_only=not trust, opt_in=_TRUST_OPT_IN, mmap=mmap)
 
 
-def _open_checkpoint(path: Path, *, trust: bool) -> _DcpCheckpoint | _FileCheckpoint:
+def _open_checkpoint(path: Path | str, *, trust: bool) -> _DcpCheckpoint | _FileCheckpoint:
+    if remote.is_url(path):
+        kind, data = remote.resolve(path)  # a directory without its commit marker is incomplete
+        return _DcpCheckpoint(data, trust=trust) if kind == "directory" else _FileCheckpoint(data, trust=trust)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if path.is_dir():
@@ -606,7 +618,8 @@ def export_checkpoint(
     complete.
 
     Args:
-        checkpoint: A distributed checkpoint directory, or a single-file checkpoint.
+        checkpoint: A distributed checkpoint directory, or a single-file checkpoint; a path or an fsspec URL
+            (``s3://...``: the filesystem's package, e.g. ``s3fs``, must be installed).
         out_dir: The directory to write; files already there that the export does not write are kept.
         merge: LoRA runs: write the model with the active adapters merged instead of the adapters.
         dtype: Cast floating tensors to this dtype (``"bfloat16"``, ``torch.float16``, ...).
@@ -618,7 +631,7 @@ def export_checkpoint(
         trust_checkpoint: Also unpickle objects other than tensors and plain values (custom hyper-parameter types).
             Unpickling them runs code the file names: only for checkpoints from a source you trust.
     """
-    path = Path(checkpoint)
+    path = checkpoint if remote.is_url(checkpoint) else Path(checkpoint)
     cast = _dtype(dtype)
     if Path(out_dir).resolve() == path.resolve():
         raise ValueError(f"The output directory {out_dir} is the checkpoint itself: export to another directory.")
@@ -699,7 +712,9 @@ def _export_adapters(directory: Path, entry: dict[str, Any], sources: _Sources, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_tp.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a distributed checkpoint directory, or a single-file checkpoint")
+    parser.add_argument(
+        "checkpoint", help="a distributed checkpoint directory, or a single-file checkpoint (a path or an fsspec URL)"
+    )
     parser.add_argument("out_dir", help="the Transformers (or PEFT adapter) directory to write")
     parser.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapters into the model")
     parser.add_argument("--dtype", choices=list(_DTYPES), default=None, help="cast floating tensors")

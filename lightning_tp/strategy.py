@@ -3,7 +3,8 @@ order in which they run and why."""
 
 from __future__ import annotations
 
-import pickle
+import io
+import tempfile
 import types
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -28,12 +29,12 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_tp import remote
 from lightning_tp.checkpoint import (
     META_FILENAME,
     MODELS_KEY,
     RNG_KEY,
-    SAFE_GLOBALS,
-    UntrustedCheckpointError,
+    IncompleteCheckpointError,
     check_checkpoint,
     clear_partial,
     frozen_parameter_names,
@@ -49,7 +50,7 @@ from lightning_tp.checkpoint import (
     save_target_refusal,
     set_rng_state,
     stored_entries,
-    untrusted_message,
+    unpickling_guard,
 )
 from lightning_tp.fsdp import (
     BF16_NAMES,
@@ -599,10 +600,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         from lightning_tp.export import describe_models
 
-        # Rank 0 decides whether the path may be replaced (never what this package did not write) and every rank
+        # Rank 0 decides whether a local path may be replaced (never what this package did not write) and every rank
         # learns it in the broadcast of the path: all raise the same error before anything is written, even where
-        # the ranks' file systems differ.
-        refusal = save_target_refusal(Path(filepath)) if self.is_global_zero else None
+        # the ranks' file systems differ. A URL's checkpoint is written by `_save_to_url`, which decides likewise.
+        local = not remote.is_url(filepath)
+        refusal = save_target_refusal(Path(filepath)) if self.is_global_zero and local else None
         filepath, refusal = self.broadcast((filepath, refusal))
         if refusal is not None:
             raise refusal
@@ -615,6 +617,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             "states": gather_rng_states(),
         }
         checkpoint[MODELS_KEY] = describe_models(self.lightning_module)
+        if not local:
+            self._save_to_url(checkpoint, filepath)
+            return
         staged = partial_path(path)
         # The rank-0 steps run through `run_on_main_and_share_failure`: a failure there raises on every rank, and
         # the exchange it ends with keeps the ranks in step (nobody writes into a stale staging directory).
@@ -640,11 +645,75 @@ class TensorParallelStrategy(ModelParallelStrategy):
             )
         run_on_main_and_share_failure(lambda: publish(path), is_main=self.is_global_zero)
 
+    def _save_to_url(self, checkpoint: dict[str, Any], url: str) -> None:
+        """A save to an fsspec URL: a fresh data directory committed by a marker written last, or one object moved
+        into place (see :mod:`lightning_tp.remote`: object stores have no atomic rename)."""
+        from torch.distributed.checkpoint import save
+
+        # Rank 0 looks at what is there and names where the ranks write; every rank raises the same error.
+        plan = self._decide_on_main(lambda: remote.plan_save(url, directory=self._save_distributed_checkpoint), url=url)
+        if plan.get("error"):
+            raise ValueError(plan["error"])
+        data = plan["data"]
+        if self._save_distributed_checkpoint:
+            tensors = {"state_dict": checkpoint.pop("state_dict")}
+            for idx, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                tensors[f"optimizer_{idx}"] = optimizer_state
+            save(tensors, storage_writer=remote.dcp_writer(data))  # every rank writes its shards
+            run_on_main_and_share_failure(lambda: remote.write_meta(data, checkpoint), is_main=self.is_global_zero)
+            run_on_main_and_share_failure(lambda: remote.commit(url, data), is_main=self.is_global_zero)
+            return
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        if isinstance(self.checkpoint_io, AsyncCheckpointIO):
+            raise ValueError(
+                "`AsyncCheckpointIO` returns before the file is written, so the checkpoint cannot be moved into place "
+                "once complete. Drop it, or keep `save_distributed_checkpoint=True`."
+            )
+        run_on_main_and_share_failure(
+            lambda: self.checkpoint_io.save_checkpoint(checkpoint, data), is_main=self.is_global_zero
+        )
+        run_on_main_and_share_failure(lambda: remote.publish_file(data, url), is_main=self.is_global_zero)
+
+    def _remove_url_checkpoint(self, filepath: str) -> None:
+        if not self.is_global_zero:
+            return
+        try:
+            kept = remote.remove_checkpoint(filepath)
+        except Exception as err:  # no collective follows: rank 0 alone raising would leave the others waiting later
+            rank_zero_warn(f"Removing the checkpoint {filepath} failed ({type(err).__name__}: {err}); training goes on")
+            return
+        for url in kept:
+            rank_zero_warn(
+                f"{url} was not removed: it has no commit marker ({remote.COMMIT_MARKER}), so lightning_tp did not "
+                "write it (or not completely)."
+            )
+
+    def _decide_on_main(self, decide: Any, *, url: str) -> Any:
+        """``decide()`` on rank 0 (one look at the store, not one per rank), its result or its error on every rank: a
+        failure on rank 0 alone must not leave the others in the next collective."""
+        outcome: dict[str, Any] | None = None
+        if self.is_global_zero:
+            try:
+                outcome = {"value": decide()}
+            except (IncompleteCheckpointError, FileNotFoundError, ValueError) as err:
+                outcome = {"error": type(err).__name__, "message": str(err)}
+            except Exception as err:  # the store: permissions, network
+                outcome = {"error": "OSError", "message": f"Accessing {url} failed: {type(err).__name__}: {err}"}
+        outcome = self.broadcast(outcome)
+        if "error" in outcome:
+            kinds = {error.__name__: error for error in (IncompleteCheckpointError, FileNotFoundError, ValueError)}
+            raise kinds.get(outcome["error"], OSError)(outcome["message"])
+        return outcome["value"]
+
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         """``ModelCheckpoint`` removes the checkpoints it no longer keeps: only what a save of this package wrote is
-        removed (a link, not its target); anything else there is kept, with a warning."""
-        if self.is_global_zero:
+        removed (a link, not its target; at a URL, what its commit marker lists); anything else there is kept, with
+        a warning."""
+        if remote.is_url(filepath):
+            self._remove_url_checkpoint(filepath)
+        elif self.is_global_zero:
             try:
                 remove_written(Path(filepath))
             except FileExistsError as err:
@@ -657,16 +726,18 @@ class TensorParallelStrategy(ModelParallelStrategy):
         Only tensors and plain values are unpickled unless ``weights_only=False`` is passed (``trainer.fit(...,
         weights_only=False)``): a checkpoint is untrusted input, and unpickling other objects runs code it names."""
         weights_only = True if weights_only is None else weights_only  # Lightning passes None: never default to False
-        path = Path(self.broadcast(checkpoint_path))
-        check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
-        if path.is_file():
-            with torch.serialization.safe_globals(SAFE_GLOBALS):
-                try:
-                    metadata = super().load_checkpoint(path, weights_only=weights_only)
-                except pickle.UnpicklingError as err:  # the same on every rank, before any collective
-                    raise UntrustedCheckpointError(untrusted_message(path, err, opt_in=_LOAD_OPT_IN)) from err
+        checkpoint_path = self.broadcast(checkpoint_path)
+        if remote.is_url(checkpoint_path):
+            metadata = self._load_from_url(checkpoint_path, weights_only=weights_only)
         else:
-            metadata = self._load_distributed_checkpoint(path, weights_only=weights_only)
+            path = Path(checkpoint_path)
+            check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
+            if path.is_file():
+                # Refused objects raise the same error on every rank, before any collective.
+                with unpickling_guard(path, weights_only=weights_only, opt_in=_LOAD_OPT_IN):
+                    metadata = super().load_checkpoint(path, weights_only=weights_only)
+            else:
+                metadata = self._load_distributed_checkpoint(path, weights_only=weights_only)
         metadata.pop(MODELS_KEY, None)
         rng = metadata.pop(RNG_KEY, None)
         if rng is not None and rng.get("dp_size", self.layout.dp_size) != self.layout.dp_size:
@@ -683,6 +754,32 @@ class TensorParallelStrategy(ModelParallelStrategy):
             )
         return metadata
 
+    def _load_from_url(self, url: str, *, weights_only: bool) -> dict[str, Any]:
+        # Checked on rank 0 before any collective of the load; every rank raises the same error.
+        kind, data = self._decide_on_main(lambda: remote.resolve(url), url=url)
+        if kind == "directory":
+            return self._load_distributed_checkpoint(data, weights_only=weights_only)
+        # A full file: each rank reads its own local copy (torch.load memory-maps it, as for a local file).
+        # Private import: `ModelParallelStrategy.load_checkpoint` would broadcast rank 0's temporary path.
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        assert self.lightning_module is not None
+        state = {
+            "state_dict": self.model,
+            **{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)},
+        }
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+            local = Path(tmp) / "checkpoint.ckpt"
+            remote.download(url, local)
+            with unpickling_guard(url, weights_only=weights_only, opt_in=_LOAD_OPT_IN):
+                return _load_checkpoint(
+                    path=local,
+                    state=state,
+                    strict=self.lightning_module.strict_loading,
+                    optimizer_states_from_list=True,
+                    weights_only=weights_only,
+                )
+
     def _layout_sizes(self) -> dict[str, int]:
         layout = self.layout
         return {"tp": layout.tp_size, "dp_shard": layout.dp_shard_size, "dp_replicate": layout.dp_replicate_size}
@@ -698,7 +795,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "from its first batch. Weights, optimizer, scheduler and loop counters are restored."
             )
 
-    def _load_distributed_checkpoint(self, path: Path, *, weights_only: bool) -> dict[str, Any]:
+    def _load_distributed_checkpoint(self, path: Path | str, *, weights_only: bool) -> dict[str, Any]:
         """Lightning's DCP load, with the model's entries checked against the checkpoint's index first (names and
         shapes, with clear errors) and frozen weights the checkpoint left out skipped."""
         from torch.distributed.checkpoint import load
@@ -710,9 +807,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
         )
 
         # Unpickled first, on every rank, before any collective: a refused meta.pt raises the same error everywhere.
-        metadata = load_torch_file(path / META_FILENAME, weights_only=weights_only, opt_in=_LOAD_OPT_IN)
+        url = path if remote.is_url(path) else None
+        meta = io.BytesIO(remote.read_bytes(remote.join(url, META_FILENAME))) if url else path / META_FILENAME
+        metadata = load_torch_file(meta, weights_only=weights_only, opt_in=_LOAD_OPT_IN)
         assert self.model is not None and self.lightning_module is not None
-        stored = stored_entries(path)
+        reader = remote.dcp_reader(url) if url else index_reader(path)  # neither runs code from the index
+        stored = stored_entries(path, reader=reader)
         template = get_model_state_dict(self.model)
         keys = match_model_state(
             template,
@@ -729,12 +829,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"{len(self.optimizers)}: nothing for {missing_optimizers}."
             )
         model_state = {"state_dict": {key: template[key] for key in keys}}
-        load(model_state, checkpoint_id=path, storage_reader=index_reader(path))
+        load(model_state, checkpoint_id=path, storage_reader=reader)
         self.model.load_state_dict(model_state["state_dict"], strict=False)  # completeness was checked above
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            load(optimizer_state, checkpoint_id=path, storage_reader=index_reader(path))
+            load(optimizer_state, checkpoint_id=path, storage_reader=reader)
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
             )

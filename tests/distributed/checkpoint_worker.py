@@ -2,7 +2,8 @@
 
 Usage: checkpoint_worker.py OUT_DIR PHASE [--from CHECKPOINT] [--truncated CHECKPOINT]
 
-Phases: ``tp2`` (2 processes: exact resume, full-file checkpoints, 1 -> TP 2, LoRA, in-run save_pretrained),
+Phases: ``tp2`` (2 processes: exact resume, full-file checkpoints, 1 -> TP 2, LoRA, in-run save_pretrained, file://
+URLs),
 ``crash`` (2 processes: a save killed midway; the launch fails on purpose), ``one`` (1 process: TP 2 -> 1) and ``2d``
 (4 processes: TP 2 -> 2-D, and a truncated checkpoint).
 """
@@ -25,7 +26,9 @@ from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
 
 
-def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=(), **strategy_kwargs: Any) -> L.Trainer:
+def fit(
+    module: ResumeModule, *, ckpt_path: Path | str | None = None, callbacks=(), **strategy_kwargs: Any
+) -> L.Trainer:
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -37,7 +40,7 @@ def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=(), **
     return trainer
 
 
-def resumed_losses(path: Path, **kwargs: Any) -> dict[int, float]:
+def resumed_losses(path: Path | str, **kwargs: Any) -> dict[int, float]:
     module = ResumeModule(**{k: kwargs.pop(k) for k in ("dropout", "lora", "stateful_data") if k in kwargs})
     fit(module, ckpt_path=path, **kwargs)
     return module.losses
@@ -46,15 +49,22 @@ def resumed_losses(path: Path, **kwargs: Any) -> dict[int, float]:
 def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     # Exact resume mid-epoch with dropout (the random states and the data position matter).
+    # The same run also saves at a file:// URL, through fsspec and the commit marker as an object store would, twice
+    # (the second save replaces the first).
     module = ResumeModule(dropout=0.1)
-    fit(module, callbacks=[SaveAt(steps={6: out / "dropout_mid"})])
+    url = (out / "url_mid").as_uri()
+    fit(module, callbacks=[SaveAt(steps={6: out / "dropout_mid"}), SaveAt(steps={4: url, 6: url})])
     results["dropout"] = {"reference": module.losses, "mid": resumed_losses(out / "dropout_mid", dropout=0.1)}
+    results["url"] = resumed_losses(url, dropout=0.1)
     # A single-file checkpoint, then the final sharded one with the model's logits, for export.
     module = ResumeModule()
-    trainer = fit(module, save_distributed_checkpoint=False, callbacks=[SaveAt(steps={5: out / "full_mid.ckpt"})])
+    url = (out / "url_full.ckpt").as_uri()
+    callbacks = [SaveAt(steps={5: out / "full_mid.ckpt"}), SaveAt(steps={5: url})]
+    trainer = fit(module, save_distributed_checkpoint=False, callbacks=callbacks)
     results["full"] = {
         "reference": module.losses,
         "mid": resumed_losses(out / "full_mid.ckpt", save_distributed_checkpoint=False),
+        "url": resumed_losses(url, save_distributed_checkpoint=False),
     }
     trainer.save_checkpoint(out / "final_full.ckpt")
     results["final_full_logits"] = probe_logits(module.model)
@@ -62,6 +72,7 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     trainer = fit(module)
     trainer.save_checkpoint(out / "final")
     results["save_into_run_dir"] = save_into_run_dir(trainer, out / "run_dir")
+    trainer.save_checkpoint((out / "url_final").as_uri())  # for export from a URL
     module.model.save_pretrained(out / "pretrained")  # on every rank of the sharded model
     results["final_logits"] = probe_logits(module.model)
     # One process -> TP 2: a checkpoint a plain single-device Trainer wrote.

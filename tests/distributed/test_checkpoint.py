@@ -110,6 +110,20 @@ def test_lora_resume_without_frozen_weights(tp2: dict[str, Any]) -> None:
         _assert_close(result["lora"]["mid"], _after(result["lora"]["reference"], 6), EXACT)
 
 
+def test_exact_resume_from_file_urls(tp2: dict[str, Any]) -> None:
+    """Through fsspec and the commit marker on 2 processes; the second save at the URL replaced the first."""
+    from lightning_tp.remote import COMMIT_MARKER
+
+    for result in tp2["ranks"]:
+        _assert_close(result["url"], _after(result["dropout"]["reference"], 6), EXACT)
+        _assert_close(result["full"]["url"], _after(result["full"]["reference"], 5), EXACT)
+    directory = tp2["out"] / "url_mid"
+    (data,) = [p for p in directory.iterdir() if p.name != COMMIT_MARKER]
+    assert sorted(p.name for p in directory.iterdir()) == sorted([COMMIT_MARKER, data.name])
+    assert torch.load(data / "meta.pt", weights_only=True)["global_step"] == 6
+    assert (tp2["out"] / "url_full.ckpt").is_file()
+
+
 def test_killed_save_leaves_the_previous_checkpoint(crashed: Path) -> None:
     check_checkpoint(crashed / "last")  # whole
     assert partial_path(crashed / "last").is_dir()  # the unfinished save, under its hidden name
@@ -206,6 +220,16 @@ def test_export_round_trip(tp2: dict[str, Any], name: str, tmp_path: Path) -> No
     expected = tp2["ranks"][0]["final_full_logits" if name.endswith(".ckpt") else "final_logits"]
     model = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(probe_logits(model), expected, atol=1e-5, rtol=0)
+
+
+def test_export_from_a_file_url(tp2: dict[str, Any], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lightning_tp.export import main
+
+    assert main([(tp2["out"] / "url_final").as_uri(), str(tmp_path / "exported")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
 
 
 def test_export_lora_run_adapter_and_merged(tp2: dict[str, Any], tmp_path: Path) -> None:
