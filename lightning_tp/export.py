@@ -633,7 +633,7 @@ def export_checkpoint(
     """
     path = checkpoint if remote.is_url(checkpoint) else Path(checkpoint)
     cast = _dtype(dtype)
-    if Path(out_dir).resolve() == path.resolve():
+    if not remote.is_url(path) and Path(out_dir).resolve() == path.resolve():
         raise ValueError(f"The output directory {out_dir} is the checkpoint itself: export to another directory.")
     source = _open_checkpoint(path, trust=trust_checkpoint)
     entry = _select_model(source.meta, model_prefix, path=path)
