@@ -4,7 +4,7 @@ order in which they run and why."""
 from __future__ import annotations
 
 import types
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -59,6 +59,7 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.preemption import DEFAULT_PREEMPTION_SIGNALS, PreemptionCheckpoint, resolve_signals
 from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -117,6 +118,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         save_frozen_weights: Write parameters that do not train (the base model of a LoRA run) into checkpoints.
             ``False`` keeps checkpoints to the trained weights; on resume the frozen ones come from where
             ``configure_model`` loaded them.
+        preemption_signals: Signals that announce a preemption (names such as ``"SIGTERM"``). On one, every rank
+            finishes its optimizer step, all save ``hpc_ckpt_N`` in ``default_root_dir`` (``ckpt_path="hpc"``
+            resumes from it) and the run ends with exit code ``128 + signal``; on SLURM the requeue signal also
+            requeues the job. Replaces Lightning's handlers for these signals. ``None`` turns this off.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
         timeout: Timeout of collective operations.
     """
@@ -140,6 +145,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
+        preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -179,6 +185,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._cpu_offload = cpu_offload
         self._throughput_monitor = throughput_monitor
         self._save_frozen_weights = save_frozen_weights
+        self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
         self._sequence_parallel = sequence_parallel
         self._loss_parallel = loss_parallel
         self._rng_to_restore: list[dict[str, Any]] | None = None
@@ -335,6 +342,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             if self._throughput_monitor and not any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks):
                 trainer.callbacks.append(ThroughputMonitor())
+            if self._preemption_signals and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+                trainer.callbacks.append(PreemptionCheckpoint(self._preemption_signals))
         self.setup_precision_plugin()
         self._clip_with_dtensor_support()
         if trainer.state.fn == TrainerFn.FITTING:
