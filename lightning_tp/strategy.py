@@ -71,6 +71,7 @@ from lightning_tp.tensor_parallel import (
     replicate_unsharded_parameters,
     transformers_tp_mesh,
 )
+from lightning_tp.watchdog import StepWatchdog, resolve_step_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -122,6 +123,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             finishes its optimizer step, all save ``hpc_ckpt_N`` in ``default_root_dir`` (``ckpt_path="hpc"``
             resumes from it) and the run ends with exit code ``128 + signal``; on SLURM the requeue signal also
             requeues the job. Replaces Lightning's handlers for these signals. ``None`` turns this off.
+        step_timeout: A rank that makes no training progress (no batch starting or ending, no save) for this long
+            dumps every thread's stack and exits, so that the launcher ends the job instead of its peers waiting in
+            a collective. ``"auto"``: twice ``timeout``. ``None``: no watchdog.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
         timeout: Timeout of collective operations.
     """
@@ -146,6 +150,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
         preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        step_timeout: timedelta | float | Literal["auto"] | None = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -186,6 +191,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._throughput_monitor = throughput_monitor
         self._save_frozen_weights = save_frozen_weights
         self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
+        if step_timeout == "auto":  # a step longer than the collectives' timeout fails anyway
+            step_timeout = 2 * (timeout or default_pg_timeout)
+        self._step_timeout = resolve_step_timeout(step_timeout)
         self._sequence_parallel = sequence_parallel
         self._loss_parallel = loss_parallel
         self._rng_to_restore: list[dict[str, Any]] | None = None
@@ -344,6 +352,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 trainer.callbacks.append(ThroughputMonitor())
             if self._preemption_signals and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
                 trainer.callbacks.append(PreemptionCheckpoint(self._preemption_signals))
+            if self._step_timeout is not None and not any(isinstance(c, StepWatchdog) for c in trainer.callbacks):
+                trainer.callbacks.append(StepWatchdog(self._step_timeout))
         self.setup_precision_plugin()
         self._clip_with_dtensor_support()
         if trainer.state.fn == TrainerFn.FITTING:
