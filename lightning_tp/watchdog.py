@@ -55,7 +55,8 @@ class StepWatchdog(L.Callback):
             if idle > self.timeout:
                 sys.stderr.write(
                     f"\n[rank {self._rank}] lightning_tp: no training progress for {idle:.0f} s (step_timeout "
-                    f"{self.timeout:.0f} s). Stacks of every thread follow; exiting so that the launcher ends the job.\n"
+                    f"{self.timeout:.0f} s). Stacks of every thread follow; exiting, so that the launcher ends the job"
+                    ".\n"
                 )
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
