@@ -27,6 +27,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_tp.checkpoint import partial_path
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +198,38 @@ class PreemptionCheckpoint(L.Callback):
             _requeue_slurm_job()
         self._received = []
         raise SIGTERMException(128 + int(received[-1]))
+
+
+_HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
+
+
+def skip_unfinished_hpc_checkpoint(checkpoint_path: Any) -> Any:
+    """The newest whole ``hpc_ckpt_M.ckpt`` when ``checkpoint_path`` is an ``hpc_ckpt_N.ckpt`` whose save never
+    finished, else ``checkpoint_path``.
+
+    Lightning resolves ``ckpt_path="hpc"`` to the highest number among the names holding ``hpc_ckpt_``, which includes
+    the hidden ``.hpc_ckpt_N.ckpt.partial`` of a save killed midway (a preemption save outliving the scheduler's grace
+    period): a requeued job would then fail to resume, every time, although an older whole one is there."""
+    text = str(checkpoint_path)
+    if "://" in text:
+        return checkpoint_path
+    path = Path(text)
+    match = _HPC_NAME.fullmatch(path.name)
+    if match is None or path.exists() or not partial_path(path).exists():
+        return checkpoint_path
+    whole = [
+        (int(m.group(1)), p)
+        for p in path.parent.iterdir()
+        if (m := _HPC_NAME.fullmatch(p.name)) is not None and int(m.group(1)) < int(match.group(1))
+    ]
+    if not whole:
+        return checkpoint_path  # loading names the unfinished save
+    chosen = max(whole)[1]
+    rank_zero_warn(
+        f"{path.name} in {path.parent} is an unfinished save ({partial_path(path).name}, left by a run killed while "
+        f"saving); resuming from {chosen.name}, the newest whole one."
+    )
+    return chosen
 
 
 def _no_broadcast() -> None:

@@ -59,7 +59,12 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
-from lightning_tp.preemption import DEFAULT_PREEMPTION_SIGNALS, PreemptionCheckpoint, resolve_signals
+from lightning_tp.preemption import (
+    DEFAULT_PREEMPTION_SIGNALS,
+    PreemptionCheckpoint,
+    resolve_signals,
+    skip_unfinished_hpc_checkpoint,
+)
 from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -573,6 +578,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole."""
+        checkpoint_path = skip_unfinished_hpc_checkpoint(checkpoint_path)  # `ckpt_path="hpc"` may name a killed save
         path = Path(self.broadcast(checkpoint_path))
         check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
         if path.is_file():

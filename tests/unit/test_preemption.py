@@ -85,3 +85,20 @@ def test_saves_at_the_next_optimizer_step_then_resumes_exactly(tmp_path: Any) ->
     _fit(tmp_path, resumed, ckpt_path="hpc")
     assert sorted(resumed.losses) == list(range(4, 12))
     assert {**preempted.losses, **resumed.losses} == pytest.approx(reference.losses, abs=1e-7)
+
+
+def test_hpc_resume_skips_a_save_killed_midway(tmp_path: Any) -> None:
+    """Lightning counts the hidden `.hpc_ckpt_2.ckpt.partial` of a killed save as the newest: resume the whole one."""
+    from lightning_tp.checkpoint import partial_path
+    from lightning_tp.preemption import skip_unfinished_hpc_checkpoint
+
+    (tmp_path / "hpc_ckpt_1.ckpt").mkdir()
+    partial_path(tmp_path / "hpc_ckpt_2.ckpt").mkdir()
+    trainer = quiet_trainer(default_root_dir=tmp_path)
+    newest = trainer._checkpoint_connector._hpc_resume_path  # what `ckpt_path="hpc"` resolves to
+    assert newest == str(tmp_path / "hpc_ckpt_2.ckpt")
+    with pytest.warns(UserWarning, match=r"hpc_ckpt_2.ckpt .* unfinished save .* resuming from hpc_ckpt_1.ckpt"):
+        assert skip_unfinished_hpc_checkpoint(newest) == tmp_path / "hpc_ckpt_1.ckpt"
+    assert skip_unfinished_hpc_checkpoint(tmp_path / "hpc_ckpt_1.ckpt") == tmp_path / "hpc_ckpt_1.ckpt"
+    (tmp_path / "hpc_ckpt_1.ckpt").rmdir()  # nothing whole: the load's own error names the unfinished save
+    assert skip_unfinished_hpc_checkpoint(newest) == newest
