@@ -163,7 +163,7 @@ class PreemptionCheckpoint(L.Callback):
         if dist.get_backend() != "gloo":
             # A gloo side group over CPU tensors: the flag's all-reduce does not wait for the device's queue (NCCL
             # would need a device tensor and a host sync every step). Created by every rank, in the same order.
-            timeout = getattr(trainer.strategy, "_timeout", None)
+            timeout = getattr(trainer.strategy, "_timeout", None)  # the strategy's `timeout`
             self._group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -197,7 +197,7 @@ class PreemptionCheckpoint(L.Callback):
         if requeue is not None and requeue in received and trainer.is_global_zero:
             _requeue_slurm_job()
         self._received = []
-        raise SIGTERMException(128 + int(received[-1]))
+        raise SIGTERMException(128 + int(received[0]))  # the first configured: SIGTERM's 143 by default
 
 
 _HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
