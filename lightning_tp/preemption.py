@@ -105,8 +105,7 @@ class PreemptionCheckpoint(L.Callback):
         self._received = []
         self._last_step = trainer.global_step
         signals = list(self.signals)
-        environment = getattr(trainer.strategy, "cluster_environment", None)
-        requeue = _slurm_requeue_signal(environment)
+        requeue = _slurm_requeue_signal(trainer)
         if requeue is not None and requeue not in signals:
             signals.append(requeue)  # Lightning's SLURM handler would otherwise save inside the signal handler
         if threading.current_thread() is not threading.main_thread():
@@ -193,7 +192,7 @@ class PreemptionCheckpoint(L.Callback):
         rank_zero_info(f"Preemption ({names}) at global step {trainer.global_step}: saving {path}")
         trainer.save_checkpoint(path)
         rank_zero_info(f"Preemption: saved {path} in {time.monotonic() - start:.1f} s; exiting.")
-        requeue = _slurm_requeue_signal(getattr(trainer.strategy, "cluster_environment", None))
+        requeue = _slurm_requeue_signal(trainer)
         if requeue is not None and requeue in received and trainer.is_global_zero:
             _requeue_slurm_job()
         self._received = []
@@ -236,9 +235,11 @@ def _no_broadcast() -> None:
     return None
 
 
-def _slurm_requeue_signal(environment: Any) -> signal.Signals | None:
+def _slurm_requeue_signal(trainer: L.Trainer) -> signal.Signals | None:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
+    # Where Lightning's `_SignalConnector` reads it (a single-device strategy has no `cluster_environment`).
+    environment = trainer._accelerator_connector.cluster_environment
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
         return signal.Signals(environment.requeue_signal)
     return None

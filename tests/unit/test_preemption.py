@@ -102,3 +102,45 @@ def test_hpc_resume_skips_a_save_killed_midway(tmp_path: Any) -> None:
     assert skip_unfinished_hpc_checkpoint(tmp_path / "hpc_ckpt_1.ckpt") == tmp_path / "hpc_ckpt_1.ckpt"
     (tmp_path / "hpc_ckpt_1.ckpt").rmdir()  # nothing whole: the load's own error names the unfinished save
     assert skip_unfinished_hpc_checkpoint(newest) == newest
+
+
+def test_slurm_requeue_signal_saves_requeues_and_exits(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SLURM (auto-requeue on), SIGUSR1 saves, runs `scontrol requeue <job>` on rank 0, and exits with 138."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "scontrol_args"}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key, value in {
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }.items():
+        monkeypatch.setenv(key, value)
+
+    class Usr1(Regression):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        plugins=[SLURMEnvironment(auto_requeue=True)],
+        callbacks=[PreemptionCheckpoint(("SIGTERM",))],  # the requeue signal is added by itself
+    )
+    with pytest.raises(SIGTERMException) as exit:
+        trainer.fit(Usr1())
+    assert exit.value.code == 128 + signal.SIGUSR1
+    assert (tmp_path / "scontrol_args").read_text().split() == ["requeue", "4242"]
+    assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == 2
