@@ -100,8 +100,14 @@ class PreemptionCheckpoint(L.Callback):
         # Nothing else here: a collective, a save or a log call inside a signal handler can deadlock.
         self._received.append(signum)
 
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.on_train_start(trainer, pl_module)  # Lightning's SIGTERM handler would broadcast inside the handler
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Installed here, after `Trainer._run` registered Lightning's handlers (`_SignalConnector`): these replace them.
+        # Installed here (or at the sanity check before), after `Trainer._run` registered Lightning's handlers
+        # (`_SignalConnector`): these replace them.
+        if self._active:
+            return  # installed at the sanity check already
         self._received = []
         self._last_step = trainer.global_step
         signals = list(self.signals)

@@ -55,6 +55,13 @@ class Regression(L.LightningModule):
 
         return StatefulDataLoader(torch.randn(12, 5, generator=torch.Generator().manual_seed(0)), batch_size=2)
 
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.trainer.sanity_checking:  # the callback's handlers are in place from the sanity check on
+            assert getattr(signal.getsignal(signal.SIGTERM), "__func__", None) is PreemptionCheckpoint._handle
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.randn(2, 5), batch_size=2)
+
 
 def _fit(root: Any, module: Regression, **kwargs: Any) -> L.Trainer:
     trainer = quiet_trainer(
