@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import tempfile
 import types
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -74,6 +74,12 @@ from lightning_tp.lora import (
 from lightning_tp.loss_parallel import install_loss_parallel
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.preemption import (
+    DEFAULT_PREEMPTION_SIGNALS,
+    PreemptionCheckpoint,
+    resolve_signals,
+    skip_unfinished_hpc_checkpoint,
+)
 from lightning_tp.random_init import random_state_of_rank_zero
 from lightning_tp.sequence_parallel import rewrite_plan
 from lightning_tp.tensor_parallel import (
@@ -86,6 +92,7 @@ from lightning_tp.tensor_parallel import (
     take_rank_zero_values,
     transformers_tp_mesh,
 )
+from lightning_tp.watchdog import StepWatchdog, resolve_step_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -142,6 +149,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
         save_frozen_weights: Write parameters that do not train (the base model of a LoRA run) into checkpoints.
             ``False`` keeps checkpoints to the trained weights; on resume the frozen ones come from where
             ``configure_model`` loaded them.
+        preemption_signals: Signals that announce a preemption (names such as ``"SIGTERM"``). On one, every rank
+            finishes its optimizer step, all save ``hpc_ckpt_N`` in ``default_root_dir`` (``ckpt_path="hpc"``
+            resumes from it) and the run ends with exit code ``128 + signal``; on SLURM the requeue signal also
+            requeues the job. Replaces Lightning's handlers for these signals. ``None`` turns this off.
+        step_timeout: A rank that makes no training progress (no batch starting or ending, no save) for this long
+            dumps every thread's stack and exits, so that the launcher ends the job instead of its peers waiting in
+            a collective. ``"auto"``: twice ``timeout``. ``None``: no watchdog.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
         timeout: Timeout of collective operations.
     """
@@ -166,6 +180,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
+        preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        step_timeout: timedelta | float | Literal["auto"] | None = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -212,6 +228,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._fsdp_param_dtype = fsdp_param_dtype
         self._throughput_monitor = throughput_monitor
         self._save_frozen_weights = save_frozen_weights
+        self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
+        if step_timeout == "auto":  # a step longer than the collectives' timeout fails anyway
+            step_timeout = 2 * (timeout or default_pg_timeout)
+        self._step_timeout = resolve_step_timeout(step_timeout)
         self._sequence_parallel = sequence_parallel
         self._loss_parallel = loss_parallel
         self._rng_to_restore: list[dict[str, Any]] | None = None
@@ -392,6 +412,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             if self._throughput_monitor and not any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks):
                 trainer.callbacks.append(ThroughputMonitor())
+            if self._preemption_signals and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+                trainer.callbacks.append(PreemptionCheckpoint(self._preemption_signals))
+            if self._step_timeout is not None and not any(isinstance(c, StepWatchdog) for c in trainer.callbacks):
+                trainer.callbacks.append(StepWatchdog(self._step_timeout))
         self.setup_precision_plugin()
         self._clip_with_dtensor_support()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -721,6 +745,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole."""
+        checkpoint_path = skip_unfinished_hpc_checkpoint(checkpoint_path)  # `ckpt_path="hpc"` may name a killed save
+        path = Path(self.broadcast(checkpoint_path))
+        check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
+        if path.is_file():
+            metadata = super().load_checkpoint(path, weights_only=weights_only)
         """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole.
 
         Only tensors and plain values are unpickled unless ``weights_only=False`` is passed (``trainer.fit(...,
