@@ -155,7 +155,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             requeues the job. Replaces Lightning's handlers for these signals. ``None`` turns this off.
         step_timeout: A rank that makes no training progress (no batch starting or ending, no save) for this long
             dumps every thread's stack and exits, so that the launcher ends the job instead of its peers waiting in
-            a collective. ``"auto"``: twice ``timeout``. ``None``: no watchdog.
+            a collective. ``"auto"``: a step may take 10 times the slowest step so far, at least 45 s, once the first
+            two are behind; anything else (the first steps, validation, saves, epoch ends) twice ``timeout``. A number:
+            that limit for everything. ``None``: no watchdog.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
         timeout: Timeout of collective operations.
     """
@@ -229,7 +231,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._throughput_monitor = throughput_monitor
         self._save_frozen_weights = save_frozen_weights
         self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
-        if step_timeout == "auto":  # a step longer than the collectives' timeout fails anyway
+        # "auto": learn the step time (see `StepWatchdog`); outside steps, twice the collectives' timeout, since a
+        # collective waiting longer than that fails anyway.
+        self._adaptive_step_timeout = step_timeout == "auto"
+        if step_timeout == "auto":
             step_timeout = 2 * (timeout or default_pg_timeout)
         self._step_timeout = resolve_step_timeout(step_timeout)
         self._sequence_parallel = sequence_parallel
@@ -415,7 +420,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             if self._preemption_signals and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
                 trainer.callbacks.append(PreemptionCheckpoint(self._preemption_signals))
             if self._step_timeout is not None and not any(isinstance(c, StepWatchdog) for c in trainer.callbacks):
-                trainer.callbacks.append(StepWatchdog(self._step_timeout))
+                trainer.callbacks.append(StepWatchdog(self._step_timeout, adaptive=self._adaptive_step_timeout))
         self.setup_precision_plugin()
         self._clip_with_dtensor_support()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -59,3 +59,59 @@ def test_a_stuck_step_ends_the_process_with_every_stack() -> None:
     assert "no training progress for" in proc.stderr and "step_timeout 2 s" in proc.stderr, proc.stderr
     assert "in training_step" in proc.stderr  # the stuck frame, from faulthandler
     assert time.monotonic() - start < 100
+
+
+ADAPTIVE = """
+import sys, time
+import lightning as L
+import torch
+import lightning_tp.watchdog as watchdog
+from tests.helpers.models import quiet_trainer
+
+watchdog.AUTO_FLOOR_S = 1.0  # the 45 s floor, scaled down to this test's millisecond steps
+STUCK_AT = int(sys.argv[1])
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+    def training_step(self, batch, batch_idx):
+        if batch_idx == STUCK_AT:
+            time.sleep(1e6)
+        return self.net(batch).sum()
+    def validation_step(self, batch, batch_idx):
+        time.sleep(1.5)  # longer than the steps' limit: validation is not a step
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(24, 2), batch_size=2)
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(2, 2), batch_size=2)
+
+trainer = quiet_trainer(
+    accelerator="cpu", devices=1, max_epochs=2, val_check_interval=6, num_sanity_val_steps=0,
+    callbacks=[watchdog.StepWatchdog(600, adaptive=True)],
+)
+trainer.fit(Module())
+"""
+
+
+@pytest.mark.parametrize("stuck_at", [-1, 9])
+def test_auto_limit_learns_the_step_time_and_spares_validation(stuck_at: int) -> None:
+    """``step_timeout="auto"``: millisecond steps get the floor (scaled to 1 s here) instead of the 600 s limit, while
+    validation batches longer than that floor run through."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(ADAPTIVE), str(stuck_at)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if stuck_at < 0:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "step_timeout 'auto': 10 x the slowest step so far" in proc.stderr, proc.stderr
+    assert "in training_step" in proc.stderr
+    assert time.monotonic() - start < 60  # the 600 s limit would have run into the subprocess timeout
