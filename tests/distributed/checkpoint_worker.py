@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+from tests.helpers.tripwire import worker_setup
 
 
 def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=(), **strategy_kwargs: Any) -> L.Trainer:
@@ -118,6 +119,7 @@ def phase_2d(checkpoint: Path, truncated: Path) -> dict[str, Any]:
 
 
 def main() -> None:
+    worker_setup()  # a hang fails within the short timeout, with every stack
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("phase", choices=["tp2", "crash", "one", "2d"])
