@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.tripwire import TIMEOUT_ENV, test_timeout
+from tests.helpers.tripwire import TIMEOUT_ENV, tripwire_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def _env(extra: dict | None = None) -> dict:
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "OMP_NUM_THREADS": "1",
         "PYTHONFAULTHANDLER": "1",  # a fatal signal (the SIGABRT below included) prints every thread's stack
-        TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(int(test_timeout().total_seconds()))),
+        TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(int(tripwire_timeout().total_seconds()))),
     }
 
 

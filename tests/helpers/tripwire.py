@@ -26,18 +26,15 @@ TIMEOUT_ENV = "LIGHTNING_TP_TEST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120
 
 
-def test_timeout() -> timedelta:
+def tripwire_timeout() -> timedelta:
     """The process-group timeout for strategies built in a test worker."""
     return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
-
-
-test_timeout.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
 
 
 def worker_setup() -> timedelta:
     """Turn on stack dumps and the short timeout in this process (idempotent); return the timeout."""
     faulthandler.enable(all_threads=True)
-    timeout = test_timeout()
+    timeout = tripwire_timeout()
     from lightning_tp import TensorParallelStrategy
 
     # The default of the keyword-only `timeout` argument, for this test process only: every strategy a worker (or a
