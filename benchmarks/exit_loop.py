@@ -65,6 +65,7 @@ def main() -> None:
         worker(args.layout, args.out)
         return
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env["PYTHONFAULTHANDLER"] = "1"  # an abort prints every thread's Python stack: where it happened
     failures = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
