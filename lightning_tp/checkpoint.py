@@ -32,6 +32,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,23 +58,47 @@ def _is_main() -> bool:
     return not _distributed() or dist.get_rank() == 0
 
 
+#: How long the other ranks wait for a write of the main rank: far longer than a process-group timeout, since a
+#: healthy write of a large file (a full checkpoint, a merged model) can take many minutes; a main rank that dies
+#: ends the job sooner (its launcher stops the others).
+MAIN_WRITE_TIMEOUT = timedelta(hours=2)
+_calls = 0  # numbers the store keys of each call: every rank makes the same calls in the same order
+
+
 def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
     """Run ``fn`` on the main rank; every rank then learns whether it failed and raises with it. A failed write on
-    rank 0 (a full disk, say) must not leave the other ranks waiting in a barrier."""
-    error = None
+    rank 0 (a full disk, say) must not leave the other ranks waiting in a barrier.
+
+    The others wait in the c10d store, not in a collective: a collective gives up after the process group's timeout
+    (the strategy's ``timeout``), and a healthy write longer than that would kill the job. The store waits up to
+    :data:`MAIN_WRITE_TIMEOUT`."""
+    global _calls
+    if not _distributed():
+        if is_main:
+            fn()
+        return
+    # Which ranks write: agreed first (a small, quick collective), so that none waits for a result never coming.
+    flags: list[bool] = [False] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(is_main))
+    writers = [rank for rank, flag in enumerate(flags) if flag]
+    _calls += 1
+    # The default store is shared by every process of the job (torch's private accessor: no public one exists).
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"lightning_tp/run_on_main/{_calls}"
     if is_main:
+        error = ""
         try:
             fn()
         except Exception as err:  # shared below, then raised on every rank
             error = f"{type(err).__name__}: {err}"
-            if not _distributed():
-                raise
-    if _distributed():
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if failed:
-            raise RuntimeError(f"Writing failed on rank {failed[0][0]}: {failed[0][1]}")
+        store.set(f"{prefix}/{dist.get_rank()}", "1" + error)  # "1" + the error, "" when it worked
+    keys = [f"{prefix}/{rank}" for rank in writers]
+    if keys:
+        store.wait(keys, MAIN_WRITE_TIMEOUT)
+    for rank, key in zip(writers, keys, strict=True):
+        error = store.get(key).decode()[1:]
+        if error:
+            raise RuntimeError(f"Writing failed on rank {rank}: {error}")
 
 
 @contextmanager

@@ -8,7 +8,8 @@ exactly ``tp`` because Transformers' and PEFT's TP code looks the axis up by tha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -95,21 +96,29 @@ class ParallelLayout:
             )
         return layout
 
-    def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    def build_device_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> tuple[DeviceMesh, DeviceMesh]:
         """Build the 3-D mesh (``dp_replicate``, ``dp_shard``, ``tp``) and its flattened 1-D ``dp`` mesh.
 
         Needs an initialised process group; every rank must call it. torch asks callers to keep the flattened mesh
-        themselves rather than slice it from the root, hence the pair.
+        themselves rather than slice it from the root, hence the pair. ``timeout`` reaches every group the mesh
+        creates: without it torch builds them with the backend's default (10 minutes on NCCL, 30 on gloo), not the
+        world group's timeout, and a stuck peer would hold the job that long.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(
-            device_type,
-            (self.dp_replicate_size, self.dp_shard_size, self.tp_size),
-            mesh_dim_names=(DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS),
+        shape = (self.dp_replicate_size, self.dp_shard_size, self.tp_size)
+        names = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS)
+        options = group_options(timeout)
+        # An axis over the whole world reuses the world group (which has the timeout already) only without override.
+        override = (
+            {name: options for name, size in zip(names, shape, strict=True) if size != self.world_size}
+            if options
+            else None
         )
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
         # One group over every data-parallel rank, for the sampler and metric reductions.
-        dp_mesh = mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]._flatten(DP_AXIS)
+        flat_override = options if options is not None and self.dp_size != self.world_size else None
+        dp_mesh = mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]._flatten(DP_AXIS, backend_override=flat_override)
         return mesh, dp_mesh
 
     def __str__(self) -> str:
@@ -117,6 +126,26 @@ class ParallelLayout:
             f"dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size} x tp={self.tp_size} "
             f"(world size {self.world_size})"
         )
+
+
+def group_options(timeout: timedelta | None) -> Any:
+    """Backend options that carry ``timeout`` into the groups ``init_device_mesh`` and ``DeviceMesh._flatten``
+    create (they read it from ``options._timeout``), or ``None`` for torch's default. NCCL insists on its own options
+    class; gloo and the others take the timeout alone."""
+    if timeout is None:
+        return None
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    if "nccl" in backend and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # torch's default for the groups it builds itself
+    else:
+        from torch._C._distributed_c10d import Backend  # no public constructor for the base options
+
+        options = Backend.Options(backend, timeout)
+    options._timeout = timeout
+    return options
 
 
 def _divisors(n: int) -> list[int]:

@@ -3,6 +3,7 @@ order in which they run and why."""
 
 from __future__ import annotations
 
+import atexit
 import io
 import tempfile
 import types
@@ -61,6 +62,7 @@ from lightning_tp.fsdp import (
     fsdp_units,
 )
 from lightning_tp.grad import clip_grad_norm_
+from lightning_tp.inference import gather_for_inference, mark_synced_generate, release_after_inference
 from lightning_tp.layout import DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.loading import materialize, materialize_modules
 from lightning_tp.lora import (
@@ -301,8 +303,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "`cpu_offload`."
             )
         self._check_fsdp_param_dtype(self._layout)
+        owns_process_group = not _distributed_is_initialized()
         self._setup_distributed()
-        self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type)
+        if owns_process_group:
+            _destroy_process_groups_at_exit()
+        self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type, timeout=self._timeout)
         # Users can read the mesh in `LightningModule.configure_model()`.
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -425,6 +430,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._clip_with_dtensor_support()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        # `generate` keeps the data-parallel ranks in step on FSDP2 models; validate, test and predict gather the
+        # weights once instead (here, on every rank, before a rank with no batch at all skips the loop's hooks).
+        mark_synced_generate(self.model, True)
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._gather_for_inference()
 
     def _take_rank_zero_values(self, modules: list[nn.Module]) -> None:
         """Ranks that built the model with different values (a seed per rank, say) train rank 0's values, as
@@ -601,6 +611,54 @@ class TensorParallelStrategy(ModelParallelStrategy):
             flag, group=torch.distributed.group.WORLD if _distributed_is_initialized() else None, reduce_op="sum"
         )
         return bool(flag == self.world_size) if all else bool(flag > 0)
+
+    # ------------------------------------------------------------------ evaluation and prediction
+
+    _inference_modules: list[FSDPModule] | None = None  # FSDP2 modules whose weights are gathered for inference
+
+    def _gather_for_inference(self) -> None:
+        """Gather the FSDP2 weights once for a validate/test/predict loop, so that data-parallel ranks can run unequal
+        numbers of forwards (uneven batches, ``generate`` of different lengths); see :mod:`lightning_tp.inference`."""
+        if self._inference_modules is None and self.model is not None:
+            self._inference_modules = gather_for_inference(self.model)
+
+    def _release_after_inference(self) -> None:
+        if self._inference_modules is not None and self.model is not None:
+            release_after_inference(
+                self.model, self._inference_modules, reshard_after_forward=self._reshard_after_forward
+            )
+        self._inference_modules = None
+
+    @override
+    def on_validation_start(self) -> None:
+        self._gather_for_inference()
+
+    @override
+    def on_test_start(self) -> None:
+        self._gather_for_inference()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._gather_for_inference()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._release_after_inference()
+
+    @override
+    def on_test_end(self) -> None:
+        self._release_after_inference()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._release_after_inference()
+
+    @override
+    def teardown(self) -> None:
+        # The process groups stay: the sharded model still uses them after `fit` (`save_pretrained`, `generate`);
+        # they are destroyed at exit (see `_destroy_process_groups_at_exit`).
+        self._release_after_inference()
+        super().teardown()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -962,6 +1020,27 @@ class TensorParallelStrategy(ModelParallelStrategy):
             description="Tensor parallelism for Transformers models (lightning_tp)",
             override=True,
         )
+
+
+_destroy_registered = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy the world group and every subgroup (the mesh's included) when the interpreter exits, while it can still
+    run Python: left to interpreter shutdown, gloo's and NCCL's threads and sockets are torn down in no fixed order,
+    and about one successful launch in 30 ended in SIGABRT ("terminate called without an active exception"). Only for
+    a world group this strategy created: a group the user created before the Trainer is theirs to destroy. Lightning
+    registers the same for NCCL only."""
+    global _destroy_registered
+    if _destroy_registered:
+        return
+    _destroy_registered = True
+
+    def destroy() -> None:
+        if _distributed_is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def _sizes_from_parallelism_config(

@@ -24,6 +24,7 @@ from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CHECKPOINT_ENV
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+from tests.helpers.tripwire import worker_setup
 
 
 def fit(
@@ -185,6 +186,7 @@ def phase_2d(checkpoint: Path, truncated: Path) -> dict[str, Any]:
 
 
 def main() -> None:
+    worker_setup()  # a hang fails within the short timeout, with every stack
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("phase", choices=["tp2", "crash", "one", "2d"])

@@ -94,4 +94,4 @@ def tp2_results(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None)
 @pytest.fixture(scope="session")
 def two_d_results(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> list[dict]:
     """2-D cases on 4 processes: dp_shard 2 x tp 2."""
-    return _launch(tmp_path_factory.mktemp("2d"), 4, TWO_D_CASES, "--tp-size", "2")
+    return _launch(tmp_path_factory.mktemp("2d"), 4, [*TWO_D_CASES, "group_timeouts"], "--tp-size", "2")

@@ -232,7 +232,11 @@ def _check_collectives(mesh: DeviceMesh) -> str:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    import faulthandler
+    from datetime import timedelta
+
+    faulthandler.enable(all_threads=True)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a hang fails fast, with the stacks
     try:
         for line in run_loss_parallel_checks():
             if dist.get_rank() == 0:

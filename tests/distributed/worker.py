@@ -23,6 +23,7 @@ import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
 from tests.helpers.models import ParityModule, lm_batches, quiet_trainer
+from tests.helpers.tripwire import worker_setup
 
 
 def trainer(strategy: TensorParallelStrategy, **kwargs) -> L.Trainer:
@@ -267,6 +268,22 @@ def run_sequence_parallel_odd_on_one_group(layout: dict) -> dict:
         return {"type": type(err).__name__, "message": str(err), "seconds": time.monotonic() - start}
 
 
+def run_group_timeouts(layout: dict) -> dict:
+    """The timeout of each group of a mesh built for a 7 s strategy timeout (process group already initialised)."""
+    from datetime import timedelta
+
+    from lightning_tp import ParallelLayout
+
+    sizes = ParallelLayout.resolve(dist.get_world_size(), tp_size=layout["tp_size"])
+    mesh, dp_mesh = sizes.build_device_mesh("cpu", timeout=timedelta(seconds=7))
+    groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+    groups["dp"] = dp_mesh.get_group()
+    return {
+        name: (group._get_backend(torch.device("cpu")).options._timeout.total_seconds(), group.size())
+        for name, group in groups.items()
+    }
+
+
 def run_error(name: str) -> dict:
     build, kwargs, _ = ERROR_CASES[name]
     module = ParityModule(build, **ERROR_MODULE_KWARGS.get(name, {}))
@@ -280,6 +297,7 @@ def run_error(name: str) -> dict:
 
 
 def main() -> None:
+    worker_setup()  # a hang fails within the short timeout, with every stack
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--tp-size", type=int, default=None)
@@ -302,6 +320,8 @@ def main() -> None:
                 from tests.distributed.loss_parallel_checks import run_loss_parallel_checks
 
                 results[name] = {"lines": run_loss_parallel_checks()}
+            elif name == "group_timeouts":
+                results[name] = run_group_timeouts(layout)
             elif name.startswith("error:"):
                 results[name] = run_error(name.split(":", 1)[1])
             else:

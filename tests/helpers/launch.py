@@ -1,34 +1,92 @@
-"""Launch a script on several CPU processes with torchrun (gloo), once per group of cases."""
+"""Launch a script on several CPU processes with torchrun (gloo), once per group of cases.
+
+Every launch arms the hang tripwire (see :mod:`tests.helpers.tripwire`): the workers get a short process-group timeout
+(``LIGHTNING_TP_TEST_TIMEOUT``) and ``PYTHONFAULTHANDLER=1``; if the launch itself outlives ``timeout``, every process
+it started gets SIGABRT, so faulthandler prints each rank's stack into the failure message before the processes are
+killed.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.tripwire import TIMEOUT_ENV, tripwire_timeout
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(extra: dict | None = None) -> dict:
+    return {
+        **os.environ,
+        **(extra or {}),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",  # a fatal signal (the SIGABRT below included) prints every thread's stack
+        TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(int(tripwire_timeout().total_seconds()))),
+    }
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, out of reach of killpg)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # not a process, or one that just ended
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _run(cmd: list[str], *, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run``; on timeout, SIGABRT to every process it started (faulthandler prints their stacks), then
+    SIGKILL to what is left."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hang is a failure with every rank's stack, not a stuck CI job
+        tree = [proc.pid, *_descendants(proc.pid)]
+        for target in reversed(tree):  # the workers first, before their launcher notices and kills them
+            try:
+                os.kill(target, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        try:
+            stdout, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            for target in tree:
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(cmd)} did not finish in {timeout} s; the stacks of its processes:\n{(stdout + stderr)[-30000:]}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def run_script(script: str | Path, *args: str, timeout: float = 600) -> str:
     """Run ``script`` as a user would (``python script ...``, Lightning starting any other process); return its
     standard output, or fail the test with everything it printed."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = _run([sys.executable, str(script), *args], env=_env(), timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:
     """Run ``script`` on ``nprocs`` processes; return its output, or fail the test with it."""
-    env = {
-        **os.environ,
-        **(env or {}),
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "OMP_NUM_THREADS": "1",
-    }
     cmd = [
         sys.executable,
         "-m",
@@ -38,10 +96,7 @@ def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 600, 
         str(script),
         *args,
     ]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:  # a hang is a failure, not a stuck CI job
-        raise AssertionError(f"{cmd} did not finish in {timeout} s:\n{err.stdout}\n{err.stderr}") from err
+    proc = _run(cmd, env=_env(env), timeout=timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-20000:]}")

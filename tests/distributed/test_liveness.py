@@ -1,0 +1,116 @@
+"""Nothing waits silently: evaluation, prediction and generate with unequal work per data-parallel rank (issue 11,
+defect 7), a timeout on every mesh group and rank-0 writes longer than it (fault matrix, causes (a) and (b)), and the
+hang tripwire of the test launcher."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.inference import generate_kwargs, prompts, reference_losses, reference_outputs
+from tests.helpers.launch import torchrun
+
+WORKER = Path(__file__).with_name("liveness_worker.py")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One launch of 2 processes for every check below (a cold start costs more than the checks)."""
+    out = tmp_path_factory.mktemp("liveness")
+    torchrun(WORKER, 2, str(out))
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def test_every_mesh_group_gets_the_timeout(results: list[dict]) -> None:
+    for result in results:
+        timeouts = result["group_timeouts"]
+        # Groups the mesh creates get the timeout asked for; axes over the whole world reuse the world group (whose
+        # timeout Lightning set from the strategy's).
+        assert {name: t for name, (t, _, world) in timeouts.items() if not world} == {"dp_replicate": 21, "tp": 21}
+        assert {name for name, (_, size, world) in timeouts.items() if world and size == 2} == {"dp_shard", "dp"}
+
+
+def test_every_mesh_group_gets_the_timeout_2d(two_d_results: list[dict]) -> None:
+    """dp_shard 2 x tp 2: every group of size 2 is a new one and must carry the strategy's timeout."""
+    for result in two_d_results:
+        timeouts = result["group_timeouts"]
+        assert "crash" not in timeouts, timeouts
+        assert timeouts == {"dp_replicate": (7.0, 1), "dp_shard": (7.0, 2), "tp": (7.0, 2), "dp": (7.0, 2)}
+
+
+def test_rank0_write_longer_than_the_timeout_succeeds(results: list[dict]) -> None:
+    for result in results:
+        assert result["slow_write"]["ok"], result["slow_write"]
+        assert result["slow_write"]["seconds"] >= 12  # longer than the world group's timeout (8 s)
+        assert result["failed_write"] == "Writing failed on rank 0: OSError: [Errno 28] No space left on device"
+    assert [r["other_writer"] for r in results] == [[], [1]]
+
+
+def test_predict_generate_with_uneven_prompts_and_lengths(results: list[dict]) -> None:
+    """3 prompts on 2 ranks (2 and 1), generations of 2 and 6 tokens: every output equals one process's generate."""
+    kwargs = generate_kwargs()
+    reference = reference_outputs(kwargs)
+    lengths = {
+        i: len(out) - p["input_ids"].shape[1]
+        for i, (out, p) in enumerate(zip(reference.values(), prompts(), strict=True))
+    }
+    assert len(set(lengths.values())) > 1, lengths  # the case needs generations of different lengths
+    for layout in ("fsdp2", "tp2"):
+        for result in results:
+            assert "crash" not in result[f"{layout}_predict"], result[f"{layout}_predict"]["crash"]
+        outputs = [result[f"{layout}_predict"]["outputs"] for result in results]
+        if layout == "fsdp2":  # Lightning's predict sampler: rank 0 prompts 0 and 2, rank 1 prompt 1
+            assert [sorted(o) for o in outputs] == [[0, 2], [1]]
+        merged = {i: out for o in outputs for i, out in o.items()}
+        assert merged == reference, layout
+
+
+@pytest.mark.parametrize("stage", ["validate", "fit_validate"])
+def test_validation_with_uneven_batches(results: list[dict], stage: str) -> None:
+    """Rank 0 validates 2 batches, rank 1 one, each with a generate of its own length; inside fit too, between steps."""
+    reference = reference_losses()
+    for layout in ("fsdp2", "tp2"):
+        per_rank = [r[f"{layout}_{stage}"] for r in results]
+        for result in per_rank:
+            assert "crash" not in result, result["crash"]
+        merged = {i: loss for r in per_rank for i, loss in r["losses"].items()}
+        assert merged == pytest.approx(reference, abs=1e-5), layout
+        if layout == "fsdp2":
+            assert [sorted(r["losses"]) for r in per_rank] == [[0, 2], [1]]
+        if stage == "fit_validate":
+            assert [r[f"{layout}_{stage}_steps"] for r in results] == [2, 2]
+
+
+def test_generate_in_training_step_with_different_lengths(results: list[dict]) -> None:
+    """Sharded weights (FSDP2 over 2): rank 0 generates 2 tokens, rank 1 six; generate keeps the ranks in step."""
+    reference = reference_outputs(generate_kwargs())
+    for rank, result in enumerate(results):
+        assert result["fsdp2_fit_validate_train_generated"] == {rank: reference[rank]}
+
+
+def test_tripwire_prints_every_rank_stack_on_a_hang(tmp_path: Path) -> None:
+    """A launch that outlives its timeout fails with each worker's stack (faulthandler), not a bare timeout."""
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\n\ndef stuck_forever():\n    time.sleep(1000)\n\nstuck_forever()\n")
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish") as err:
+        torchrun(script, 2, timeout=25)  # time for torchrun to start both workers on a busy machine
+    assert time.monotonic() - start < 90
+    assert str(err.value).count("stuck_forever") == 2, str(err.value)[-3000:]
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(script).encode() in _cmdline(p)]
+    assert not left, "the launcher left processes of the stuck launch running"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_process_group_created_by_the_user_is_left_to_the_user(results: list[dict]) -> None:
+    """The strategy destroys the process groups at exit only when it created the world group itself."""
+    assert [r["destroy_registered"] for r in results] == [False, False]
