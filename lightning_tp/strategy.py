@@ -808,17 +808,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole."""
-        checkpoint_path = skip_unfinished_hpc_checkpoint(checkpoint_path)  # `ckpt_path="hpc"` may name a killed save
-        path = Path(self.broadcast(checkpoint_path))
-        check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
-        if path.is_file():
-            metadata = super().load_checkpoint(path, weights_only=weights_only)
         """Load a checkpoint written on any layout (DCP reshards), after checking on every rank that it is whole.
 
         Only tensors and plain values are unpickled unless ``weights_only=False`` is passed (``trainer.fit(...,
         weights_only=False)``): a checkpoint is untrusted input, and unpickling other objects runs code it names."""
         weights_only = True if weights_only is None else weights_only  # Lightning passes None: never default to False
+        checkpoint_path = skip_unfinished_hpc_checkpoint(checkpoint_path)  # `ckpt_path="hpc"` may name a killed save
         checkpoint_path = self.broadcast(checkpoint_path)
         if remote.is_url(checkpoint_path):
             metadata = self._load_from_url(checkpoint_path, weights_only=weights_only)
