@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import faulthandler
 import os
 import signal
 import time
@@ -28,6 +27,7 @@ import torch
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt
+from tests.helpers.tripwire import worker_setup
 
 FAULT_STEP = 3
 PG_TIMEOUT = timedelta(seconds=60)
@@ -82,7 +82,7 @@ class FailShardWrite(L.Callback):
 
 
 def main() -> None:
-    faulthandler.enable(all_threads=True)
+    worker_setup()  # stack dumps on a hang; the strategies below set their own short timeouts
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("fault", choices=["kill", "raise_step", "raise_configure", "save_oserror", "stuck"])

@@ -9,7 +9,6 @@ per-node download logic of ``lightning_tp.from_pretrained`` runs without a netwo
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt
+from tests.helpers.tripwire import worker_setup
 
 HUB_ID = "lightning-tp-test/tiny-qwen3"
 
@@ -60,7 +60,7 @@ def fit(module: ResumeModule, *, ckpt_path: Path | None = None, callbacks=()) ->
 
 
 def main() -> None:
-    faulthandler.enable(all_threads=True)
+    worker_setup()  # stack dumps on a hang; the strategies below set their own short timeouts
     out = Path(sys.argv[1])
     import huggingface_hub
 

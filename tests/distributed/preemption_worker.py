@@ -13,7 +13,6 @@ signal on rank 1 only (caught here, so that the process goes on); the cost of th
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
 import signal
 import time
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule
+from tests.helpers.tripwire import worker_setup
 
 SIGNAL_STEP = 2  # mid-epoch 0 (4 steps per epoch): the resumed run crosses an epoch boundary
 
@@ -109,7 +109,7 @@ def phase_resume(out: Path, runs: list[Path]) -> dict[str, Any]:
 
 
 def main() -> None:
-    faulthandler.enable(all_threads=True)
+    worker_setup()  # stack dumps on a hang; the strategies below set their own short timeouts
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("phase", choices=["preempt", "resume"])
