@@ -23,6 +23,7 @@ import argparse
 import collections
 import dataclasses
 import enum
+import io
 import os
 import pathlib
 import pickle
@@ -271,6 +272,26 @@ def unpickling_guard(path: Path | str | Any, *, weights_only: bool, opt_in: str)
             yield
         except pickle.UnpicklingError as err:
             raise UntrustedCheckpointError(untrusted_message(path, err, opt_in=opt_in)) from err
+
+
+def safe_load_planner(*, weights_only: bool, opt_in: str) -> Any:
+    """DCP's default load planner, but the non-tensor entries of the shard files (optimizer hyper-parameters such as
+    ``param_groups``) are unpickled like ``meta.pt``: torch's planner loads them with ``weights_only=False``, so a
+    crafted ``.distcp`` file would run code on every rank that resumes from it."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            label = f"the checkpoint entry {read_item.dest_index.fqn!r}"
+            with unpickling_guard(label, weights_only=weights_only, opt_in=opt_in):
+                plain = torch.load(value, map_location="cpu", weights_only=weights_only)
+            # Handed on re-serialised: the parent's own (unrestricted) load then only sees what passed the guard.
+            buffer = io.BytesIO()
+            torch.save(plain, buffer)
+            buffer.seek(0)
+            super().load_bytes(read_item, buffer)
+
+    return SafeLoadPlanner()
 
 
 def untrusted_message(path: Path | str, err: Exception, *, opt_in: str) -> str:

@@ -126,6 +126,9 @@ class PreemptionCheckpoint(L.Callback):
         self._active = tuple(signals)
         if trainer.received_sigterm:  # delivered to Lightning's handler between its registration and now
             self._received.append(signal.SIGTERM)
+            # Taken over: Lightning's own checks of the flag would raise on this rank alone, without a save, and
+            # leave the others in their next collective.
+            trainer._signal_connector.received_sigterm = False  # private: the flag has no public setter
         if signal.SIGTERM in self._active:
             # Lightning broadcasts its SIGTERM flag from rank 0 before every batch (`_broadcast_sigterm_tensor`, a
             # private hook of the epoch loop); with its handler replaced the flag stays False, so the all-reduce

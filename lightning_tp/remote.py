@@ -29,7 +29,7 @@ import uuid
 import zipfile
 from typing import Any
 
-from lightning_tp.checkpoint import DCP_INDEX, META_FILENAME, IncompleteCheckpointError, index_reader
+from lightning_tp.checkpoint import _ZIP_MAGIC, DCP_INDEX, META_FILENAME, IncompleteCheckpointError, index_reader
 
 #: Written last into a checkpoint directory at a URL; without it the directory is not a checkpoint.
 COMMIT_MARKER = ".lightning_tp_complete"
@@ -117,7 +117,19 @@ def plan_save(url: str, *, directory: bool) -> dict[str, Any]:
             "error": f"The checkpoint URL {url} is a directory, and `save_distributed_checkpoint=False` writes one "
             "file: choose another name."
         }
+    if fs.isfile(path) and not _is_checkpoint_object(fs, path):
+        return {
+            "error": f"The checkpoint URL {url} holds a file that is not a checkpoint (no torch.save archive): it is "
+            "not replaced. Remove it or choose another name."
+        }
     return {"data": partial_url(url)}
+
+
+def _is_checkpoint_object(fs: Any, path: str) -> bool:
+    """Whether the object at ``path`` is one a save of this package may replace or remove: empty, or a torch.save
+    archive (as for local paths)."""
+    with fs.open(path, "rb") as f:
+        return f.read(len(_ZIP_MAGIC)) in (b"", _ZIP_MAGIC)
 
 
 def partial_url(url: str) -> str:
@@ -203,6 +215,8 @@ def remove_checkpoint(url: str) -> list[str]:
     marker listed, then itself if nothing else is in it. A directory without a marker is left as it is."""
     fs, root = _fs(url)
     if fs.isfile(root):
+        if not _is_checkpoint_object(fs, root):
+            return [url]
         fs.rm_file(root)
         return []
     if not fs.isdir(root):

@@ -48,6 +48,7 @@ from lightning_tp.checkpoint import (
     publish,
     remove_written,
     run_on_main_and_share_failure,
+    safe_load_planner,
     save_target_refusal,
     set_rng_state,
     stored_entries,
@@ -772,8 +773,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
             return
         for url in kept:
             rank_zero_warn(
-                f"{url} was not removed: it has no commit marker ({remote.COMMIT_MARKER}), so lightning_tp did not "
-                "write it (or not completely)."
+                f"{url} was not removed: it is neither a torch.save archive nor a directory with a commit marker "
+                f"({remote.COMMIT_MARKER}), so lightning_tp did not write it (or not completely)."
             )
 
     def _decide_on_main(self, decide: Any, *, url: str) -> Any:
@@ -840,6 +841,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"{self._layout_sizes()}): the random states (dropout masks) are not restored; the weights, "
                 "optimizer and loops are."
             )
+        if self._inference_modules is not None:
+            # validate/test/predict load after setup, and the load's state-dict hooks reshard what setup gathered.
+            self._inference_modules = gather_for_inference(self.model)
         return metadata
 
     def _load_from_url(self, url: str, *, weights_only: bool) -> dict[str, Any]:
@@ -901,6 +905,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         reader = remote.dcp_reader(url) if url else index_reader(path)  # neither runs code from the index
         stored = stored_entries(path, reader=reader)
+        planner = safe_load_planner(weights_only=weights_only, opt_in=_LOAD_OPT_IN)  # nor from the shard files
         template = get_model_state_dict(self.model)
         keys = match_model_state(
             template,
@@ -917,12 +922,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"{len(self.optimizers)}: nothing for {missing_optimizers}."
             )
         model_state = {"state_dict": {key: template[key] for key in keys}}
-        load(model_state, checkpoint_id=path, storage_reader=reader)
+        load(model_state, checkpoint_id=path, storage_reader=reader, planner=planner)
         self.model.load_state_dict(model_state["state_dict"], strict=False)  # completeness was checked above
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            load(optimizer_state, checkpoint_id=path, storage_reader=reader)
+            load(optimizer_state, checkpoint_id=path, storage_reader=reader, planner=planner)
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
             )

@@ -27,6 +27,8 @@ from typing import Any
 
 import lightning as L
 
+from lightning_tp.checkpoint import MAIN_WRITE_TIMEOUT
+
 
 def resolve_step_timeout(step_timeout: timedelta | float | None) -> float | None:
     """``step_timeout`` in seconds (``None``: no watchdog), checked without processes."""
@@ -112,8 +114,13 @@ class StepWatchdog(L.Callback):
         self._limit = self.timeout
         self._step_start = None
 
-    on_validation_start = on_validation_batch_start = on_validation_batch_end = _not_a_step
-    on_save_checkpoint = on_train_epoch_end = _not_a_step
+    on_validation_start = on_validation_batch_start = on_validation_batch_end = on_train_epoch_end = _not_a_step
+
+    def on_save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """A save may wait as long as rank 0's write may take (``run_on_main_and_share_failure`` tolerates long
+        writes): no limit shorter than that until the next step."""
+        self._not_a_step()
+        self._limit = max(self.timeout, MAIN_WRITE_TIMEOUT.total_seconds())
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._rank = trainer.global_rank

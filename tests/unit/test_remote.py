@@ -18,7 +18,7 @@ import torch
 
 from lightning_tp import TensorParallelStrategy
 from lightning_tp.checkpoint import IncompleteCheckpointError
-from lightning_tp.remote import COMMIT_MARKER, resolve
+from lightning_tp.remote import COMMIT_MARKER, plan_save, resolve
 from tests.helpers.cases import CHECKPOINT_ENV
 from tests.helpers.models import build_causal_lm, quiet_trainer, tiny_config
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
@@ -174,9 +174,17 @@ def test_model_checkpoint_at_a_url_keeps_top_k_and_last(run: dict[str, Any]) -> 
         resolve(f"{root}/{name}")  # each whole
     # A directory this package did not write (no marker) is left alone, with a warning.
     MEM.pipe_file(f"/{root.removeprefix('memory://')}/other/data.bin", b"x")
-    with pytest.warns(UserWarning, match="was not removed: it has no commit marker"):
+    with pytest.warns(UserWarning, match="was not removed: it is neither a torch.save archive nor a directory"):
         run["trainer"].strategy.remove_checkpoint(f"{root}/other")
     assert MEM.isfile(f"/{root.removeprefix('memory://')}/other/data.bin")
+    # Nor is a file that is not a torch.save archive, removed or replaced by a single-file save.
+    MEM.pipe_file(f"/{root.removeprefix('memory://')}/notes.ckpt", b"mine")
+    with pytest.warns(UserWarning, match="was not removed"):
+        run["trainer"].strategy.remove_checkpoint(f"{root}/notes.ckpt")
+    assert plan_save(f"{root}/notes.ckpt", directory=False)["error"].startswith(
+        f"The checkpoint URL {root}/notes.ckpt holds a file that is not a checkpoint"
+    )
+    assert MEM.cat_file(f"/{root.removeprefix('memory://')}/notes.ckpt") == b"mine"
 
 
 def test_export_reads_a_url(run: dict[str, Any], tmp_path: Path) -> None:
@@ -211,7 +219,7 @@ def test_a_url_holding_the_other_kind_of_checkpoint_is_refused(root: str) -> Non
     from lightning_tp.remote import plan_save
 
     base = root.removeprefix("memory://")
-    MEM.pipe_file(f"/{base}/file.ckpt", b"x")
+    MEM.pipe_file(f"/{base}/file.ckpt", b"PK\x03\x04")  # the start of a torch.save archive: a checkpoint
     MEM.pipe_file(f"/{base}/directory/notes.txt", b"mine")
     assert "is a file" in plan_save(f"{root}/file.ckpt", directory=True)["error"]
     assert "is a directory" in plan_save(f"{root}/directory", directory=False)["error"]

@@ -228,3 +228,32 @@ def test_resume_unpickles_only_plain_data_onto_the_cpu(tmp_path, monkeypatch):
         TensorParallelStrategy().load_checkpoint(path)
     assert not probe.exists()
     assert loads == [{"map_location": "cpu", "mmap": False, "weights_only": True}]
+
+
+def test_shard_files_unpickle_only_plain_data(tmp_path):
+    """DCP stores non-tensor entries (an optimizer's ``param_groups``) pickled inside the shard files, and torch's load
+    planner unpickles them unrestricted: a crafted ``.distcp`` ran code on resume. The strategy's planner refuses it,
+    naming the entry and the opt-in, and still loads plain values."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_tp.checkpoint import UntrustedCheckpointError, index_reader, safe_load_planner
+
+    probe = tmp_path / "probe"
+    crafted, plain = tmp_path / "crafted", tmp_path / "plain"
+    dcp.save({"optimizer_0": {"param_groups": [{"lr": _CreatesAFile(probe)}]}}, checkpoint_id=crafted, no_dist=True)
+    dcp.save({"optimizer_0": {"param_groups": [{"lr": 0.25}]}}, checkpoint_id=plain, no_dist=True)
+    template = {"optimizer_0": {"param_groups": [{"lr": 0.0}]}}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    # DCP gathers every rank's read failure into one CheckpointException, raised on every rank.
+    match = rf"{UntrustedCheckpointError.__name__}: the checkpoint entry 'optimizer_0.param_groups.0.lr'.*posix.system"
+    with pytest.raises(CheckpointException, match=match):
+        dcp.load(
+            template,
+            storage_reader=index_reader(crafted),
+            planner=safe_load_planner(weights_only=True, opt_in="opt in"),
+            no_dist=True,
+        )
+    assert not probe.exists()
+    dcp.load(template, storage_reader=index_reader(plain), planner=safe_load_planner(weights_only=True, opt_in="-"))
+    assert template["optimizer_0"]["param_groups"][0]["lr"] == 0.25
