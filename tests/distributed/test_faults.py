@@ -48,7 +48,10 @@ def test_fault(fault: str, launcher: str, tmp_path: Path, _checkpoint_env: None)
     raised = {p.name: torch.load(p, weights_only=True)["type"] for p in sorted(out.glob("raised_rank*.pt"))}
     watchdog = "no training progress" in ended.output
     print(f"\nFAULT-ROW {fault} {launcher}: {seconds:.1f} s to all gone; raised {raised}; watchdog {watchdog}")
-    assert seconds < 120, ended.output[-20000:]  # no hang (a hang is the 600 s launch timeout, or forever)
+    # The goal: no process waits more than 60 s after a fault (a hang is the 600 s launch timeout, or forever).
+    assert seconds < 60, ended.output[-20000:]
+    if fault == "stuck":  # nothing but the watchdog ends a rank that stays alive
+        assert watchdog, ended.output[-20000:]
     if fault == "raise_configure":  # before any step: nothing to keep, nothing written
         assert not (out / "last").exists()
         return
