@@ -4,6 +4,7 @@ order in which they run and why."""
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import tempfile
 import types
@@ -1037,8 +1038,12 @@ def _destroy_process_groups_at_exit() -> None:
     _destroy_registered = True
 
     def destroy() -> None:
+        # Trainer, strategy and model form reference cycles that only the interpreter's final collection frees, when
+        # gloo's threads can no longer take the GIL to drop the tensors their finished work holds: free them now.
+        gc.collect()
         if _distributed_is_initialized():
             torch.distributed.destroy_process_group()
+        gc.collect()
 
     atexit.register(destroy)
 
