@@ -96,6 +96,7 @@ class StepWatchdog(L.Callback):
 
     def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
         self.beat()
+        self._limit = self.timeout  # a save before this step may have lengthened it
         if not self.adaptive:
             return
         if self._step_start is not None:  # the previous step ran alone: time it
