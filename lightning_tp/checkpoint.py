@@ -31,11 +31,11 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -162,9 +162,14 @@ def _is_ours(path: Path) -> bool:
         return not _foreign_entries(path)
     if path.is_file():
         with open(path, "rb") as f:
-            head = f.read(len(_ZIP_MAGIC))
-        return head in (b"", _ZIP_MAGIC)
+            return is_checkpoint_file(f)
     return not path.exists()
+
+
+def is_checkpoint_file(f: BinaryIO) -> bool:
+    """Whether the open file ``f`` is one a save of this package may replace or remove: empty, or a torch.save
+    archive (whole or cut short)."""
+    return f.read(len(_ZIP_MAGIC)) in (b"", _ZIP_MAGIC)
 
 
 def save_target_refusal(path: Path) -> OSError | None:
@@ -384,25 +389,37 @@ def check_checkpoint(path: Path) -> None:
             f"The checkpoint directory {path} is incomplete: {', '.join(missing)} missing. A save that did not "
             "finish, or a copy that was cut short; resume from an earlier checkpoint."
         )
+    check_shards(index_reader(path), path, size_of=lambda name: _size(path / name))
+
+
+def _size(file: Path) -> int | None:
+    return file.stat().st_size if file.is_file() else None
+
+
+def check_shards(reader: Any, where: Path | str, *, size_of: Callable[[str], int | None]) -> None:
+    """Raise :class:`IncompleteCheckpointError` if a shard file the index of ``reader`` names is missing or shorter
+    than the index needs. ``size_of(name)``: the size of the file ``name`` of the checkpoint, ``None`` if absent (a
+    local directory's, or a URL's)."""
     try:
-        metadata = index_reader(path).read_metadata()
+        metadata = reader.read_metadata()
     except UntrustedCheckpointError:
         raise
     except Exception as err:
-        raise IncompleteCheckpointError(f"The index {path / DCP_INDEX} cannot be read ({err}).") from err
+        index = f"{str(where).rstrip('/')}/{DCP_INDEX}"
+        raise IncompleteCheckpointError(f"The index {index} cannot be read ({err}).") from err
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     problems = []
     for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
+        actual = size_of(name)
+        if actual is None:
             problems.append(f"{name} is missing")
-        elif file.stat().st_size < size:
-            problems.append(f"{name} holds {file.stat().st_size} bytes, the index needs {size}")
+        elif actual < size:
+            problems.append(f"{name} holds {actual} bytes, the index needs {size}")
     if problems:
         raise IncompleteCheckpointError(
-            f"The checkpoint directory {path} is incomplete: {'; '.join(problems[:5])}"
+            f"The checkpoint directory {where} is incomplete: {'; '.join(problems[:5])}"
             f"{' ...' if len(problems) > 5 else ''}. Resume from an earlier checkpoint."
         )
 

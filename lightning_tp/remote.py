@@ -29,7 +29,14 @@ import uuid
 import zipfile
 from typing import Any
 
-from lightning_tp.checkpoint import _ZIP_MAGIC, DCP_INDEX, META_FILENAME, IncompleteCheckpointError, index_reader
+from lightning_tp.checkpoint import (
+    DCP_INDEX,
+    META_FILENAME,
+    IncompleteCheckpointError,
+    check_shards,
+    index_reader,
+    is_checkpoint_file,
+)
 
 #: Written last into a checkpoint directory at a URL; without it the directory is not a checkpoint.
 COMMIT_MARKER = ".lightning_tp_complete"
@@ -126,10 +133,8 @@ def plan_save(url: str, *, directory: bool) -> dict[str, Any]:
 
 
 def _is_checkpoint_object(fs: Any, path: str) -> bool:
-    """Whether the object at ``path`` is one a save of this package may replace or remove: empty, or a torch.save
-    archive (as for local paths)."""
     with fs.open(path, "rb") as f:
-        return f.read(len(_ZIP_MAGIC)) in (b"", _ZIP_MAGIC)
+        return is_checkpoint_file(f)  # as for local paths
 
 
 def partial_url(url: str) -> str:
@@ -265,29 +270,19 @@ def resolve(url: str) -> tuple[str, str]:
             "a directory lightning_tp did not write. Resume from an earlier checkpoint."
         )
     data_url = join(url, marker["data"])
-    problems = []
-    for name in (DCP_INDEX, META_FILENAME):
-        if not fs.isfile(posixpath.join(root, marker["data"], name)):
-            problems.append(f"{name} is missing")
-    if not problems:
-        try:
-            metadata = dcp_reader(data_url).read_metadata()
-        except Exception as err:
-            raise IncompleteCheckpointError(f"The index {join(data_url, DCP_INDEX)} cannot be read ({err}).") from err
-        needed: dict[str, int] = {}
-        for info in (metadata.storage_data or {}).values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        for name, size in sorted(needed.items()):
-            file = posixpath.join(root, marker["data"], name)
-            if not fs.isfile(file):
-                problems.append(f"{name} is missing")
-            elif fs.size(file) < size:
-                problems.append(f"{name} holds {fs.size(file)} bytes, the index needs {size}")
-    if problems:
+    data = posixpath.join(root, marker["data"])
+    missing = [name for name in (DCP_INDEX, META_FILENAME) if not fs.isfile(posixpath.join(data, name))]
+    if missing:
         raise IncompleteCheckpointError(
-            f"The checkpoint directory {data_url} is incomplete: {'; '.join(problems[:5])}"
-            f"{' ...' if len(problems) > 5 else ''}. Resume from an earlier checkpoint."
+            f"The checkpoint directory {data_url} is incomplete: {'; '.join(f'{name} is missing' for name in missing)}"
+            ". Resume from an earlier checkpoint."
         )
+
+    def size_of(name: str) -> int | None:
+        file = posixpath.join(data, name)
+        return fs.size(file) if fs.isfile(file) else None
+
+    check_shards(dcp_reader(data_url), data_url, size_of=size_of)
     return "directory", data_url
 
 

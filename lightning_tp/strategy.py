@@ -37,6 +37,7 @@ from lightning_tp.checkpoint import (
     MODELS_KEY,
     RNG_KEY,
     IncompleteCheckpointError,
+    UntrustedCheckpointError,
     check_checkpoint,
     clear_partial,
     frozen_parameter_names,
@@ -106,6 +107,8 @@ if TYPE_CHECKING:
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 
+#: The errors rank 0's look at a URL raises again on every rank by their own type (others become ``OSError``).
+_SHARED_ERRORS = (IncompleteCheckpointError, UntrustedCheckpointError, FileNotFoundError, ValueError)
 #: How to load a checkpoint that holds arbitrary objects, in the error that refuses it.
 _LOAD_OPT_IN = "pass `weights_only=False` to `trainer.fit`/`validate`/`test`/`predict` along with `ckpt_path`"
 
@@ -785,13 +788,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             try:
                 outcome = {"value": decide()}
-            except (IncompleteCheckpointError, FileNotFoundError, ValueError) as err:
+            except _SHARED_ERRORS as err:
                 outcome = {"error": type(err).__name__, "message": str(err)}
             except Exception as err:  # the store: permissions, network
                 outcome = {"error": "OSError", "message": f"Accessing {url} failed: {type(err).__name__}: {err}"}
         outcome = self.broadcast(outcome)
         if "error" in outcome:
-            kinds = {error.__name__: error for error in (IncompleteCheckpointError, FileNotFoundError, ValueError)}
+            kinds = {error.__name__: error for error in _SHARED_ERRORS}
             raise kinds.get(outcome["error"], OSError)(outcome["message"])
         return outcome["value"]
 
