@@ -49,6 +49,8 @@ DCP_INDEX = ".metadata"
 #: The entries this strategy adds to Lightning's checkpoint dict.
 MODELS_KEY = "lightning_tp"
 RNG_KEY = "lightning_tp_rng"
+#: Lightning's key of the model's tensors in the checkpoint dict (a DCP directory's entries are ``state_dict.NAME``).
+MODEL_KEY = "state_dict"
 
 
 def _distributed() -> bool:

@@ -5,8 +5,8 @@ tokenizer), or, for a LoRA run, a PEFT adapter directory (``--merge``: the merge
 
 Tensors stream one at a time, from the checkpoint to the output files: memory stays about one tensor, not the model.
 What the tensors are (architecture, config, adapters, names) comes from the ``"lightning_tp"`` entry the strategy
-writes into Lightning's checkpoint (:func:`describe_models`); the model is rebuilt from it on the meta device only to
-learn names, shapes, tied weights and LoRA scalings, never to hold weights.
+writes into Lightning's checkpoint (`discovery.describe_models`); the model is rebuilt from it on the meta device
+only to learn names, shapes, tied weights and LoRA scalings, never to hold weights.
 """
 
 from __future__ import annotations
@@ -28,14 +28,19 @@ import torch
 from torch import nn
 
 from lightning_tp import remote
-from lightning_tp.checkpoint import UntrustedCheckpointError, index_reader, load_torch_file, publish_directory
-from lightning_tp.lora import peft_models
+from lightning_tp.checkpoint import (
+    DCP_INDEX,
+    META_FILENAME,
+    MODEL_KEY,
+    MODELS_KEY,
+    UntrustedCheckpointError,
+    index_reader,
+    load_torch_file,
+    publish_directory,
+)
+from lightning_tp.discovery import FORMAT_VERSION, name_prefix
 
-#: Key of the entry in Lightning's checkpoint dict (``meta.pt`` of a distributed checkpoint).
-ENTRY_KEY = "lightning_tp"
-FORMAT_VERSION = 1
-_DCP_PREFIX = "state_dict."  # Lightning's distributed checkpoint holds the model under "state_dict"
-_META_FILE = "meta.pt"  # Lightning's ModelParallelStrategy: the rest of the checkpoint dict
+_DCP_PREFIX = f"{MODEL_KEY}."
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -51,79 +56,6 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The checkpoint entry
-
-
-def describe_models(root: nn.Module) -> dict[str, Any]:
-    """The ``"lightning_tp"`` checkpoint entry: what export needs to rebuild a Transformers directory.
-
-    One entry per top-level Transformers model in ``root`` (a ``PeftModel`` wrapping one counts as that model, with
-    its adapters). Reads configs only, never tensors, so it works on sharded and meta models. Plain JSON data."""
-    from lightning_tp.strategy import _top_level_transformers_models
-
-    names = {id(module): name for name, module in root.named_modules()}
-    wrappers = {id(p.get_base_model()): p for p in peft_models(root)}
-    models = []
-    for model in _top_level_transformers_models(root):
-        wrapper = wrappers.get(id(model))
-        owner = model if wrapper is None else wrapper
-        entry = _describe_model(model, prefix=_prefix(names[id(owner)]))
-        if wrapper is not None:
-            inner = names[id(model)].removeprefix(names[id(wrapper)]).removeprefix(".")
-            entry["peft"] = _describe_peft(wrapper, prefix_in_model=_prefix(inner))
-        models.append(entry)
-    return {"format_version": FORMAT_VERSION, "models": models}
-
-
-def _prefix(name: str) -> str:
-    return f"{name}." if name else ""
-
-
-def _describe_model(model: nn.Module, *, prefix: str) -> dict[str, Any]:
-    generation = getattr(model, "generation_config", None) if model.can_generate() else None  # as save_pretrained
-    return {
-        "prefix": prefix,
-        "architecture": _architecture(model),
-        "config": json.loads(model.config.to_json_string(use_diff=False)),
-        "generation_config": None if generation is None else json.loads(generation.to_json_string(use_diff=False)),
-        "source": model.config._name_or_path or None,
-        "peft": None,
-    }
-
-
-def _architecture(model: nn.Module) -> str:
-    """The Transformers class of ``model``, through FSDP2's subclass (``FSDPQwen3ForCausalLM``) and user subclasses;
-    else (remote code) its own name, which export refuses by name. Never raises: it runs while checkpointing."""
-    import transformers
-    from transformers import PreTrainedModel
-
-    classes = [cls for cls in type(model).__mro__ if issubclass(cls, PreTrainedModel)]
-    for cls in classes:
-        if getattr(transformers, cls.__name__, None) is cls:
-            return cls.__name__
-    return classes[0].__name__.removeprefix("FSDP")
-
-
-def _describe_peft(peft_model: nn.Module, *, prefix_in_model: str) -> dict[str, Any]:
-    return {
-        "prefix_in_model": prefix_in_model,
-        "active_adapters": list(peft_model.active_adapters),
-        "adapters": {name: _jsonable(config.to_dict()) for name, config in peft_model.peft_config.items()},
-    }
-
-
-def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
-    """PEFT configs hold sets (``target_modules``) and enums: as PEFT writes them to ``adapter_config.json``."""
-
-    def default(obj: Any) -> Any:
-        if isinstance(obj, (set, frozenset)):
-            return sorted(obj)
-        raise TypeError(f"{type(obj).__name__} in a PEFT config is not JSON serialisable")
-
-    return json.loads(json.dumps(value, default=default))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -152,9 +84,9 @@ class _DcpCheckpoint:
             if key.startswith(_DCP_PREFIX) and isinstance(md, TensorStorageMetadata)
         }
         if remote.is_url(path):
-            self.meta = _load_meta(remote.join(path, _META_FILE), trust=trust)
+            self.meta = _load_meta(remote.join(path, META_FILENAME), trust=trust)
         else:
-            self.meta = _load_meta(path / _META_FILE, trust=trust) if (path / _META_FILE).is_file() else {}
+            self.meta = _load_meta(path / META_FILENAME, trust=trust) if (path / META_FILENAME).is_file() else {}
 
     def read(self, key: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
@@ -178,9 +110,9 @@ class _FileCheckpoint:
             raise
         except Exception as err:  # not a torch file, or torch's legacy format (which cannot be memory-mapped)
             raise ValueError(f"{path} is not a checkpoint torch.load can memory-map: {err}") from err
-        state = self.meta.pop("state_dict", None) if isinstance(self.meta, dict) else None
+        state = self.meta.pop(MODEL_KEY, None) if isinstance(self.meta, dict) else None
         if not isinstance(state, dict):
-            raise ValueError(f"{path} holds no 'state_dict': it is not a Lightning checkpoint.")
+            raise ValueError(f"{path} holds no {MODEL_KEY!r}: it is not a Lightning checkpoint.")
         self.state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         self.specs = {k: _Spec(tuple(v.shape), v.dtype) for k, v in self.state.items()}
 
@@ -231,7 +163,7 @@ def _open_checkpoint(path: Path | str, *, trust: bool) -> _DcpCheckpoint | _File
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if path.is_dir():
-        if not (path / ".metadata").is_file():
+        if not (path / DCP_INDEX).is_file():
             raise ValueError(
                 f"{path} is a directory but not a distributed checkpoint (no .metadata file): pass the directory "
                 "Lightning's ModelCheckpoint wrote, or a single-file checkpoint."
@@ -242,20 +174,20 @@ def _open_checkpoint(path: Path | str, *, trust: bool) -> _DcpCheckpoint | _File
 
 def _select_model(meta: dict[str, Any], model_prefix: str | None, *, path: Path) -> dict[str, Any]:
     """The entry of the model to export, from the ``"lightning_tp"`` entry of the checkpoint."""
-    entry = meta.get(ENTRY_KEY)
+    entry = meta.get(MODELS_KEY)
     if not entry:
         raise ValueError(
-            f"{path} has no {ENTRY_KEY!r} entry: it was not written by TensorParallelStrategy, and the model's "
+            f"{path} has no {MODELS_KEY!r} entry: it was not written by TensorParallelStrategy, and the model's "
             "config and its prefix in the state dict (`--model-prefix`) cannot be guessed from the tensors. Export "
             "checkpoints written by TensorParallelStrategy, or load this one in your LightningModule and call "
             "`save_pretrained`."
         )
     if entry.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: {ENTRY_KEY!r} entry of format {entry.get('format_version')}, not {FORMAT_VERSION}.")
+        raise ValueError(f"{path}: {MODELS_KEY!r} entry of format {entry.get('format_version')}, not {FORMAT_VERSION}.")
     models = entry["models"]
     prefixes = [m["prefix"] for m in models]
     if model_prefix is not None:
-        wanted = _prefix(model_prefix.removesuffix("."))
+        wanted = name_prefix(model_prefix.removesuffix("."))
         models = [m for m in models if m["prefix"] == wanted]
         if not models:
             raise ValueError(f"--model-prefix {model_prefix!r} matches no model of {path}; its models: {prefixes}.")

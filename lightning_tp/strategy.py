@@ -56,6 +56,7 @@ from lightning_tp.checkpoint import (
     stored_entries,
     unpickling_guard,
 )
+from lightning_tp.discovery import describe_models, modules_outside, transformers_models
 from lightning_tp.fsdp import (
     BF16_NAMES,
     apply_fsdp,
@@ -458,7 +459,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         earlier ``setup`` (fit, then validate) are left out."""
         root = self.lightning_module
         assert root is not None
-        models = _top_level_transformers_models(root)
+        models = transformers_models(root)
         if not models:
             if self._tp_plan == "auto":
                 raise ValueError(
@@ -505,7 +506,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             targets.append((module, plan, presharded_mesh))
         extras = [
             m
-            for m in _modules_outside(root, models)
+            for m in modules_outside(root, models)
             if getattr(m, SHARDED_MARKER, None) is None and any(True for _ in m.parameters())
         ]
         if self._cpu_offload and extras:
@@ -689,8 +690,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options` (it writes with DCP).")
         from torch.distributed.checkpoint import save
-
-        from lightning_tp.export import describe_models
 
         # Rank 0 decides whether a local path may be replaced (never what this package did not write) and every rank
         # learns it in the broadcast of the path: all raise the same error before anything is written, even where
@@ -1067,47 +1066,6 @@ def _sizes_from_parallelism_config(
     if any(size is not None and not isinstance(size, int) for size in sizes):
         raise ValueError(f"`parallelism_config` must carry integer sizes, got {config!r}.")
     return sizes[0] or 1, sizes[1] or 1, sizes[2] or 1
-
-
-def _modules_outside(root: nn.Module, models: list[nn.Module]) -> list[nn.Module]:
-    """The top-most submodules of ``root`` that neither are nor contain one of ``models``."""
-    inside = {id(m) for model in models for m in model.modules()}
-    containing = {id(m) for m in root.modules() if any(id(c) in inside for c in m.modules())}
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if id(child) in inside:
-                continue
-            if id(child) in containing:
-                visit(child)
-            else:
-                found.append(child)
-
-    if id(root) not in inside:
-        visit(root)
-    return found
-
-
-def _top_level_transformers_models(root: nn.Module) -> list[nn.Module]:
-    """Transformers models inside ``root`` that are not inside another one (``Qwen3ForCausalLM``, not its ``model``)."""
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if is_transformers_model(module):
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(root)
-    # The same model reachable twice (`self.backbone = self.model.model`): keep the outermost.
-    inner = {id(m) for model in found for m in model.modules() if m is not model}
-    unique: list[nn.Module] = []
-    for model in found:
-        if id(model) not in inner and all(model is not m for m in unique):
-            unique.append(model)
-    return unique
 
 
 __all__ = ["SUPPORTED_PRECISIONS", "TensorParallelStrategy"]

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from lightning_tp.export import _Item, _Spec, _write_safetensors, describe_models, export_checkpoint, main
+from lightning_tp.discovery import describe_models
+from lightning_tp.export import _Item, _Spec, _write_safetensors, export_checkpoint, main
 from tests.helpers.models import VOCAB, build_causal_lm, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -116,13 +116,13 @@ def test_frozen_weights_left_out_need_a_distributed_checkpoint() -> None:
 
 
 def test_a_model_reachable_twice_is_sharded_once() -> None:
-    from lightning_tp.strategy import _top_level_transformers_models
+    from lightning_tp.discovery import transformers_models
     from tests.helpers.models import build_causal_lm, tiny_config
 
     root = torch.nn.Module()
     root.model = build_causal_lm(tiny_config("llama"))
     root.backbone = root.model.model
-    assert _top_level_transformers_models(root) == [root.model]
+    assert transformers_models(root) == [root.model]
 
 
 def test_each_child_holding_parameters_is_one_fsdp_unit_and_shared_weights_are_refused() -> None:
