@@ -1,4 +1,5 @@
-"""One torchrun launch per layout, holding every case: a cold multi-process start costs far more than a case."""
+"""One torchrun launch per layout, holding every case the selected tests read: a cold multi-process start costs far
+more than a case. Which cases each test reads: its ``@pytest.mark.scenarios`` (see tests/helpers/selection.py)."""
 
 from __future__ import annotations
 
@@ -7,57 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cases import CASES, CHECKPOINT_ENV, ERROR_CASES, _lora
+from tests.helpers.cases import CHECKPOINT_ENV, LAUNCHES, _lora
 from tests.helpers.launch import torchrun
 from tests.helpers.models import build_causal_lm, tiny_config
+from tests.helpers.selection import MARK_HELP, selected_scenarios
 
 WORKER = Path(__file__).with_name("worker.py")
 
-TWO_D_CASES = [
-    "qwen3_sgd",
-    "tied_sgd",
-    "qwen3_adamw_foreach_clip",
-    "llama_accumulate",
-    "qwen3_activation_checkpointing",
-    "qwen3_meta_load",
-    "tied_meta_load",
-    "qwen3_hsdp",
-    "qwen3_with_head",
-    "tied_replicated",
-    "qwen3_no_reshard",
-    "qwen3_meta_init",
-    "tied_meta_init",
-    "qwen3_lora",
-    "llama_rslora",
-    "qwen3_meta_lora",
-    "qwen3_sp_lp_adamw_clip",
-    "qwen3_bf16_mixed",
-    "qwen3_bf16_all_gather",
-    "features",
-    # Plain modules (not Transformers) under TP x FSDP2, FSDP2 alone (tp_size=1 on 4 ranks), ranks seeded apart.
-    "mlp_custom_plan",
-    "plain_twice_with_head",
-    "plain_direct_call",
-    "mlp_fsdp_only",
-    "llama_rank_seeded",
-    "sp_odd_on_one_group",
-]
-#: Cases that only make sense with data parallelism.
-DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
-#: bf16 cases, compared with a bf16 single process (not at fp32's tolerance).
-BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
-#: Cases with tp_size=1 (FSDP2 alone over every rank): run in both launches, checked on their own.
-FSDP_ONLY_CASES = {"mlp_fsdp_only"}
-TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES]
-TP_CASES = [
-    *TP_PARITY_CASES,
-    *FSDP_ONLY_CASES,
-    "features",
-    "save_failure",
-    "collectives",
-    "loss_parallel_checks",
-    *(f"error:{name}" for name in ERROR_CASES),
-]
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARK_HELP)
 
 
 @pytest.fixture(scope="session")
@@ -80,18 +40,33 @@ def monkeypatch_session():
         yield mp
 
 
-def _launch(out: Path, nprocs: int, cases: list[str], *extra: str) -> list[dict]:
-    torchrun(WORKER, nprocs, str(out), *extra, *cases)
+def _launch(request: pytest.FixtureRequest, out: Path, launch: str, nprocs: int, *extra: str) -> list[dict]:
+    """Run the scenarios of ``launch`` that the selected tests read, on ``nprocs`` processes; what each rank saw."""
+    fixture, default = LAUNCHES[launch]
+    scenarios = selected_scenarios(request.session.items, launch=launch, fixture=fixture, default=default)
+    if not scenarios:  # requested by a test that reads nothing of it (getfixturevalue without a mark)
+        return [{} for _ in range(nprocs)]
+    torchrun(WORKER, nprocs, str(out), *extra, *scenarios)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 
 @pytest.fixture(scope="session")
-def tp2_results(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> list[dict]:
-    """Every TP case on 2 processes (tp_size inferred: 2)."""
-    return _launch(tmp_path_factory.mktemp("tp2"), 2, TP_CASES)
+def tp2_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None
+) -> list[dict]:
+    """The TP cases on 2 processes (tp_size inferred: 2)."""
+    return _launch(request, tmp_path_factory.mktemp("tp2"), "tp2", 2)
 
 
 @pytest.fixture(scope="session")
-def two_d_results(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> list[dict]:
+def two_d_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None
+) -> list[dict]:
     """2-D cases on 4 processes: dp_shard 2 x tp 2."""
-    return _launch(tmp_path_factory.mktemp("2d"), 4, [*TWO_D_CASES, "group_timeouts"], "--tp-size", "2")
+    return _launch(request, tmp_path_factory.mktemp("2d"), "2d", 4, "--tp-size", "2")
+
+
+@pytest.fixture
+def layout_results(request: pytest.FixtureRequest, layout: str) -> list[dict]:
+    """The launch of the test's ``layout`` parameter ("tp2" or "2d") only: the other one is not started."""
+    return request.getfixturevalue(LAUNCHES[layout][0])

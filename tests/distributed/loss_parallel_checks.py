@@ -4,11 +4,17 @@ unsharded.
 
 Standalone: ``OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2
 tests/distributed/loss_parallel_checks.py``. Or call :func:`run_loss_parallel_checks` from a torchrun worker.
+
+Each check is registered in :data:`CHECKS` under its name, raises AssertionError on a failure, and returns a record:
+its name, what it measured and the bounds it held them to (the test checks the records again, and that every check
+ran).
 """
 
 from __future__ import annotations
 
 import itertools
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +28,11 @@ from lightning_tp.loss_parallel import (
     lm_head_style,
     vocab_parallel_cross_entropy,
 )
+from tests.helpers.scenarios import Scenarios
 
 FP32_TOL = 1e-6
+#: Check name -> function(mesh) -> record.
+CHECKS = Scenarios("tests/distributed/loss_parallel_checks.py")
 
 
 def _loss_tol(ref: torch.Tensor) -> float:
@@ -31,23 +40,28 @@ def _loss_tol(ref: torch.Tensor) -> float:
     return FP32_TOL * max(1.0, ref.detach().abs().max().item())
 
 
-def run_loss_parallel_checks() -> list[str]:
-    """Run every check on the default process group; return one line per case, raise AssertionError on a failure."""
+def run_loss_parallel_checks(names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the named checks (all by default) on the default process group; return one record per check, raise
+    AssertionError on a failure."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    lines = []
+    names = list(CHECKS) if names is None else names
+    CHECKS.check(names)
+    return [{"check": name, **CHECKS.run(name, mesh)} for name in names]
+
+
+def _cross_entropy_name(vocab: int, *, ignore: bool, reduction: str, dtype: torch.dtype) -> str:
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"cross_entropy vocab={vocab} ignore={ignore} reduction={reduction} dtype={dtype_name}"
+
+
+#: Every combination, and the unreduced loss once.
+CROSS_ENTROPY_CASES = [
+    {"vocab": vocab, "ignore": ignore, "reduction": reduction, "dtype": dtype}
     for vocab, ignore, reduction, dtype in itertools.product(
         (16, 11), (False, True), ("mean", "sum"), (torch.float32, torch.bfloat16)
-    ):
-        lines.append(_check_cross_entropy(mesh, vocab, ignore=ignore, reduction=reduction, dtype=dtype))
-    lines.append(_check_cross_entropy(mesh, 11, ignore=True, reduction="none", dtype=torch.float32))
-    lines.append(_check_all_ignored(mesh))
-    lines.append(_check_local_api(mesh))
-    lines.append(_check_second_backward(mesh))
-    lines.append(_check_causal_lm_loss(mesh))
-    lines.append(_check_qwen3(mesh))
-    lines.append(_check_collectives(mesh))
-    return lines
+    )
+] + [{"vocab": 11, "ignore": True, "reduction": "none", "dtype": torch.float32}]
 
 
 def _inputs(mesh: DeviceMesh, vocab: int, *, ignore: bool, dtype: torch.dtype, seed: int = 0):
@@ -69,7 +83,9 @@ def _same_on_every_rank(t: torch.Tensor) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def _check_cross_entropy(mesh: DeviceMesh, vocab: int, *, ignore: bool, reduction: str, dtype: torch.dtype) -> str:
+def _check_cross_entropy(
+    mesh: DeviceMesh, *, vocab: int, ignore: bool, reduction: str, dtype: torch.dtype
+) -> dict[str, Any]:
     full, labels = _inputs(mesh, vocab, ignore=ignore, dtype=dtype)
     ref_in = full.clone().requires_grad_()
     # The reference upcasts like Transformers' ForCausalLMLoss does.
@@ -93,10 +109,15 @@ def _check_cross_entropy(mesh: DeviceMesh, vocab: int, *, ignore: bool, reductio
     grad_tol = FP32_TOL if dtype == torch.float32 else 2**-8 * ref_in.grad.float().abs().max().item()
     assert loss_diff <= _loss_tol(ref), f"{case}: loss differs by {loss_diff}"
     assert grad_diff <= grad_tol, f"{case}: grad differs by {grad_diff}"
-    return f"loss_parallel {case} max_loss_diff={loss_diff:.2e} max_grad_diff={grad_diff:.2e}"
+    return {"loss_diff": loss_diff, "loss_tol": _loss_tol(ref), "grad_diff": grad_diff, "grad_tol": grad_tol}
 
 
-def _check_all_ignored(mesh: DeviceMesh) -> str:
+for _case in CROSS_ENTROPY_CASES:
+    CHECKS.add(_cross_entropy_name(**_case), partial(_check_cross_entropy, **_case))
+
+
+@CHECKS.register("all_ignored")
+def _check_all_ignored(mesh: DeviceMesh) -> dict[str, Any]:
     """As torch: mean over no rows is nan, and every gradient is 0."""
     full, labels = _inputs(mesh, 11, ignore=False, dtype=torch.float32)
     labels.fill_(-100)
@@ -109,10 +130,11 @@ def _check_all_ignored(mesh: DeviceMesh) -> str:
     assert ref.isnan() and loss.isnan(), f"all ignored: loss {loss.item()} (torch: {ref.item()})"
     grad = sharded.grad.full_tensor()
     assert torch.equal(grad, ref_in.grad) and not grad.any(), "all ignored: gradients are not all 0"
-    return "loss_parallel all_ignored loss=nan max_grad=0"
+    return {"loss_is_nan": bool(loss.isnan()), "grad_diff": 0.0, "grad_tol": 0.0}
 
 
-def _check_local_api(mesh: DeviceMesh) -> str:
+@CHECKS.register("local_api")
+def _check_local_api(mesh: DeviceMesh) -> dict[str, Any]:
     """Plain local shards with `group` and `vocab_start`, uneven vocabulary (11: 6 + 5)."""
     full, labels = _inputs(mesh, 11, ignore=True, dtype=torch.float32)
     ref_in = full.clone().requires_grad_()
@@ -126,10 +148,11 @@ def _check_local_api(mesh: DeviceMesh) -> str:
     loss_diff = (loss - ref).abs().item()
     grad_diff = (local.grad - ref_in.grad[..., start : start + local.shape[-1]]).abs().max().item()
     assert loss_diff <= _loss_tol(ref) and grad_diff <= FP32_TOL, f"local api: {loss_diff} {grad_diff}"
-    return f"loss_parallel local_api vocab=11 max_loss_diff={loss_diff:.2e} max_grad_diff={grad_diff:.2e}"
+    return {"loss_diff": loss_diff, "loss_tol": _loss_tol(ref), "grad_diff": grad_diff, "grad_tol": FP32_TOL}
 
 
-def _check_second_backward(mesh: DeviceMesh) -> str:
+@CHECKS.register("second_backward")
+def _check_second_backward(mesh: DeviceMesh) -> dict[str, Any]:
     """fp32 reuses the saved softmax as the gradient, so a second backward must raise, not return garbage."""
     full, labels = _inputs(mesh, 11, ignore=True, dtype=torch.float32)
     sharded = distribute_tensor(full, mesh, [Shard(-1)]).requires_grad_()
@@ -139,18 +162,18 @@ def _check_second_backward(mesh: DeviceMesh) -> str:
         loss.backward()
     except RuntimeError as error:
         assert "retain_graph" in str(error), error
-    else:
-        raise AssertionError("a second backward through an fp32 loss did not raise")
-    return "loss_parallel second_backward fp32 raises"
+        return {"raised": type(error).__name__}
+    raise AssertionError("a second backward through an fp32 loss did not raise")
 
 
-def _check_causal_lm_loss(mesh: DeviceMesh) -> str:
+@CHECKS.register("causal_lm_loss")
+def _check_causal_lm_loss(mesh: DeviceMesh) -> dict[str, Any]:
     """Against Transformers' ForCausalLMLoss: default shift, `num_items_in_batch`, and given `shift_labels`."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     full, labels = _inputs(mesh, 11, ignore=True, dtype=torch.bfloat16)
     shift = labels.roll(-1, dims=1)
-    diffs = []
+    diffs, tols = [], []
     for kwargs in ({}, {"num_items_in_batch": torch.tensor(7)}, {"shift_labels": shift}):
         ref_in = full.clone().requires_grad_()
         ref = ForCausalLMLoss(ref_in, labels, 11, **kwargs)
@@ -159,13 +182,15 @@ def _check_causal_lm_loss(mesh: DeviceMesh) -> str:
         loss = causal_lm_loss(sharded, labels, 11, **kwargs)
         loss.backward()
         diffs.append((loss - ref).abs().item())
+        tols.append(_loss_tol(ref))
         grad_diff = (sharded.grad.full_tensor().float() - ref_in.grad.float()).abs().max().item()
         assert diffs[-1] <= _loss_tol(ref), f"causal_lm_loss {list(kwargs)}: loss differs by {diffs[-1]}"
         assert grad_diff <= 2**-8 * ref_in.grad.float().abs().max().item(), f"causal_lm_loss grad: {grad_diff}"
-    return f"loss_parallel causal_lm_loss bf16 vocab=11 max_loss_diff={max(diffs):.2e}"
+    return {"variants": len(diffs), "loss_diff": max(diffs), "loss_tol": min(tols)}
 
 
-def _check_qwen3(mesh: DeviceMesh) -> str:
+@CHECKS.register("qwen3")
+def _check_qwen3(mesh: DeviceMesh) -> dict[str, Any]:
     """A tiny Qwen3 (odd vocabulary) with only its lm_head sharded, against the same model unsharded."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -212,13 +237,19 @@ def _check_qwen3(mesh: DeviceMesh) -> str:
         expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     assert not isinstance(plain, DTensor), "qwen3: logits without labels are still a DTensor"
     assert torch.equal(generated, expected), f"qwen3: generate gives {generated.tolist()}, not {expected.tolist()}"
-    return (
-        f"loss_parallel qwen3 vocab={vocab} max_loss_diff={loss_diff:.2e} max_lm_head_grad_diff={head_diff:.2e} "
-        f"max_grad_diff={grad_diff:.2e} generate_equal=True"
-    )
+    return {
+        "loss_diff": loss_diff,
+        "loss_tol": _loss_tol(ref_out.loss),
+        "grad_diff": grad_diff,
+        "grad_tol": FP32_TOL,
+        "logits_diff": logits_diff,
+        "lm_head_grad_diff": head_diff,
+        "generate_equal": True,
+    }
 
 
-def _check_collectives(mesh: DeviceMesh) -> str:
+@CHECKS.register("collectives")
+def _check_collectives(mesh: DeviceMesh) -> dict[str, Any]:
     """One forward and backward: two all-reduces (row max; exp-sums with target logits), nothing else."""
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -228,7 +259,7 @@ def _check_collectives(mesh: DeviceMesh) -> str:
         vocab_parallel_cross_entropy(sharded, labels).backward()
     counts = {str(op).rpartition(".")[2]: n for op, n in comm.get_comm_counts().items()}
     assert comm.get_total_counts() == 2, f"collectives: {counts}"
-    return f"loss_parallel collectives forward+backward total={comm.get_total_counts()} {counts}"
+    return {"total": comm.get_total_counts(), "counts": counts}
 
 
 if __name__ == "__main__":
@@ -238,8 +269,8 @@ if __name__ == "__main__":
     faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a hang fails fast, with the stacks
     try:
-        for line in run_loss_parallel_checks():
+        for record in run_loss_parallel_checks():
             if dist.get_rank() == 0:
-                print(line, flush=True)
+                print(record, flush=True)
     finally:
         dist.destroy_process_group()

@@ -33,6 +33,7 @@ def test_every_mesh_group_gets_the_timeout(results: list[dict]) -> None:
         assert {name for name, (_, size, world) in timeouts.items() if world and size == 2} == {"dp_shard", "dp"}
 
 
+@pytest.mark.scenarios("2d", "group_timeouts")
 def test_every_mesh_group_gets_the_timeout_2d(two_d_results: list[dict]) -> None:
     """dp_shard 2 x tp 2: every group of size 2 is a new one and must carry the strategy's timeout."""
     for result in two_d_results:

@@ -11,15 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.test_tp_parity import _result
 from tests.helpers.cases import CASES, _checkpoint
-from tests.helpers.models import build_causal_lm, lm_batches, reference_run, tiny_config
+from tests.helpers.models import PROBE, build_causal_lm, lm_batches, reference_run, tiny_config
+from tests.helpers.selection import scenario_result as _result
 
 LORA_CASES = ["qwen3_lora", "llama_rslora"]
-
-
-def _results(tp2_results: list[dict], two_d_results: list[dict], layout: str) -> list[dict]:
-    return tp2_results if layout == "tp2" else two_d_results
 
 
 @pytest.mark.parametrize(
@@ -27,9 +23,10 @@ def _results(tp2_results: list[dict], two_d_results: list[dict], layout: str) ->
     [("tp2", n) for n in [*LORA_CASES, "qwen3_lora_embedding", "qwen3_lora_from_adapter"]]
     + [("2d", n) for n in LORA_CASES],
 )
-def test_only_adapters_train(tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str) -> None:
+@pytest.mark.scenarios("{layout}", "{name}")
+def test_only_adapters_train(layout_results: list[dict], layout: str, name: str) -> None:
     """Frozen base weights get no gradient and no optimizer state; the optimizer holds the adapters only."""
-    result = _result(_results(tp2_results, two_d_results, layout), name)
+    result = _result(layout_results, name)
     assert result["frozen_with_grad"] == 0
     assert result["optimizer_states"] == result["trainable"] > 0
     peft_model = CASES[name].build()
@@ -39,14 +36,13 @@ def test_only_adapters_train(tp2_results: list[dict], two_d_results: list[dict],
 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])
 @pytest.mark.parametrize("name", LORA_CASES)
-def test_saved_adapter_reloads_on_one_process(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str
-) -> None:
+@pytest.mark.scenarios("{layout}", "{name}")
+def test_saved_adapter_reloads_on_one_process(layout_results: list[dict], layout: str, name: str) -> None:
     """`save_pretrained` on every rank wrote one standard adapter directory with whole tensors; PEFT loads it on one
     process and gives the sharded model's logits."""
     from peft import PeftModel
 
-    result = _result(_results(tp2_results, two_d_results, layout), name)
+    result = _result(layout_results, name)
     directory = Path(result["adapter"]["dir"])
     assert json.loads((directory / "adapter_config.json").read_text())["r"] == 4
     tensors = load_file(directory / "adapter_model.safetensors")
@@ -58,57 +54,54 @@ def test_saved_adapter_reloads_on_one_process(
     assert o_proj_a.shape == (4, config.num_attention_heads * 16)
     assert not list(directory.parent.glob(f".{directory.name}.*"))  # no temporary directory left behind
     model = PeftModel.from_pretrained(build_causal_lm(config), directory).eval()
-    from tests.distributed.worker import PROBE
-
     with torch.no_grad():
         logits = model(input_ids=PROBE).logits
     torch.testing.assert_close(result["adapter"]["logits"], logits, atol=1e-5, rtol=0)
 
 
-def test_meta_model_with_new_lora_starts_from_the_base_model(
-    tp2_results: list[dict], two_d_results: list[dict]
-) -> None:
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+@pytest.mark.scenarios("{layout}", "qwen3_meta_lora")
+def test_meta_model_with_new_lora_starts_from_the_base_model(layout_results: list[dict], layout: str) -> None:
     """lightning_tp.from_pretrained + get_peft_model: the base is loaded from its files, the adapters initialised the
     PEFT way (B = 0, A random), each sharded lora_A the slice of the matrix one process draws from the same seed (not
     the same rows on every rank), so the first loss is the base model's."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.models import ParityModule
+
     reference = CASES["qwen3_meta_lora"].reference_build().state_dict()
-    for results in (tp2_results, two_d_results):
-        result = _result(results, "qwen3_meta_lora")
-        initial = result["initial_state"]
-        b = [v for k, v in initial.items() if "lora_B" in k]
-        a = {k: v for k, v in initial.items() if "lora_A" in k}
-        assert b and all(torch.count_nonzero(t) == 0 for t in b)
-        assert a and all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in a.values())
-        for key, value in a.items():
-            torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
-            assert not torch.equal(*value.chunk(2, dim=1)), key  # o_proj/down_proj's lora_A is sharded on dim 1
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_pretrained(_checkpoint("qwen3"), dtype=torch.float32)
-        for key, value in base.state_dict().items():
-            peft_key = f"base_model.model.{key}".replace(".weight", ".base_layer.weight")
-            got = initial.get(peft_key, initial.get(f"base_model.model.{key}"))
-            assert got is not None, key
-            torch.testing.assert_close(got, value, rtol=0, atol=0)
-        from tests.helpers.models import ParityModule
-
-        ref = reference_run(ParityModule(partial(copy.deepcopy, base)), lm_batches(1))
-        assert abs(result["losses"][0] - ref["losses"][0]) < 1e-5
+    result = _result(layout_results, "qwen3_meta_lora")
+    initial = result["initial_state"]
+    # Every adapter of the one-process build, and no other: B all zeros, A finite and not zero.
+    for part in ("lora_A", "lora_B"):
+        expected = sorted(k for k in reference if part in k)
+        assert expected and sorted(k for k in initial if part in k) == expected, part
+    assert all(torch.count_nonzero(v) == 0 for k, v in initial.items() if "lora_B" in k)
+    a = {k: v for k, v in initial.items() if "lora_A" in k}
+    assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in a.values())
+    for key, value in a.items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+        assert not torch.equal(*value.chunk(2, dim=1)), key  # o_proj/down_proj's lora_A is sharded on dim 1
+    base = AutoModelForCausalLM.from_pretrained(_checkpoint("qwen3"), dtype=torch.float32)
+    for key, value in base.state_dict().items():
+        peft_key = f"base_model.model.{key}".replace(".weight", ".base_layer.weight")
+        got = initial.get(peft_key, initial.get(f"base_model.model.{key}"))
+        assert got is not None, key
+        torch.testing.assert_close(got, value, rtol=0, atol=0)
+    ref = reference_run(ParityModule(partial(copy.deepcopy, base)), lm_batches(1))
+    assert abs(result["losses"][0] - ref["losses"][0]) < 1e-5
 
 
 @pytest.mark.parametrize(
     ("layout", "name"), [("tp2", "llama_rslora"), ("2d", "llama_rslora"), ("tp2", "qwen3_lora_embedding")]
 )
-def test_merged_model_is_a_standard_transformers_directory(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str
-) -> None:
+@pytest.mark.scenarios("{layout}", "{name}")
+def test_merged_model_is_a_standard_transformers_directory(layout_results: list[dict], layout: str, name: str) -> None:
     """lightning_tp.save_merged on every rank: one directory that AutoModelForCausalLM loads on one process, giving
     the sharded LoRA model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from tests.distributed.worker import PROBE
-
-    result = _result(_results(tp2_results, two_d_results, layout), name)
+    result = _result(layout_results, name)
     model = AutoModelForCausalLM.from_pretrained(result["adapter"]["merged"], dtype=torch.float32).eval()
     assert not any("lora" in name for name in model.state_dict())
     with torch.no_grad():
@@ -116,6 +109,7 @@ def test_merged_model_is_a_standard_transformers_directory(
     torch.testing.assert_close(result["adapter"]["logits"], logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.scenarios("tp2", "save_failure")
 def test_a_failed_save_raises_on_every_rank(tp2_results: list[dict]) -> None:
     """Rank 0 cannot write the adapter: each rank raises the same error instead of waiting for rank 0."""
     for results in tp2_results:

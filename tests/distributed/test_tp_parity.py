@@ -7,8 +7,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.distributed.conftest import BF16_CASES, FSDP_ONLY_CASES, TP_PARITY_CASES, TWO_D_CASES
-from tests.helpers.cases import CASES, ERROR_CASES
+from tests.helpers.cases import BF16_CASES, CASES, ERROR_CASES, FSDP_ONLY_CASES, TP_PARITY_CASES, TWO_D_CASES
 from tests.helpers.models import (
     ParityModule,
     build_causal_lm,
@@ -17,15 +16,10 @@ from tests.helpers.models import (
     reference_run,
     tiny_config,
 )
+from tests.helpers.selection import scenario_result as _result
 
 SGD_TOL = 1e-5  # fp32, the issue's bound for 5 SGD steps
 ADAMW_TOL = 1e-4  # AdamW divides by sqrt(v): tiny gradient differences grow a little
-
-
-def _result(results: list[dict], name: str) -> dict:
-    result = results[0][name]
-    assert "crash" not in result, result.get("crash")
-    return result
 
 
 def _reference(name: str) -> dict:
@@ -46,12 +40,18 @@ def _assert_parity(result: dict, ref: dict, name: str) -> None:
         torch.testing.assert_close(result["state"][key], value, atol=tol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
     # Every parameter is a DTensor: what lets foreach/fused optimizers and clipping run.
     assert result["all_dtensor"]
-    # Tied embeddings stay one parameter through sharding (and meta-device materialisation).
-    assert result["tied"] in (None, True)
-    assert result["grad_layouts_match"] is not False
+    # Tied embeddings stay one parameter through sharding (and meta-device materialisation), untied ones two: as the
+    # same model on one process.
+    assert result["tied"] is ref["tied"]
+    # At every optimizer step each sharded gradient is laid out as its parameter (same mesh, same placements), and
+    # there were sharded gradients to check.
+    layouts = result["grad_layouts"]
+    assert len(layouts) == len(ref["grad_norms"]), layouts
+    assert all(step["checked"] > 0 and step["mismatched"] == [] for step in layouts), layouts
 
 
 @pytest.mark.parametrize("name", TP_PARITY_CASES)
+@pytest.mark.scenarios("tp2", "{name}")
 def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     result = _result(tp2_results, name)
     _assert_parity(result, _reference(name), name)
@@ -64,6 +64,7 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     "name",
     [name for name in TWO_D_CASES if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES],
 )
+@pytest.mark.scenarios("2d", "{name}")
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """dp_shard 2 x tp 2: each data-parallel rank trains on half of the global batch."""
     _assert_parity(_result(two_d_results, name), _reference(name), name)
@@ -72,17 +73,17 @@ def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None
 
 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])
-def test_plain_module_under_fsdp_alone_matches_single_process(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str
-) -> None:
+@pytest.mark.scenarios("{layout}", *FSDP_ONLY_CASES)
+def test_plain_module_under_fsdp_alone_matches_single_process(layout_results: list[dict], layout: str) -> None:
     """tp_size=1: FSDP2 over every rank. training_step calls `self.model(x)`, which gathers its own parameters."""
-    results = tp2_results if layout == "tp2" else two_d_results
+    results = layout_results
     for name in FSDP_ONLY_CASES:
         _assert_parity(_result(results, name), _reference(name), name)
         samplers = [r[name]["sampler"] for r in results]
         assert samplers == [{"num_replicas": len(results), "rank": rank} for rank in range(len(results))]
 
 
+@pytest.mark.scenarios("2d", "plain_twice_with_head", "mlp_custom_plan", "plain_direct_call")
 def test_plain_module_children_are_fsdp_units(two_d_results: list[dict]) -> None:
     """Each child of the LightningModule holding parameters is its own FSDP2 unit (the block run twice per forward
     is one more, by `fsdp_blocks`): the model, its block, and the head."""
@@ -92,17 +93,17 @@ def test_plain_module_children_are_fsdp_units(two_d_results: list[dict]) -> None
 
 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])
-def test_ranks_seeded_apart_train_rank_zeros_model(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str
-) -> None:
+@pytest.mark.scenarios("{layout}", "llama_rank_seeded", "qwen3_sgd")
+def test_ranks_seeded_apart_train_rank_zeros_model(layout_results: list[dict], layout: str) -> None:
     """Each rank built its model from seed + rank: rank 0's values are taken (and said so), so the run equals one
     process built with rank 0's seed (parity in `test_*_matches_single_process`)."""
-    results = tp2_results if layout == "tp2" else two_d_results
+    results = layout_results
     infos = _result(results, "llama_rank_seeded")["infos"]
     assert any("were set to rank 0's values" in line and "16 tensor(s)" in line for line in infos), infos
     assert not any("rank 0's values" in line for line in _result(results, "qwen3_sgd")["infos"])
 
 
+@pytest.mark.scenarios("2d", "sp_odd_on_one_group")
 def test_sequence_parallel_odd_length_on_one_data_parallel_group_raises_on_every_rank(
     two_d_results: list[dict],
 ) -> None:
@@ -117,6 +118,7 @@ def test_sequence_parallel_odd_length_on_one_data_parallel_group_raises_on_every
     assert len({e["message"] for e in errors}) == 1
 
 
+@pytest.mark.scenarios("2d", "llama_accumulate", "qwen3_sgd")
 def test_2d_accumulation_reduces_once_per_optimizer_step(two_d_results: list[dict]) -> None:
     """6 micro-batches, 3 optimizer steps: FSDP2 reduce-scatters each group's gradients 3 times, not 6."""
     result = _result(two_d_results, "llama_accumulate")
@@ -126,6 +128,7 @@ def test_2d_accumulation_reduces_once_per_optimizer_step(two_d_results: list[dic
     assert plain["reduce_scatters"] == plain["optimizer_steps"] * plain["fsdp_groups"]
 
 
+@pytest.mark.scenarios("2d", "qwen3_hsdp")
 def test_hsdp_replicates_instead_of_scattering(two_d_results: list[dict]) -> None:
     """dp_replicate 2 x dp_shard 1 x tp 2: gradients are all-reduced across the replicas, never reduce-scattered."""
     assert _result(two_d_results, "qwen3_hsdp")["reduce_scatters"] == 0
@@ -172,21 +175,22 @@ def _check_features(results: list[dict], dp_size: int) -> None:
         assert sums[0] != sums[tp]
 
 
+@pytest.mark.scenarios("tp2", "features")
 def test_validate_predict_generate_logging_tp2(tp2_results: list[dict]) -> None:
     _check_features(tp2_results, dp_size=1)
 
 
+@pytest.mark.scenarios("2d", "features")
 def test_validate_predict_generate_logging_2d(two_d_results: list[dict]) -> None:
     _check_features(two_d_results, dp_size=2)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_precisions_match_a_bf16_single_process(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str, precision: str
-) -> None:
+@pytest.mark.scenarios("{layout}", "features")
+def test_bf16_precisions_match_a_bf16_single_process(layout_results: list[dict], layout: str, precision: str) -> None:
     """bf16-mixed autocasts over fp32 weights on every layout (FSDP2 gathers fp32 parameters, reduces in fp32)."""
-    result = _result(tp2_results if layout == "tp2" else two_d_results, "features")[precision]
+    result = _result(layout_results, "features")[precision]
     ref = reference_run(
         ParityModule(partial(build_causal_lm, tiny_config("qwen3"))), lm_batches(2), precision=precision
     )
@@ -196,6 +200,7 @@ def test_bf16_precisions_match_a_bf16_single_process(
     assert result["dtype"] == ("torch.bfloat16" if precision == "bf16-true" else "torch.float32")
 
 
+@pytest.mark.scenarios("2d", "qwen3_bf16_mixed", "qwen3_bf16_all_gather")
 def test_2d_bf16_mixed_has_the_numerics_of_one_device_bf16_mixed(two_d_results: list[dict]) -> None:
     """``bf16-mixed`` in 2-D is autocast over fp32 weights, as on one device: the first step (same weights, same
     batch) gives one device's bf16-mixed gradient norm to 1e-4 (measured 1.0e-5; FSDP2 casting the weights to bf16, as
@@ -219,6 +224,7 @@ def test_2d_bf16_mixed_has_the_numerics_of_one_device_bf16_mixed(two_d_results: 
     torch.testing.assert_close(torch.tensor(bf16_gathers["losses"]), ref_losses, atol=2e-3, rtol=0)
 
 
+@pytest.mark.scenarios("tp2", "tied_replicated")
 def test_tied_weights_left_whole_stay_one_parameter(tp2_results: list[dict]) -> None:
     result = _result(tp2_results, "tied_replicated")
     assert result["tied"] is True
@@ -226,6 +232,7 @@ def test_tied_weights_left_whole_stay_one_parameter(tp2_results: list[dict]) -> 
 
 
 @pytest.mark.parametrize("name", list(ERROR_CASES))
+@pytest.mark.scenarios("tp2", "error:{name}")
 def test_bad_configuration_raises_on_every_rank(tp2_results: list[dict], name: str) -> None:
     """Each rank raises the same clear error before any collective; the worker's barrier after the case proves that
     no rank was left waiting."""
@@ -238,8 +245,9 @@ def test_bad_configuration_raises_on_every_rank(tp2_results: list[dict], name: s
 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])
 @pytest.mark.parametrize("kind", ["qwen3", "tied"])
+@pytest.mark.scenarios("{layout}", "{kind}_meta_load")
 def test_meta_loading_gives_the_plain_weights_and_rotary_buffers(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str, kind: str
+    layout_results: list[dict], layout: str, kind: str
 ) -> None:
     """Built on meta, sharded, then each rank read its slices: exactly the weights of a plain single-process load,
     and the rotary inv_freq that to_empty had left as garbage."""
@@ -247,8 +255,7 @@ def test_meta_loading_gives_the_plain_weights_and_rotary_buffers(
 
     from tests.helpers.cases import _checkpoint
 
-    results = tp2_results if layout == "tp2" else two_d_results
-    initial = _result(results, f"{kind}_meta_load")["initial_state"]
+    initial = _result(layout_results, f"{kind}_meta_load")["initial_state"]
     plain = AutoModelForCausalLM.from_pretrained(_checkpoint(kind), dtype=torch.float32)
     expected = {**plain.state_dict(), **{f"buffer:{k}": v for k, v in plain.named_buffers()}}
     assert initial.keys() == expected.keys()
@@ -268,15 +275,15 @@ def _halves_repeat(weight: torch.Tensor) -> bool:
     [("tp2", "qwen3_meta_init"), ("tp2", "tied_meta_init"), ("tp2", "qwen3_moe_meta_init")]
     + [("2d", "qwen3_meta_init"), ("2d", "tied_meta_init")],
 )
+@pytest.mark.scenarios("{layout}", "{name}")
 def test_meta_model_without_checkpoint_is_initialised_after_sharding(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str, name: str
+    layout_results: list[dict], layout: str, name: str
 ) -> None:
     """Built on the meta device, sharded, then initialised: each shard is the slice of the whole tensor that
     Transformers' initialisation draws on one process from the same seed (no two ranks with the same rows), norms at
     one, the rotary tables computed (not the garbage `to_empty` leaves). The training that follows is compared with
     that process by the parity tests."""
-    result = _result(tp2_results if layout == "tp2" else two_d_results, name)
-    initial = result["initial_state"]
+    initial = _result(layout_results, name)["initial_state"]
     reference = CASES[name].reference_build()
     plain = build_causal_lm(tiny_config(name.removesuffix("_meta_init")))
     for key, buffer in plain.named_buffers():
@@ -292,6 +299,7 @@ def test_meta_model_without_checkpoint_is_initialised_after_sharding(
             assert 0.015 < got.std().item() < 0.025, (key, got.std())  # initializer_range 0.02
 
 
+@pytest.mark.scenarios("tp2", "mlp_meta_init")
 def test_meta_plain_module_is_initialised_like_one_process(tp2_results: list[dict]) -> None:
     """A plain module built on meta and given a plan: each layer's ``reset_parameters`` draws its whole weight and
     each rank keeps its slice, so the sharded module starts as ``MLP()`` built normally from the same seed."""
@@ -305,11 +313,12 @@ def test_meta_plain_module_is_initialised_like_one_process(tp2_results: list[dic
 
 
 @pytest.mark.parametrize(("layout", "dp_size"), [("tp2", 1), ("2d", 2)])
+@pytest.mark.scenarios("{layout}", "features")
 def test_throughput_monitor_sums_over_data_parallel_ranks_only(
-    tp2_results: list[dict], two_d_results: list[dict], layout: str, dp_size: int
+    layout_results: list[dict], layout: str, dp_size: int
 ) -> None:
     """On by default: tokens/s of each replica (a TP group) summed over the data-parallel ranks, never over TP."""
-    results = tp2_results if layout == "tp2" else two_d_results
+    results = layout_results
     tp = len(results) // dp_size
     figures = [r["features"]["throughput"] for r in results]
     for f in figures:
@@ -322,6 +331,7 @@ def test_throughput_monitor_sums_over_data_parallel_ranks_only(
         assert f["tokens_per_sec_per_device"] == pytest.approx(f["tokens_per_sec"] / len(results), rel=1e-6)
 
 
+@pytest.mark.scenarios("tp2", "collectives")
 def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
     """One forward and backward of the 2-layer Qwen3, counted with CommDebugMode. Functional collectives
     (``all_reduce``, ...) come from the TP layers, ``allreduce_`` from the gradient sums of replicated norms."""
@@ -348,6 +358,7 @@ def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
     assert counts["sp_lp"] == {**lp, "allreduce_": layers * 2 + layers * 2 + 1 + 2}
 
 
+@pytest.mark.scenarios("tp2", "collectives")
 def test_generate_under_sequence_and_loss_parallelism(tp2_results: list[dict]) -> None:
     """Decoding steps have length 1, which tp_size does not divide: outside training they run unsplit."""
     for rank in tp2_results:
@@ -359,6 +370,7 @@ def test_generate_under_sequence_and_loss_parallelism(tp2_results: list[dict]) -
             assert rank["collectives"][name] is not None and rank["collectives"][name] < 1e-5, name
 
 
+@pytest.mark.scenarios("tp2", "collectives")
 def test_sequence_length_not_divisible_names_both(tp2_results: list[dict]) -> None:
     for rank in tp2_results:
         error = rank["collectives"]["odd_length"]
@@ -366,8 +378,23 @@ def test_sequence_length_not_divisible_names_both(tp2_results: list[dict]) -> No
         assert "tp_size=2" in error["message"]
 
 
+@pytest.mark.scenarios("tp2", "loss_parallel_checks")
 def test_vocab_parallel_cross_entropy_matches_torch(tp2_results: list[dict]) -> None:
     """Forward and backward against F.cross_entropy on the full logits: even and uneven vocabularies, ignored
-    labels, every reduction, fp32 and bf16 (see tests/distributed/loss_parallel_checks.py)."""
-    lines = _result(tp2_results, "loss_parallel_checks")["lines"]
-    assert any("vocab=11" in line for line in lines) and any("collectives" in line for line in lines)
+    labels, every reduction, fp32 and bf16; a tiny Qwen3 with a vocabulary-sharded lm_head; two collectives (see
+    tests/distributed/loss_parallel_checks.py). Every check ran, on both ranks, within its bound."""
+    from tests.distributed.loss_parallel_checks import CHECKS, CROSS_ENTROPY_CASES
+
+    for rank in range(len(tp2_results)):
+        records = {r["check"]: r for r in _result(tp2_results, "loss_parallel_checks", rank=rank)["checks"]}
+        assert list(records) == list(CHECKS), sorted(set(CHECKS) ^ set(records))
+        assert len([name for name in records if name.startswith("cross_entropy ")]) == len(CROSS_ENTROPY_CASES) == 17
+        for name, record in records.items():
+            for measure in ("loss", "grad"):
+                if f"{measure}_diff" in record:
+                    assert record[f"{measure}_diff"] <= record[f"{measure}_tol"], (name, record)
+        assert records["all_ignored"]["loss_is_nan"] is True
+        assert records["second_backward"]["raised"] == "RuntimeError"
+        assert records["causal_lm_loss"]["variants"] == 3
+        assert records["qwen3"]["generate_equal"] is True and records["qwen3"]["logits_diff"] <= 1e-6
+        assert records["collectives"]["total"] == 2

@@ -1,6 +1,11 @@
-"""Runs under torchrun: trains each named parity case with TensorParallelStrategy and writes what rank 0 saw.
+"""Runs under torchrun: runs each named scenario (a parity case trained with TensorParallelStrategy, an error case, a
+feature check) and writes what each rank saw to OUT_DIR/rank{R}.pt.
 
-Usage: worker.py OUT_DIR [--layout tp|2d] CASE [CASE ...]
+Usage: worker.py OUT_DIR [--tp-size N] SCENARIO [SCENARIO ...]
+
+Scenarios live in :data:`SCENARIOS`: every parity case of ``tests.helpers.cases.CASES`` under its own name, every error
+case of ``ERROR_CASES`` as ``error:<name>``, and the functions registered below with ``@SCENARIOS.register``. An
+unknown name fails the launch at once, on every rank, before anything runs.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import argparse
 import logging
 import os
 import traceback
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -22,8 +28,19 @@ from torch.utils.data import DataLoader
 import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
-from tests.helpers.models import ParityModule, lm_batches, quiet_trainer
+from tests.helpers.models import PROBE, ParityModule, lm_batches, quiet_trainer, tied_embeddings
+from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import worker_setup
+
+SCENARIOS = Scenarios("tests/distributed/worker.py")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every scenario gets: the strategy's layout arguments, and a directory for what it writes."""
+
+    layout: dict
+    out: Path
 
 
 def trainer(strategy: TensorParallelStrategy, **kwargs) -> L.Trainer:
@@ -35,9 +52,6 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
         for k, v in model.state_dict().items()
     }
-
-
-PROBE = torch.arange(12).reshape(2, 6) % 90  # a fixed batch for logits
 
 
 class ReduceScatterCounter:
@@ -68,7 +82,9 @@ class ReduceScatterCounter:
         dist.all_gather_single = self._all_gather
 
 
-def run_case(name: str, layout: dict, out: Path) -> dict:
+def run_case(ctx: Context, name: str) -> dict:
+    """A parity case: trained sharded; the test trains it on one process and compares."""
+    layout, out = ctx.layout, ctx.out
     case = CASES[name]
     module = case.module()
     batches = case.batches()
@@ -118,25 +134,29 @@ def run_case(name: str, layout: dict, out: Path) -> dict:
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "fsdp_units": sorted(name for name, m in module.named_modules() if isinstance(m, FSDPModule)),
         "infos": infos,
-        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        if hasattr(model, "get_output_embeddings") and getattr(model.config, "tie_word_embeddings", False)
-        else None,
+        "tied": tied_embeddings(model),
         "losses": module.losses,
         "grad_norms": module.grad_norms,
         "state": full_state(module.model),
         "sampler": strategy.distributed_sampler_kwargs,
         "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
         "num_params": len(list(module.parameters())),
-        "grad_layouts_match": getattr(module, "grad_layouts_match", None),
+        "grad_layouts": module.grad_layouts,
         "trainable": sum(p.requires_grad for p in module.parameters()),
         "optimizer_states": len(t.optimizers[0].state),
         "frozen_with_grad": sum(p.grad is not None for p in module.parameters() if not p.requires_grad),
     }
 
 
-def run_features(layout: dict) -> dict:
+for _name in CASES:
+    SCENARIOS.add(_name, partial(run_case, name=_name))
+
+
+@SCENARIOS.register("features")
+def run_features(ctx: Context) -> dict:
     """Validation with generate, predict, logging and metrics on an untrained model, then the same after fit (the
     second `setup` meets a model sharded already), then bf16 precisions."""
+    layout = ctx.layout
     from tests.helpers.models import FeatureModule, build_causal_lm, lm_batches, tiny_config
 
     batches = lm_batches(2)
@@ -176,7 +196,8 @@ def run_features(layout: dict) -> dict:
     return out
 
 
-def run_save_failure() -> dict:
+@SCENARIOS.register("save_failure")
+def run_save_failure(ctx: Context) -> dict:
     """Saving into a path rank 0 cannot write: every rank raises, none waits in a barrier."""
     from tests.helpers.cases import _lora
 
@@ -189,9 +210,11 @@ def run_save_failure() -> dict:
     return {"type": None, "message": "no error"}
 
 
-def run_collectives(layout: dict) -> dict:
+@SCENARIOS.register("collectives")
+def run_collectives(ctx: Context) -> dict:
     """Collectives of one training step's forward and backward (CommDebugMode), by kind, without and with
     sequence parallelism, on the 2-layer model; and the error for a sequence length tp_size does not divide."""
+    layout = ctx.layout
     from torch.distributed.tensor.debug import CommDebugMode
 
     from tests.helpers.models import build_causal_lm, tiny_config
@@ -243,9 +266,11 @@ def run_collectives(layout: dict) -> dict:
     return out
 
 
-def run_sequence_parallel_odd_on_one_group(layout: dict) -> dict:
+@SCENARIOS.register("sp_odd_on_one_group")
+def run_sequence_parallel_odd_on_one_group(ctx: Context) -> dict:
     """Sequence parallelism in 2-D where only data-parallel rank 1 gets a length tp_size does not divide: every rank
     must raise the same clear error within seconds, none may wait in FSDP2's collectives until the timeout."""
+    layout = ctx.layout
     import time
     from datetime import timedelta
 
@@ -268,8 +293,10 @@ def run_sequence_parallel_odd_on_one_group(layout: dict) -> dict:
         return {"type": type(err).__name__, "message": str(err), "seconds": time.monotonic() - start}
 
 
-def run_group_timeouts(layout: dict) -> dict:
+@SCENARIOS.register("group_timeouts")
+def run_group_timeouts(ctx: Context) -> dict:
     """The timeout of each group of a mesh built for a 7 s strategy timeout (process group already initialised)."""
+    layout = ctx.layout
     from datetime import timedelta
 
     from lightning_tp import ParallelLayout
@@ -284,7 +311,16 @@ def run_group_timeouts(layout: dict) -> dict:
     }
 
 
-def run_error(name: str) -> dict:
+@SCENARIOS.register("loss_parallel_checks")
+def run_loss_parallel(ctx: Context) -> dict:
+    """vocab_parallel_cross_entropy and a vocabulary-sharded lm_head against torch (tests/distributed/
+    loss_parallel_checks.py): one record per check."""
+    from tests.distributed.loss_parallel_checks import run_loss_parallel_checks
+
+    return {"checks": run_loss_parallel_checks()}
+
+
+def run_error(ctx: Context, name: str) -> dict:
     build, kwargs, _ = ERROR_CASES[name]
     module = ParityModule(build, **ERROR_MODULE_KWARGS.get(name, {}))
     try:
@@ -296,36 +332,24 @@ def run_error(name: str) -> dict:
     return {"type": None, "message": "no error"}
 
 
+for _name in ERROR_CASES:
+    SCENARIOS.add(f"error:{_name}", partial(run_error, name=_name))
+
+
 def main() -> None:
     worker_setup()  # a hang fails within the short timeout, with every stack
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--tp-size", type=int, default=None)
-    parser.add_argument("cases", nargs="+")
+    parser.add_argument("scenarios", nargs="+")
     args = parser.parse_args()
-    layout = {"tp_size": args.tp_size}
+    SCENARIOS.check(args.scenarios)  # an unknown name: the same ValueError on every rank, before any collective
+    ctx = Context(layout={"tp_size": args.tp_size}, out=args.out)
     rank = int(os.environ["RANK"])
     results = {}
-    for name in args.cases:
+    for name in args.scenarios:
         try:
-            if name == "features":
-                results[name] = run_features(layout)
-            elif name == "save_failure":
-                results[name] = run_save_failure()
-            elif name == "sp_odd_on_one_group":
-                results[name] = run_sequence_parallel_odd_on_one_group(layout)
-            elif name == "collectives":
-                results[name] = run_collectives(layout)
-            elif name == "loss_parallel_checks":
-                from tests.distributed.loss_parallel_checks import run_loss_parallel_checks
-
-                results[name] = {"lines": run_loss_parallel_checks()}
-            elif name == "group_timeouts":
-                results[name] = run_group_timeouts(layout)
-            elif name.startswith("error:"):
-                results[name] = run_error(name.split(":", 1)[1])
-            else:
-                results[name] = run_case(name, layout, args.out)
+            results[name] = SCENARIOS.run(name, ctx)
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
         if dist.is_initialized():

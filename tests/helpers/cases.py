@@ -394,3 +394,58 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
 
 #: ParityModule arguments of the error cases that need them.
 ERROR_MODULE_KWARGS: dict[str, dict[str, Any]] = {"direct_call_inside_unit": {"call_directly": "model.norm"}}
+
+
+# The folded launches of tests/distributed (see tests/distributed/conftest.py): which scenarios of
+# tests/distributed/worker.py each launch runs when every test is selected, in this order.
+
+TWO_D_CASES = [
+    "qwen3_sgd",
+    "tied_sgd",
+    "qwen3_adamw_foreach_clip",
+    "llama_accumulate",
+    "qwen3_activation_checkpointing",
+    "qwen3_meta_load",
+    "tied_meta_load",
+    "qwen3_hsdp",
+    "qwen3_with_head",
+    "tied_replicated",
+    "qwen3_no_reshard",
+    "qwen3_meta_init",
+    "tied_meta_init",
+    "qwen3_lora",
+    "llama_rslora",
+    "qwen3_meta_lora",
+    "qwen3_sp_lp_adamw_clip",
+    "qwen3_bf16_mixed",
+    "qwen3_bf16_all_gather",
+    "features",
+    # Plain modules (not Transformers) under TP x FSDP2, FSDP2 alone (tp_size=1 on 4 ranks), ranks seeded apart.
+    "mlp_custom_plan",
+    "plain_twice_with_head",
+    "plain_direct_call",
+    "mlp_fsdp_only",
+    "llama_rank_seeded",
+    "sp_odd_on_one_group",
+]
+#: Cases that only make sense with data parallelism.
+DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
+#: bf16 cases, compared with a bf16 single process (not at fp32's tolerance).
+BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
+#: Cases with tp_size=1 (FSDP2 alone over every rank): run in both launches, checked on their own.
+FSDP_ONLY_CASES = {"mlp_fsdp_only"}
+TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES]
+TP_CASES = [
+    *TP_PARITY_CASES,
+    *FSDP_ONLY_CASES,
+    "features",
+    "save_failure",
+    "collectives",
+    "loss_parallel_checks",
+    *(f"error:{name}" for name in ERROR_CASES),
+]
+#: Launch name -> (its fixture in tests/distributed/conftest.py, every scenario it runs in a full run).
+LAUNCHES: dict[str, tuple[str, list[str]]] = {
+    "tp2": ("tp2_results", TP_CASES),
+    "2d": ("two_d_results", [*TWO_D_CASES, "group_timeouts"]),
+}

@@ -15,6 +15,8 @@ from lightning_tp import grad_norm
 
 VOCAB = 96
 SEQ = 16
+#: A fixed batch of token ids for comparing logits (a sharded model against a reload on one process).
+PROBE = torch.arange(12).reshape(2, 6) % 90
 
 
 def tiny_config(kind: str, **overrides: Any):
@@ -57,6 +59,13 @@ def tiny_config(kind: str, **overrides: Any):
         setattr(cfg, key, value)
     cfg._attn_implementation = "eager" if kind == "granite_swa" else "sdpa"  # sinks need eager attention
     return cfg
+
+
+def tied_embeddings(model: nn.Module) -> bool | None:
+    """Whether the output embedding is the input embedding (one parameter); None for a model without embeddings."""
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        return None
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
@@ -167,6 +176,9 @@ class ParityModule(L.LightningModule):
         self.opt_kwargs = opt_kwargs
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        #: Per optimizer step, the parameters whose gradient is not laid out as the parameter, and how many were
+        #: checked (sharded parameters with a gradient).
+        self.grad_layouts: list[dict[str, Any]] = []
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -205,10 +217,17 @@ class ParityModule(L.LightningModule):
         from torch.distributed.tensor import DTensor
 
         # Each gradient is laid out as its parameter (a replicated gradient of a sharded weight wastes memory).
-        self.grad_layouts_match = all(
-            p.grad.placements == p.placements
-            for p in self.parameters()
-            if isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+        checked = [(n, p) for n, p in self.named_parameters() if isinstance(p, DTensor) and p.grad is not None]
+        self.grad_layouts.append(
+            {
+                "checked": len(checked),
+                "mismatched": [
+                    n
+                    for n, p in checked
+                    if not isinstance(p.grad, DTensor)
+                    or (p.grad.device_mesh, p.grad.placements) != (p.device_mesh, p.placements)
+                ],
+            }
         )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -249,7 +268,12 @@ def reference_run(
         optimizer.step()
         optimizer.zero_grad()
     state = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
-    return {"losses": module.losses, "grad_norms": module.grad_norms, "state": state}
+    return {
+        "losses": module.losses,
+        "grad_norms": module.grad_norms,
+        "state": state,
+        "tied": tied_embeddings(module.model),
+    }
 
 
 class FeatureModule(ParityModule):
