@@ -1,11 +1,13 @@
-"""Runs under torchrun: trains, saves, kills and resumes the checkpoint cases; writes what each rank saw.
+"""Runs under torchrun: trains, saves, kills and resumes the checkpoint cases; writes what each rank saw to
+OUT_DIR/{LABEL}_rank{R}.pt (one dict: what every scenario returned, merged).
 
-Usage: checkpoint_worker.py OUT_DIR PHASE [--from CHECKPOINT] [--truncated CHECKPOINT]
+Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncated CHECKPOINT] SCENARIO [...]
 
-Phases: ``tp2`` (2 processes: exact resume, full-file checkpoints, 1 -> TP 2, LoRA, in-run save_pretrained, file://
-URLs),
-``crash`` (2 processes: a save killed midway; the launch fails on purpose), ``one`` (1 process: TP 2 -> 1) and ``2d``
-(4 processes: TP 2 -> 2-D, and a truncated checkpoint).
+Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, file://
+URLs), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
+``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out) and ``tied`` (tied saves); ``crash`` (2 processes: a
+save killed midway; the launch fails on purpose); ``one`` (1 process: TP 2 -> 1); ``2d`` (4 processes: TP 2 -> 2-D,
+and a truncated checkpoint).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,18 @@ from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CHECKPOINT_ENV
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import worker_setup
+
+SCENARIOS = Scenarios("tests/distributed/checkpoint_worker.py")
+
+
+@dataclass(frozen=True)
+class Context:
+    out: Path
+    #: The checkpoint to resume from (``--from``), and a truncated copy of one (``--truncated``).
+    source: Path | None
+    truncated: Path | None
 
 
 def fit(
@@ -47,17 +61,24 @@ def resumed_losses(path: Path | str, **kwargs: Any) -> dict[int, float]:
     return module.losses
 
 
-def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    # Exact resume mid-epoch with dropout (the random states and the data position matter).
-    # The same run also saves at a file:// URL, through fsspec and the commit marker as an object store would, twice
-    # (the second save replaces the first).
+@SCENARIOS.register("dropout")
+def dropout(ctx: Context) -> dict[str, Any]:
+    """Exact resume mid-epoch with dropout (the random states and the data position matter). The same run also saves
+    at a file:// URL, through fsspec and the commit marker as an object store would, twice (the second save replaces
+    the first)."""
+    out, results = ctx.out, {}
     module = ResumeModule(dropout=0.1)
     url = (out / "url_mid").as_uri()
     fit(module, callbacks=[SaveAt(steps={6: out / "dropout_mid"}), SaveAt(steps={4: url, 6: url})])
     results["dropout"] = {"reference": module.losses, "mid": resumed_losses(out / "dropout_mid", dropout=0.1)}
     results["url"] = resumed_losses(url, dropout=0.1)
-    # A single-file checkpoint, then the final sharded one with the model's logits, for export.
+    return results
+
+
+@SCENARIOS.register("full")
+def full(ctx: Context) -> dict[str, Any]:
+    """A single-file checkpoint (mid-run, at a URL, and at the end, with the model's logits for export)."""
+    out, results = ctx.out, {}
     module = ResumeModule()
     url = (out / "url_full.ckpt").as_uri()
     callbacks = [SaveAt(steps={5: out / "full_mid.ckpt"}), SaveAt(steps={5: url})]
@@ -69,6 +90,14 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     }
     trainer.save_checkpoint(out / "final_full.ckpt")
     results["final_full_logits"] = probe_logits(module.model)
+    return results
+
+
+@SCENARIOS.register("final")
+def final(ctx: Context) -> dict[str, Any]:
+    """The final sharded checkpoint (also at a URL) with the model's logits, for export; a save into a run directory;
+    save_pretrained of the sharded model."""
+    out, results = ctx.out, {}
     module = ResumeModule()
     trainer = fit(module)
     trainer.save_checkpoint(out / "final")
@@ -76,9 +105,20 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     trainer.save_checkpoint((out / "url_final").as_uri())  # for export from a URL
     module.model.save_pretrained(out / "pretrained")  # on every rank of the sharded model
     results["final_logits"] = probe_logits(module.model)
-    # One process -> TP 2: a checkpoint a plain single-device Trainer wrote.
-    results["from_single"] = resumed_losses(single_checkpoint, stateful_data=False)
-    # LoRA, frozen base weights left out of the checkpoints: exact resume, and logits for export.
+    return results
+
+
+@SCENARIOS.register("from_single")
+def from_single(ctx: Context) -> dict[str, Any]:
+    """One process -> TP 2: a checkpoint a plain single-device Trainer wrote (``--from``)."""
+    assert ctx.source is not None, "from_single needs --from"
+    return {"from_single": resumed_losses(ctx.source, stateful_data=False)}
+
+
+@SCENARIOS.register("lora")
+def lora(ctx: Context) -> dict[str, Any]:
+    """LoRA, frozen base weights left out of the checkpoints: exact resume, and logits for export."""
+    out, results = ctx.out, {}
     module = ResumeModule(lora=True)
     trainer = fit(module, save_frozen_weights=False, callbacks=[SaveAt(steps={6: out / "lora_mid"})])
     results["lora"] = {
@@ -87,8 +127,13 @@ def phase_tp2(out: Path, single_checkpoint: Path) -> dict[str, Any]:
     }
     trainer.save_checkpoint(out / "lora_final")
     results["lora_logits"] = probe_logits(module.model)
-    save_tied(out)
     return results
+
+
+@SCENARIOS.register("tied")
+def tied_saves(ctx: Context) -> dict[str, Any]:
+    save_tied(ctx.out)
+    return {}
 
 
 def save_into_run_dir(trainer: L.Trainer, run_dir: Path) -> str | None:
@@ -164,20 +209,26 @@ class KillDuringSave(L.Callback):
             FileSystemWriter.write_data = write_then_die
 
 
-def phase_crash(out: Path) -> dict[str, Any]:
+@SCENARIOS.register("crash")
+def crash(ctx: Context) -> dict[str, Any]:
     module = ResumeModule(stateful_data=False)
+    out = ctx.out
     fit(module, callbacks=[SaveAt(steps={6: out / "last"}, epochs={0: out / "last"}), KillDuringSave()])
     raise AssertionError("the run was meant to be killed during its second save")
 
 
-def phase_one(checkpoint: Path) -> dict[str, Any]:
-    return {"resumed": resumed_losses(checkpoint, stateful_data=False)}
+@SCENARIOS.register("one")
+def one(ctx: Context) -> dict[str, Any]:
+    """TP 2 -> 1 process."""
+    return {"resumed": resumed_losses(ctx.source, stateful_data=False)}
 
 
-def phase_2d(checkpoint: Path, truncated: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {"resumed": resumed_losses(checkpoint, tp_size=2, stateful_data=False)}
+@SCENARIOS.register("2d")
+def two_d(ctx: Context) -> dict[str, Any]:
+    """TP 2 -> 2-D, and a truncated checkpoint that must fail on every rank."""
+    results: dict[str, Any] = {"resumed": resumed_losses(ctx.source, tp_size=2, stateful_data=False)}
     try:
-        resumed_losses(truncated, tp_size=2, stateful_data=False)
+        resumed_losses(ctx.truncated, tp_size=2, stateful_data=False)
         results["truncated"] = {"type": None}
     except Exception as err:  # every rank must raise it, none hang
         results["truncated"] = {"type": type(err).__name__, "message": str(err)}
@@ -189,24 +240,22 @@ def main() -> None:
     worker_setup()  # a hang fails within the short timeout, with every stack
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("phase", choices=["tp2", "crash", "one", "2d"])
+    parser.add_argument("scenarios", nargs="+")
+    parser.add_argument("--label", required=True, help="the results file: OUT/{label}_rank{R}.pt")
     parser.add_argument("--from", dest="source", type=Path)
     parser.add_argument("--truncated", type=Path)
     args = parser.parse_args()
+    SCENARIOS.check(args.scenarios)  # an unknown name: the same ValueError on every rank, before anything runs
     args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(out=args.out, source=args.source, truncated=args.truncated)
     rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
     try:
-        if args.phase == "tp2":
-            results = phase_tp2(args.out, args.source)
-        elif args.phase == "crash":
-            results = phase_crash(args.out)
-        elif args.phase == "one":
-            results = phase_one(args.source)
-        else:
-            results = phase_2d(args.source, args.truncated)
-    except Exception:
+        for name in args.scenarios:
+            results.update(SCENARIOS.run(name, ctx))
+    except Exception:  # recorded and shown by the test (the ranks may be out of step: nothing else runs)
         results = {"crash": traceback.format_exc()}
-    torch.save(results, args.out / f"{args.phase}_rank{rank}.pt")
+    torch.save(results, args.out / f"{args.label}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 (1 -> TP 2, TP 2 -> 1, TP 2 -> 2-D), a save killed midway, a truncated checkpoint, and export round trips.
 
 Four launches in all: TP 2 (most cases), a TP 2 run killed during a save, one process and 4 processes resuming from
-what the killed run left. The reference is one process with a plain Lightning Trainer."""
+what the killed run left. The TP 2 launch runs only the scenarios of the selected tests (their
+``@pytest.mark.scenarios("ckpt_tp2", ...)``; see tests/helpers/selection.py). The reference is one process with a plain
+Lightning Trainer."""
 
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ from lightning_tp.checkpoint import IncompleteCheckpointError, check_checkpoint,
 from tests.helpers.launch import torchrun
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
+#: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
+TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied"]
 EXACT = 1e-6  # the same layout: the same operations, in the same order
 ACROSS = 1e-5  # another layout: TP splits the matmuls, so fp32 rounding differs (as in the parity tests)
 
@@ -61,9 +66,13 @@ def single(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> d
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory: pytest.TempPathFactory, single: dict[str, Any]) -> dict[str, Any]:
+def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("ckpt_tp2")
-    torchrun(WORKER, 2, str(out), "tp2", "--from", str(single["checkpoint"]))
+    scenarios = selected_scenarios(request.session.items, launch="ckpt_tp2", fixture="tp2", default=TP2_SCENARIOS)
+    source = []
+    if "from_single" in scenarios:  # the one-process checkpoint it resumes from
+        source = ["--from", str(request.getfixturevalue("single")["checkpoint"])]
+    torchrun(WORKER, 2, str(out), *scenarios, "--label", "tp2", *source)
     return {"out": out, "ranks": _load(out, "tp2", 2)}
 
 
@@ -72,7 +81,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> 
     """A TP 2 run that saved ``last`` at the end of epoch 0, then was killed while replacing it at step 6."""
     out = tmp_path_factory.mktemp("ckpt_crash")
     with pytest.raises(AssertionError, match="failed"):
-        torchrun(WORKER, 2, str(out), "crash")
+        torchrun(WORKER, 2, str(out), "crash", "--label", "crash")
     return out
 
 
@@ -85,6 +94,7 @@ def truncated(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy
 
 
+@pytest.mark.scenarios("ckpt_tp2", "dropout")
 def test_exact_resume_mid_epoch_with_dropout(tp2: dict[str, Any]) -> None:
     for result in tp2["ranks"]:
         reference = result["dropout"]["reference"]
@@ -92,24 +102,32 @@ def test_exact_resume_mid_epoch_with_dropout(tp2: dict[str, Any]) -> None:
         _assert_close(result["dropout"]["mid"], _after(reference, 6), EXACT)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "full")
 def test_exact_resume_from_a_single_file_checkpoint(tp2: dict[str, Any]) -> None:
     for result in tp2["ranks"]:
         _assert_close(result["full"]["mid"], _after(result["full"]["reference"], 5), EXACT)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "from_single")
 def test_one_process_checkpoint_resumes_on_tp2(tp2: dict[str, Any], single: dict[str, Any]) -> None:
     for result in tp2["ranks"]:
         _assert_close(result["from_single"], single["resumed"], ACROSS)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "lora")
 def test_lora_resume_without_frozen_weights(tp2: dict[str, Any]) -> None:
     stored = stored_entries(tp2["out"] / "lora_mid")
-    assert not [k for k in stored if "base_layer" in k or "embed_tokens" in k], "frozen weights were written"
-    assert [k for k in stored if "lora_A" in k]
+    # The model entries are exactly the adapters (the trainable parameters), no frozen weight.
+    module = ResumeModule(lora=True)
+    module.configure_model()
+    trainable = {f"state_dict.{name}" for name, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in key for key in trainable)
+    assert {k for k in stored if k.startswith("state_dict.")} == trainable
     for result in tp2["ranks"]:
         _assert_close(result["lora"]["mid"], _after(result["lora"]["reference"], 6), EXACT)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "dropout", "full")
 def test_exact_resume_from_file_urls(tp2: dict[str, Any]) -> None:
     """Through fsspec and the commit marker on 2 processes; the second save at the URL replaced the first."""
     from lightning_tp.remote import COMMIT_MARKER
@@ -131,7 +149,7 @@ def test_killed_save_leaves_the_previous_checkpoint(crashed: Path) -> None:
 
 
 def test_tp2_checkpoint_resumes_on_one_process(crashed: Path, single: dict[str, Any]) -> None:
-    torchrun(WORKER, 1, str(crashed), "one", "--from", str(crashed / "last"))
+    torchrun(WORKER, 1, str(crashed), "one", "--label", "one", "--from", str(crashed / "last"))
     (result,) = _load(crashed, "one", 1)
     _assert_close(result["resumed"], single["resumed"], ACROSS)
 
@@ -139,7 +157,9 @@ def test_tp2_checkpoint_resumes_on_one_process(crashed: Path, single: dict[str, 
 def test_tp2_checkpoint_resumes_on_2d_and_truncated_fails_on_every_rank(
     crashed: Path, truncated: Path, single: dict[str, Any]
 ) -> None:
-    torchrun(WORKER, 4, str(crashed), "2d", "--from", str(crashed / "last"), "--truncated", str(truncated))
+    torchrun(
+        WORKER, 4, str(crashed), "2d", "--label", "2d", "--from", str(crashed / "last"), "--truncated", str(truncated)
+    )
     ranks = _load(crashed, "2d", 4)
     # Each data-parallel rank trains on half of each global batch: their mean is the global loss.
     by_dp = {r["dp_rank"]: r["resumed"] for r in ranks}
@@ -169,6 +189,7 @@ def test_truncated_and_missing_checkpoints_name_what_is_wrong(crashed: Path, tru
         check_checkpoint(cut)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "final")
 def test_save_pretrained_inside_the_run(tp2: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -176,6 +197,7 @@ def test_save_pretrained_inside_the_run(tp2: dict[str, Any]) -> None:
     torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "final")
 def test_a_save_into_a_run_directory_is_refused_on_every_rank(tp2: dict[str, Any]) -> None:
     """Before the fix the directory was moved aside and deleted; the run went on with the next saves either way."""
     for result in tp2["ranks"]:
@@ -188,6 +210,7 @@ def test_a_save_into_a_run_directory_is_refused_on_every_rank(tp2: dict[str, Any
 
 
 @pytest.mark.parametrize("name", ["tied_pretrained", "tied_merged"])
+@pytest.mark.scenarios("ckpt_tp2", "tied")
 def test_a_tied_sharded_model_saves_transformers_keys(tp2: dict[str, Any], name: str) -> None:
     """`save_pretrained` and `save_merged` of a tied model sharded over TP 2 against Transformers' own save of the
     same model on one process (the fixture's `tied` directory; the merged model saved by `merge_and_unload`): same
@@ -210,8 +233,12 @@ def test_a_tied_sharded_model_saves_transformers_keys(tp2: dict[str, Any], name:
     assert abs(ours.stat().st_size - reference.stat().st_size) < 1024
 
 
-@pytest.mark.parametrize("name", ["final", "final_full.ckpt"])
-def test_export_round_trip(tp2: dict[str, Any], name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "scenario"),
+    [pytest.param("final", "final", id="final"), pytest.param("final_full.ckpt", "full", id="final_full.ckpt")],
+)
+@pytest.mark.scenarios("ckpt_tp2", "{scenario}")
+def test_export_round_trip(tp2: dict[str, Any], name: str, scenario: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from lightning_tp.export import export_checkpoint
@@ -222,6 +249,7 @@ def test_export_round_trip(tp2: dict[str, Any], name: str, tmp_path: Path) -> No
     torch.testing.assert_close(probe_logits(model), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "final")
 def test_export_from_a_file_url(tp2: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -232,6 +260,7 @@ def test_export_from_a_file_url(tp2: dict[str, Any], tmp_path: Path) -> None:
     torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.scenarios("ckpt_tp2", "lora")
 def test_export_lora_run_adapter_and_merged(tp2: dict[str, Any], tmp_path: Path) -> None:
     """The LoRA run left its frozen base out of the checkpoint: export reads it from where the run loaded it."""
     from peft import PeftModel
