@@ -11,13 +11,9 @@ import torch
 from tests.helpers.cases import CHECKPOINT_ENV, LAUNCHES, _lora
 from tests.helpers.launch import torchrun
 from tests.helpers.models import build_causal_lm, tiny_config
-from tests.helpers.selection import MARK_HELP, selected_scenarios
+from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("worker.py")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", MARK_HELP)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ Faults (on rank 1, at the start of global step ``FAULT_STEP``, after a checkpoin
 in ``configure_model``, before any collective), ``save_oserror`` (ENOSPC while writing its shards of the next
 ``last``), ``stuck`` (``time.sleep(1e6)`` in ``training_step``, alive but stopped). Each process writes its pid to
 ``OUT/pids/``, the faulting one the time of the fault to ``OUT/fault_at``, and each rank that gets to it what it
-raised to ``OUT/raised_rank{R}.pt``.
+raised to ``OUT/raised_rank{R}.pt``. Each fault is a function registered in :data:`FAULTS`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ import torch
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt
+from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import worker_setup
 
 FAULT_STEP = 3
@@ -38,28 +41,73 @@ def _mark_fault(out: Path) -> None:
     (out / "fault_at").write_text(repr(time.time()))
 
 
+@dataclass
+class Fault:
+    """What rank 1 does: in ``configure_model``, at the start of step ``FAULT_STEP``, or through callbacks."""
+
+    at_configure: Callable[[], None] | None = None
+    at_step: Callable[[], None] | None = None
+    callbacks: list[L.Callback] = field(default_factory=list)
+
+
+#: Fault name -> function(out) -> Fault.
+FAULTS = Scenarios("tests/distributed/fault_worker.py")
+
+
+@FAULTS.register("kill")
+def kill(out: Path) -> Fault:
+    def die() -> None:
+        _mark_fault(out)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return Fault(at_step=die)
+
+
+@FAULTS.register("raise_step")
+def raise_step(out: Path) -> Fault:
+    def fail() -> None:
+        _mark_fault(out)
+        raise RuntimeError("fault: rank 1 fails in training_step")
+
+    return Fault(at_step=fail)
+
+
+@FAULTS.register("raise_configure")
+def raise_configure(out: Path) -> Fault:
+    def fail() -> None:
+        _mark_fault(out)
+        raise RuntimeError("fault: rank 1 fails in configure_model")
+
+    return Fault(at_configure=fail)
+
+
+@FAULTS.register("save_oserror")
+def save_oserror(out: Path) -> Fault:
+    return Fault(callbacks=[FailShardWrite(out)])
+
+
+@FAULTS.register("stuck")
+def stuck(out: Path) -> Fault:
+    def hang() -> None:
+        _mark_fault(out)
+        time.sleep(1e6)
+
+    return Fault(at_step=hang)
+
+
 class FaultyModule(ResumeModule):
-    def __init__(self, out: Path, fault: str) -> None:
+    def __init__(self, fault: Fault) -> None:
         super().__init__(stateful_data=False)
-        self.out, self.fault = out, fault
+        self.fault = fault
 
     def configure_model(self) -> None:
-        if self.fault == "raise_configure" and self.trainer.global_rank == 1:
-            _mark_fault(self.out)
-            raise RuntimeError("fault: rank 1 fails in configure_model")
+        if self.fault.at_configure is not None and self.trainer.global_rank == 1:
+            self.fault.at_configure()
         super().configure_model()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.global_step == FAULT_STEP and self.trainer.global_rank == 1:
-            if self.fault == "kill":
-                _mark_fault(self.out)
-                os.kill(os.getpid(), signal.SIGKILL)
-            if self.fault == "raise_step":
-                _mark_fault(self.out)
-                raise RuntimeError("fault: rank 1 fails in training_step")
-            if self.fault == "stuck":
-                _mark_fault(self.out)
-                time.sleep(1e6)
+        if self.global_step == FAULT_STEP and self.trainer.global_rank == 1 and self.fault.at_step is not None:
+            self.fault.at_step()
         return super().training_step(batch, batch_idx)
 
 
@@ -85,14 +133,14 @@ def main() -> None:
     worker_setup()  # stack dumps on a hang; the strategies below set their own short timeouts
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("fault", choices=["kill", "raise_step", "raise_configure", "save_oserror", "stuck"])
+    parser.add_argument("fault", help=f"one of {sorted(FAULTS)}")
     parser.add_argument("--devices", type=int)
     args = parser.parse_args()
+    fault = FAULTS.run(args.fault, args.out)  # an unknown name: ValueError on every rank, before anything runs
     (args.out / "pids").mkdir(parents=True, exist_ok=True)
     (args.out / "pids" / str(os.getpid())).touch()
     callbacks: list[L.Callback] = [SaveAt(steps={1: args.out / "last", FAULT_STEP: args.out / "last"})]
-    if args.fault == "save_oserror":
-        callbacks.append(FailShardWrite(args.out))
+    callbacks += fault.callbacks
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=args.devices or int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -102,7 +150,7 @@ def main() -> None:
         callbacks=callbacks,
     )
     try:
-        trainer.fit(FaultyModule(args.out, args.fault))
+        trainer.fit(FaultyModule(fault))
     except BaseException as err:
         raised = {"type": type(err).__name__, "message": str(err)[:2000], "at": time.time()}
         torch.save(raised, args.out / f"raised_rank{trainer.global_rank}.pt")

@@ -28,7 +28,11 @@ import torch.distributed as dist
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule
+from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import worker_setup
+
+#: Phase name -> function(args) (the parsed command line).
+PHASES = Scenarios("tests/distributed/preemption_worker.py")
 
 SIGNAL_STEP = 2  # mid-epoch 0 (4 steps per epoch): the resumed run crosses an epoch boundary
 
@@ -55,6 +59,23 @@ def trainer_for(root: Path, *, devices: int, callbacks=()) -> L.Trainer:
         default_root_dir=root,
         callbacks=list(callbacks),
     )
+
+
+@PHASES.register("preempt")
+def preempt(args: argparse.Namespace) -> None:
+    """Leaves through the preemption exit (143), having written what it saw; returning at all is a failure."""
+    phase_preempt(args.out, args.devices or int(os.environ["LOCAL_WORLD_SIZE"]))
+    raise AssertionError("the run was meant to leave through the preemption exit")
+
+
+@PHASES.register("resume")
+def resume(args: argparse.Namespace) -> None:
+    rank = int(os.environ["RANK"])
+    try:
+        results = phase_resume(args.out, args.runs)
+    except Exception:
+        results = {"crash": traceback.format_exc()}
+    torch.save(results, args.out / f"resume_rank{rank}.pt")
 
 
 def phase_preempt(out: Path, devices: int) -> None:
@@ -112,20 +133,13 @@ def main() -> None:
     worker_setup()  # stack dumps on a hang; the strategies below set their own short timeouts
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("phase", choices=["preempt", "resume"])
+    parser.add_argument("phase", help=f"one of {sorted(PHASES)}")
     parser.add_argument("--devices", type=int)
     parser.add_argument("--runs", type=Path, nargs="*", default=[])
     args = parser.parse_args()
+    phase = PHASES.get(args.phase)  # an unknown name: ValueError on every rank, before anything runs
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.phase == "preempt":
-        phase_preempt(args.out, args.devices or int(os.environ["LOCAL_WORLD_SIZE"]))
-        raise AssertionError("the run was meant to leave through the preemption exit")
-    rank = int(os.environ["RANK"])
-    try:
-        results = phase_resume(args.out, args.runs)
-    except Exception:
-        results = {"crash": traceback.format_exc()}
-    torch.save(results, args.out / f"resume_rank{rank}.pt")
+    phase(args)
 
 
 if __name__ == "__main__":
