@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from tests.helpers.launch import ROOT, torchrun
+from tests.helpers.launch import ROOT, child_env, torchrun
 
 CONFIGS = {"tp.yaml": 2, "lora.yaml": 2, "2d.yaml": 4}
 
@@ -33,6 +33,7 @@ def _print_config(*args: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "examples/cli.py", "fit", *args, "--print_config"],
         cwd=ROOT,
+        env=child_env(),  # this checkout's lightning_tp, not whichever copy is installed
         capture_output=True,
         text=True,
         timeout=300,

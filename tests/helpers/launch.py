@@ -19,7 +19,9 @@ from tests.helpers.tripwire import TIMEOUT_ENV, tripwire_timeout
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _env(extra: dict | None = None) -> dict:
+def child_env(extra: dict | None = None) -> dict:
+    """The environment of a process a test starts: this checkout first on the path (not an installed copy), one
+    thread, faulthandler, the tripwire's timeout."""
     return {
         **os.environ,
         **(extra or {}),
@@ -80,7 +82,7 @@ def _run(cmd: list[str], *, env: dict, timeout: float) -> subprocess.CompletedPr
 def run_script(script: str | Path, *args: str, timeout: float = 600) -> str:
     """Run ``script`` as a user would (``python script ...``, Lightning starting any other process); return its
     standard output, or fail the test with everything it printed."""
-    proc = _run([sys.executable, str(script), *args], env=_env(), timeout=timeout)
+    proc = _run([sys.executable, str(script), *args], env=child_env(), timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -96,7 +98,7 @@ def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 600, 
         str(script),
         *args,
     ]
-    proc = _run(cmd, env=_env(env), timeout=timeout)
+    proc = _run(cmd, env=child_env(env), timeout=timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-20000:]}")
