@@ -1,7 +1,9 @@
 """Tensor-parallel training of Hugging Face Transformers models in PyTorch Lightning."""
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_tp import fabric
 from lightning_tp.grad import clip_grad_norm_, grad_norm
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
@@ -29,5 +31,7 @@ __all__ = [
     "save_merged",
 ]
 
-# `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI.
+# `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI; `Fabric(strategy="tp")`. Two registries, one
+# name each: neither overrides the other.
 TensorParallelStrategy.register_strategies(StrategyRegistry)
+fabric.TensorParallelStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
