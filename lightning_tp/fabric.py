@@ -407,6 +407,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         checking on every rank that it is whole and fits the model. Plain values the state asks for are set in it;
         the rest is returned. Only tensors and plain values are unpickled unless ``weights_only=False``."""
         weights_only = True if weights_only is None else weights_only
+        if isinstance(state, nn.Module):
+            # `fabric.load_raw(path, model)`: a plain state-dict file, Lightning's loader (rank by rank, into shards).
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not isinstance(state, dict) or not state:
             raise ValueError(
                 f"{type(self).__name__} loads into a state dict holding the model: "

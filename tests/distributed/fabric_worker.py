@@ -198,6 +198,10 @@ def meta_load(out: Path, checkpoints: Path) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(checkpoints / "tied", dtype=torch.float32).train()
     model, optimizer = fabric.setup(model, sgd(model))
     reference = train(fabric, model, optimizer, batches)
+    reference_state = full_state(model)
+    raw = out / "meta_load_raw.pt"
+    if RANK == 0:
+        torch.save(reference_state, raw)
 
     fabric = sharded(tp_size=2)
     with fabric.init_module(empty_init=True):
@@ -207,11 +211,15 @@ def meta_load(out: Path, checkpoints: Path) -> dict[str, Any]:
     optimizer = fabric.setup_optimizers(sgd(model))
     result = train(fabric, model, optimizer, batches)
     inner = model.module
+    tied = inner.lm_head.weight is inner.model.embed_tokens.weight
+    fabric.barrier()  # rank 0 wrote `raw`
+    fabric.load_raw(raw, model)  # a plain state-dict file into the shards
     return {
         "reference": reference,
         **result,
         "built_on_meta": on_meta,
-        "tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
+        "tied": tied,
+        "load_raw_diff": max_diff(full_state(model), reference_state),
     }
 
 

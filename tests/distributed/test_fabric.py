@@ -92,11 +92,12 @@ def test_dataloader_samples_over_data_parallel_ranks(layout: str, request: pytes
         assert sorted(i for seen in by_dp_rank.values() for i in seen[step]) == sorted(global_batch)
 
 
-def test_meta_init_and_from_pretrained_load_sharded(tp2: list[dict]) -> None:
+def test_meta_init_and_from_pretrained_load_sharded_and_load_raw(tp2: list[dict]) -> None:
     for result in (r["meta_load"] for r in tp2):
         assert result["built_on_meta"]
         assert result["tied"]
         _assert_parity(result, norms=False)
+        assert result["load_raw_diff"] == 0.0  # `fabric.load_raw` of one process's weights
 
 
 def test_lora(tp2: list[dict]) -> None:
