@@ -260,7 +260,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         for optimizer in optimizers:
             _check_fresh(optimizer, names)
         module = self.setup_module(module)
-        replacements = dict(module.named_parameters(remove_duplicate=False))
+        replacements = {_unwrapped_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [replacements[names[id(p)]] for p in group["params"]]
@@ -503,8 +503,13 @@ def _parameter_names(module: nn.Module) -> dict[int, str]:
     """Each parameter's first name (a tied one has several)."""
     names: dict[int, str] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), name)
+        names.setdefault(id(parameter), _unwrapped_name(name))
     return names
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name without the wrapper torch's activation checkpointing inserts (FSDP2 inserts none)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def _check_fresh(optimizer: Optimizer, names: dict[int, str]) -> None:

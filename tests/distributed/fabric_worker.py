@@ -207,8 +207,7 @@ def meta_load(out: Path, checkpoints: Path) -> dict[str, Any]:
     with fabric.init_module(empty_init=True):
         model = lightning_tp.from_pretrained(checkpoints / "tied", dtype=torch.float32).train()
     on_meta = all(p.is_meta for p in model.parameters())
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(sgd(model))
+    model, optimizer = fabric.setup(model, sgd(model))  # an optimizer over meta parameters, pointed at the shards
     result = train(fabric, model, optimizer, batches)
     inner = model.module
     tied = inner.lm_head.weight is inner.model.embed_tokens.weight
