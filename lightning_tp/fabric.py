@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_tp import remote
 from lightning_tp.checkpoint import (
     META_FILENAME,
     MODEL_KEY,
@@ -352,6 +353,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if filter is not None:
             raise ValueError(f"`fabric.save(..., filter=...)` is not supported by {type(self).__name__}; drop it.")
         module_key, module, optimizers = _split_state(state, action="save")
+        _refuse_url(path)
         # Rank 0 decides whether the path may be replaced (never what this package did not write); every rank learns
         # it in the broadcast of the path and raises the same error before anything is written.
         local = Path(path)
@@ -416,6 +418,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
             )
         module_key, module, optimizers = _split_state(state, action="load")
+        _refuse_url(path)
         path = Path(self.broadcast(str(path)))
         check_checkpoint(path)  # on every rank, before any collective: every rank raises the same error
         if path.is_file():
@@ -492,6 +495,14 @@ class TensorParallelStrategy(ModelParallelStrategy):
             cls,
             description="Tensor parallelism for Transformers models in Fabric (lightning_tp)",
             override=True,
+        )
+
+
+def _refuse_url(path: str | Path) -> None:
+    if remote.is_url(path):
+        raise ValueError(
+            f"{path}: Fabric's TensorParallelStrategy saves and loads local paths (a shared file system across "
+            "nodes); checkpoints at URLs are the Trainer strategy's for now."
         )
 
 

@@ -275,7 +275,7 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any]) -> dict
     reference_at_save = full_state(model)
     reference_tail = train(fabric, model, optimizer, batches[2:], clip=0.5)
 
-    path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}"
+    path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}.ckpt"
     fabric = sharded(**first)
     model = qwen3()
     model, optimizer = fabric.setup(model, adamw(model))
@@ -307,6 +307,7 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any]) -> dict
         "step": state["step"],
         "remainder": remainder,
         "leftovers": leftovers,
+        "is_file": path.is_file(),
         "export_diff": export_diff,
         "reference_diff": reference_diff,
     }
@@ -316,6 +317,12 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any]) -> dict
 def resume_tp_to_fsdp(out: Path, checkpoints: Path) -> dict[str, Any]:
     """Saved on TP 2, resumed on FSDP2 over the same 2 ranks (tp_size=1)."""
     return _resume(out, first={"tp_size": 2}, second={"tp_size": 1})
+
+
+@case
+def resume_full_file(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved as one full file by rank 0 (``save_distributed_checkpoint=False``) on TP 2, resumed on FSDP2."""
+    return _resume(out, first={"tp_size": 2, "save_distributed_checkpoint": False}, second={"tp_size": 1})
 
 
 @case
