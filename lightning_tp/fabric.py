@@ -212,6 +212,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
             dp_shard_size=self._dp_shard_size,
             dp_replicate_size=self._dp_replicate_size,
         )
+        if self._options["cpu_offload"] and self.root_device.type == "cpu":
+            raise ValueError(
+                "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
+                f"`accelerator='cpu'` the model is in host memory already. Drop `cpu_offload` (device: "
+                f"{self.root_device})."
+            )
         if self._options["cpu_offload"] and self._layout.dp_size == 1:
             raise ValueError(
                 f"`cpu_offload=True` is FSDP2's offload and needs data parallelism, but the layout ({self._layout}) "

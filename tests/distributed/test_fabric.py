@@ -71,12 +71,13 @@ def test_tp2_setup_model_and_optimizer_clip_and_collectives(tp2: list[dict]) -> 
         assert result["dp_size"] == 1 and result["dp_sum"] == 1.0  # TP ranks are one data-parallel replica
 
 
-def test_2d_setup_model_and_optimizer_clip_and_collectives(two_d: list[dict]) -> None:
+def test_2d_setup_model_and_optimizer_clip_collectives_and_activation_checkpointing(two_d: list[dict]) -> None:
     for result in (r["adamw_clip"] for r in two_d):
         _assert_parity(result)
         assert result["state_diff"] < 1e-3  # AdamW at lr 1e-2 amplifies reordered sums
         assert result["decisions"] == [True, False, True]
         assert result["dp_size"] == 2 and result["dp_sum"] == 2.0  # the data-parallel group, not the world's 4
+        assert result["activation_checkpointing"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "two_d"])
