@@ -39,6 +39,7 @@ from lightning_tp.checkpoint import (
     publish_directory,
 )
 from lightning_tp.discovery import FORMAT_VERSION, name_prefix
+from lightning_tp.lora import adapter_keys, check_mergeable, merged_weight
 
 _DCP_PREFIX = f"{MODEL_KEY}."
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -346,14 +347,14 @@ def _check_shapes(items: list[_Item], shapes: dict[str, torch.Tensor]) -> None:
 
 
 def _merged_items(entry: dict[str, Any], peft_model: nn.Module, plain: nn.Module, sources: _Sources, *, dtype):
-    """A LoRA run merged: ``W + scaling * delta`` per adapted weight, computed by PEFT's own ``get_delta_weight``
-    on that one layer (``fan_in_fan_out``, embeddings, rsLoRA and rank/alpha patterns included)."""
+    """A LoRA run merged: each adapted weight through :func:`lightning_tp.lora.merged_weight` (PEFT's own delta, as
+    ``save_merged``), one weight in memory at a time."""
     from peft.tuners.lora import LoraLayer
 
     inner = entry["prefix"] + entry["peft"]["prefix_in_model"]
     base_model = peft_model.get_base_model()
     layers = {n: m for n, m in base_model.named_modules() if isinstance(m, LoraLayer)}
-    _check_mergeable(layers)
+    check_mergeable(layers)
     items = []
     for name in _saved_names(plain):
         module, _, param = name.rpartition(".")
@@ -361,27 +362,12 @@ def _merged_items(entry: dict[str, Any], peft_model: nn.Module, plain: nn.Module
         key = f"{module}.base_layer.{param}" if layer is not None else name
         item = sources.item(name, inner + key, dtype=dtype)
         if item is not None and layer is not None and param == "weight":
-            item = _merged_item(item, layer, _adapter_keys(layer, prefix=f"{inner}{module}."), sources.checkpoint)
+            keys = {local: f"{inner}{module}.{local}" for local in adapter_keys(layer)}
+            item = _merged_item(item, layer, keys, sources.checkpoint)
         items.append(item)
     sources.check_complete(what="the merged model")
     _check_shapes(items, dict(plain.state_dict()))
     return items
-
-
-def _check_mergeable(layers: dict[str, nn.Module]) -> None:
-    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear: LoRA with fan_in_fan_out
-
-    bad = [n for n, m in layers.items() if not isinstance(m.get_base_layer(), (nn.Linear, nn.Embedding, Conv1D))]
-    bad += [n for n, m in layers.items() if any(m.use_dora.values()) or any(getattr(m, "lora_bias", {}).values())]
-    if bad:
-        raise ValueError(f"Cannot merge the adapters of {bad[:4]}: plain LoRA on linear, Conv1D and embedding layers.")
-
-
-def _adapter_keys(layer: nn.Module, *, prefix: str) -> dict[str, str]:
-    """The checkpoint key of each tensor of the active adapters of ``layer`` (keys of its own state dict)."""
-    active = set(layer.active_adapters)
-    keys = [key.split(".") for key in layer.state_dict()]  # e.g. lora_A.default.weight, lora_embedding_B.default
-    return {".".join(k): prefix + ".".join(k) for k in keys if k[0].startswith("lora_") and k[1] in active}
 
 
 def _merged_item(item: _Item, layer: nn.Module, keys: dict[str, str], checkpoint: Any) -> _Item:
@@ -390,20 +376,9 @@ def _merged_item(item: _Item, layer: nn.Module, keys: dict[str, str], checkpoint
         raise ValueError(f"The checkpoint does not hold the adapter tensors {missing[:4]}: nothing to merge.")
 
     def load() -> torch.Tensor:
-        base = item.load()
-        # Give the meta layer this adapter's tensors for PEFT's delta, in fp32 like PEFT merges on the CPU, then
-        # send it back to the meta device so no adapter stays in memory.
-        adapters = {local: checkpoint.read(key).float() for local, key in keys.items()}
-        layer.load_state_dict(adapters, strict=False, assign=True)
-        try:
-            with torch.no_grad():
-                merged = base.float()
-                for adapter in layer.active_adapters:
-                    if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
-                        merged = merged + layer.get_delta_weight(adapter)
-        finally:
-            layer.to("meta")
-        return merged.to(item.spec.dtype)
+        # The meta layer gives the math; the adapter tensors are read now and freed after this one weight.
+        adapters = {local: checkpoint.read(key) for local, key in keys.items()}
+        return merged_weight(layer, item.load(), adapters).to(item.spec.dtype)
 
     return _Item(item.name, item.spec, load)
 

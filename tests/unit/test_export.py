@@ -368,16 +368,7 @@ def _merge_cases() -> dict[str, tuple[Any, list[LoraConfig], str]]:
     }
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "llama",
-        pytest.param(
-            "gpt2_conv1d",
-            marks=pytest.mark.xfail(strict=True, raises=ValueError, reason="save_merged refuses Conv1D (lora._merge)"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("case", ["llama", "gpt2_conv1d"])
 def test_both_merges_equal_peft_merge_and_unload(tmp_path, case):
     """``save_merged`` (gathered tensors of a live run) and ``export --merge`` (tensors read from a checkpoint) write
     the tensors of PEFT's own ``merge_and_unload``, on one process."""
@@ -406,6 +397,23 @@ def test_both_merges_equal_peft_merge_and_unload(tmp_path, case):
         assert tied <= {"lm_head.weight"} and set(tensors) <= set(expected), (directory.name, tied)
         gaps = {k: (v - expected[k]).abs().max().item() for k, v in tensors.items()}
         assert max(gaps.values()) < 1e-6, (directory.name, {k: g for k, g in gaps.items() if g >= 1e-6})
+
+
+@pytest.mark.parametrize("how", ["dora", "merged"])
+def test_both_merges_refuse_what_they_cannot_merge(tmp_path, how):
+    """One check for ``save_merged`` and ``export --merge``, naming the layers, before anything is written."""
+    from lightning_tp import save_merged
+
+    config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=how == "dora")
+    peft_model = get_peft_model(build_causal_lm(tiny_config("llama")), config)
+    if how == "merged":
+        peft_model.merge_adapter()
+    with pytest.raises(ValueError, match=r"Cannot merge the adapters of \['model.layers.0.self_attn.q_proj'"):
+        save_merged(peft_model, tmp_path / "live")
+    if how == "dora":  # a checkpoint holds unmerged adapters
+        with pytest.raises(ValueError, match=r"Cannot merge the adapters of \['model.layers.0.self_attn.q_proj'"):
+            export_checkpoint(save_file(Root(peft_model), tmp_path / "ckpt.pt"), tmp_path / "export", merge=True)
+    assert not (tmp_path / "live").exists() and not (tmp_path / "export").exists()
 
 
 def test_lora_merge_reads_base_weights_from_a_directory(tmp_path):
