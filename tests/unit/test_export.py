@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lightning_tp.discovery import describe_models
-from lightning_tp.export import _Item, _Spec, _write_safetensors, export_checkpoint, main
+from lightning_tp.export import export_checkpoint, main
+from lightning_tp.safetensors_writer import Item, Spec, write_safetensors
 from tests.helpers.models import VOCAB, build_causal_lm, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,8 +263,8 @@ def test_streaming_writer_matches_safetensors(tmp_path):
         "e.scalar": torch.tensor(2.5),
         "f.empty": torch.zeros(0, 4),
     }
-    items = [_Item(k, _Spec(tuple(v.shape), v.dtype), lambda v=v: v) for k, v in tensors.items()]
-    _write_safetensors(tmp_path / "mine.safetensors", items)
+    items = [Item(k, Spec(tuple(v.shape), v.dtype), lambda v=v: v) for k, v in tensors.items()]
+    write_safetensors(tmp_path / "mine.safetensors", items)
     safetensors_save(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
     with safe_open(tmp_path / "mine.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
