@@ -236,7 +236,7 @@ def _merged_item(item: Item, layer: nn.Module, keys: dict[str, str], checkpoint:
     def load() -> torch.Tensor:
         # The meta layer gives the math; the adapter tensors are read now and freed after this one weight.
         adapters = {local: checkpoint.read(key) for local, key in keys.items()}
-        return merged_weight(layer, item.load(), adapters).to(item.spec.dtype)
+        return merged_weight(layer, base_weight=item.load(), adapters=adapters).to(item.spec.dtype)
 
     return Item(item.name, item.spec, load)
 
@@ -282,7 +282,7 @@ def _write_adapter(directory: Path, peft_model: nn.Module, adapter: str, items: 
         base_class = type(peft_model.get_base_model())
         mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
     config.save_pretrained(str(target), auto_mapping_dict=mapping)
-    write_safetensors(target / "adapter_model.safetensors", items)
+    write_safetensors(target / "adapter_model.safetensors", items=items)
 
 
 def _tokenizer(name_or_path: str | os.PathLike | None, *, explicit: bool) -> Any:
@@ -399,7 +399,7 @@ def _export_model(directory: Path, entry: dict[str, Any], sources: _Sources, *, 
         print("Tensors keep the model's own names (Transformers loads them; save_pretrained would rename them).")
     floating = [i.spec.dtype for i in items if i.spec.dtype.is_floating_point]
     _write_configs(directory, entry, dtype=dtype or (floating[0] if floating else torch.float32))
-    write_weights(directory, items, max_shard_size=max_shard_size, total_parameters=model.num_parameters())
+    write_weights(directory, items=items, max_shard_size=max_shard_size, total_parameters=model.num_parameters())
 
 
 def _export_adapters(directory: Path, entry: dict[str, Any], sources: _Sources, *, dtype) -> None:

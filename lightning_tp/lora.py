@@ -246,7 +246,7 @@ class _DeltaWeights(nn.Module):
         return [self.layer.get_delta_weight(adapter) for adapter in adapters]
 
 
-def merged_weight(layer: nn.Module, base_weight: torch.Tensor, adapters: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def merged_weight(layer: nn.Module, *, base_weight: torch.Tensor, adapters: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``base_weight`` with the active adapters of the LoRA ``layer`` merged in, what ``merge_and_unload`` writes into
     that layer: the sum of PEFT's own ``get_delta_weight`` (scaling, rsLoRA, rank and alpha patterns,
     ``fan_in_fan_out`` / ``Conv1D``, embeddings), computed on the whole tensors given, in fp32, and cast back to
@@ -303,7 +303,8 @@ def _merge(layers: dict[str, nn.Module], full: dict[str, Any], aliases: dict[str
         full[alias] = full[source]
     for name, layer in layers.items():
         adapters = {key: full.pop(f"{name}.{key}") for key in adapter_keys(layer)}
-        full[f"{name}.base_layer.weight"] = merged_weight(layer, full[f"{name}.base_layer.weight"], adapters)
+        key = f"{name}.base_layer.weight"
+        full[key] = merged_weight(layer, base_weight=full[key], adapters=adapters)
     return {k.replace(".base_layer.", "."): v for k, v in full.items() if ".lora_" not in k}
 
 

@@ -50,7 +50,7 @@ class Item:
     load: Callable[[], torch.Tensor]
 
 
-def write_safetensors(path: Path, items: list[Item]) -> None:
+def write_safetensors(path: Path, *, items: list[Item]) -> None:
     """Write ``items`` in the safetensors format, one tensor in memory at a time.
 
     ``safetensors.torch.save_file`` needs every tensor of the file in memory at once (see the module docstring), so
@@ -92,7 +92,7 @@ def _nbytes(spec: Spec) -> int:
     return numel * spec.dtype.itemsize
 
 
-def write_weights(directory: Path, items: list[Item], *, max_shard_size: int | str, total_parameters: int) -> None:
+def write_weights(directory: Path, *, items: list[Item], max_shard_size: int | str, total_parameters: int) -> None:
     """``model.safetensors``, or shards and ``model.safetensors.index.json``, split as Transformers splits them."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -102,7 +102,7 @@ def write_weights(directory: Path, items: list[Item], *, max_shard_size: int | s
         shapes, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
     )
     for filename, names in split.filename_to_tensors.items():
-        write_safetensors(directory / filename, [by_name[n] for n in names])
+        write_safetensors(directory / filename, items=[by_name[n] for n in names])
     if split.is_sharded:
         index = {
             "metadata": {"total_parameters": total_parameters, **split.metadata},

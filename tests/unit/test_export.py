@@ -264,7 +264,7 @@ def test_streaming_writer_matches_safetensors(tmp_path):
         "f.empty": torch.zeros(0, 4),
     }
     items = [Item(k, Spec(tuple(v.shape), v.dtype), lambda v=v: v) for k, v in tensors.items()]
-    write_safetensors(tmp_path / "mine.safetensors", items)
+    write_safetensors(tmp_path / "mine.safetensors", items=items)
     safetensors_save(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
     with safe_open(tmp_path / "mine.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
