@@ -9,6 +9,7 @@ from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
 from lightning_tp.lora import save_merged
 from lightning_tp.monitor import ThroughputMonitor
+from lightning_tp.parallelize import ParallelOptions, parallelize
 from lightning_tp.plan import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
 from lightning_tp.strategy import TensorParallelStrategy
 from lightning_tp.tensor_parallel import apply_tensor_parallel
@@ -19,14 +20,16 @@ __all__ = [
     "REFUSED_STYLES",
     "SUPPORTED_STYLES",
     "ParallelLayout",
+    "ParallelOptions",
     "ResolvedPlan",
     "TensorParallelStrategy",
     "ThroughputMonitor",
     "apply_tensor_parallel",
     "clip_grad_norm_",
     "from_pretrained",
-    "load_sharded",
     "grad_norm",
+    "load_sharded",
+    "parallelize",
     "resolve_plan",
     "save_merged",
 ]

@@ -140,9 +140,9 @@ def _previous_path(path: Path) -> Path:
 
 
 #: The files of a checkpoint directory: DCP's index (global or per rank, and the temporary name it is written under)
-#: and shards, Lightning's ``meta.pt``. A directory holding only these (or nothing) is one this package may replace
-#: or remove; anything else in it is someone else's.
-_CHECKPOINT_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|meta\.pt|__\d+_\d+\.distcp")
+#: and shards, Lightning's ``META_FILENAME``. A directory holding only these (or nothing) is one this package may
+#: replace or remove; anything else in it is someone else's. Also what a URL's data directory may hold (`remote`).
+CHECKPOINT_FILE = re.compile(rf"(__\d+)?{re.escape(DCP_INDEX)}(\.tmp)?|{re.escape(META_FILENAME)}|__\d+_\d+\.distcp")
 #: How every torch.save archive (Lightning's single-file checkpoints) begins: a zip file.
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -150,13 +150,13 @@ _ZIP_MAGIC = b"PK\x03\x04"
 def _foreign_entries(directory: Path) -> list[str]:
     """What ``directory`` holds that no save of this package writes (sub-directories included)."""
     return sorted(
-        entry.name for entry in directory.iterdir() if entry.is_dir() or not _CHECKPOINT_FILE.fullmatch(entry.name)
+        entry.name for entry in directory.iterdir() if entry.is_dir() or not CHECKPOINT_FILE.fullmatch(entry.name)
     )
 
 
 def _is_ours(path: Path) -> bool:
     """Whether ``path`` is something a save of this package may replace or remove: a link (replaced, never followed:
-    ModelCheckpoint's ``save_last="link"``), a checkpoint directory (see ``_CHECKPOINT_FILE``), or an empty file or
+    ModelCheckpoint's ``save_last="link"``), a checkpoint directory (see ``CHECKPOINT_FILE``), or an empty file or
     torch.save archive (a single-file checkpoint, whole or cut short)."""
     if path.is_symlink():
         return True
@@ -455,7 +455,7 @@ def match_model_state(
     frozen: set[str],
     strict: bool,
     path: Path,
-    prefix: str = "state_dict.",
+    prefix: str = f"{MODEL_KEY}.",
 ) -> list[str]:
     """The model keys to load from ``stored``. Frozen parameters the checkpoint left out (``save_frozen_weights=False``)
     are skipped: they come from where the model was loaded. A missing trainable key, a key the model lacks (with

@@ -57,7 +57,7 @@ def transformers_models(root: nn.Module) -> list[nn.Module]:
 
 
 def describe_models(root: nn.Module) -> dict[str, Any]:
-    """The ``"lightning_tp"`` checkpoint entry: what export needs to rebuild a Transformers directory.
+    """The ``MODELS_KEY`` checkpoint entry: what export needs to rebuild a Transformers directory.
 
     One entry per top-level Transformers model in ``root`` (a ``PeftModel`` wrapping one counts as that model, with
     its adapters). Reads configs only, never tensors, so it works on sharded and meta models. Plain JSON data."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from lightning_tp.compat import flatten_mesh
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -118,7 +120,7 @@ class ParallelLayout:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
         # One group over every data-parallel rank, for the sampler and metric reductions.
         flat_override = options if options is not None and self.dp_size != self.world_size else None
-        dp_mesh = mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]._flatten(DP_AXIS, backend_override=flat_override)
+        dp_mesh = flatten_mesh(mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)], DP_AXIS, backend_override=flat_override)
         return mesh, dp_mesh
 
     def __str__(self) -> str:

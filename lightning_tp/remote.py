@@ -30,6 +30,7 @@ import zipfile
 from typing import Any
 
 from lightning_tp.checkpoint import (
+    CHECKPOINT_FILE,
     DCP_INDEX,
     META_FILENAME,
     IncompleteCheckpointError,
@@ -42,8 +43,6 @@ from lightning_tp.checkpoint import (
 COMMIT_MARKER = ".lightning_tp_complete"
 _DATA_PREFIX = "shards-"
 _DATA_DIRECTORY = re.compile(rf"{_DATA_PREFIX}[0-9a-f]{{16}}")
-#: What DCP's writer and this package write into a data directory.
-_WRITTEN_FILE = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|meta\.pt")
 
 
 def is_url(path: Any) -> bool:
@@ -184,7 +183,7 @@ def _remove_unfinished(fs: Any, root: str, *, keep: str) -> None:
         if name == keep or not _DATA_DIRECTORY.fullmatch(name) or not fs.isdir(entry):
             continue
         files = fs.find(entry)
-        if all(_WRITTEN_FILE.fullmatch(posixpath.relpath(f, entry)) for f in files):
+        if all(CHECKPOINT_FILE.fullmatch(posixpath.relpath(f, entry)) for f in files):
             for file in files:
                 fs.rm_file(file)
             try:

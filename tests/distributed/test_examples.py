@@ -31,3 +31,12 @@ def test_fabric_tp_example_loss_falls_and_saves(tmp_path) -> None:
     assert len(losses) == 20, stdout
     assert sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
     assert (checkpoint / "meta.pt").is_file() and (checkpoint / ".metadata").is_file()
+
+
+def test_plain_torch_example_loss_falls() -> None:
+    from tests.helpers.launch import torchrun
+
+    stdout = torchrun("examples/plain_torch.py", 2, "--steps", "20")
+    losses = [float(v) for v in re.findall(r"^step \d+ loss ([\d.]+)", stdout, flags=re.M)]
+    assert len(losses) == 3, stdout  # steps 0, 10 and 19
+    assert losses[-1] < 0.8 * losses[0], losses
