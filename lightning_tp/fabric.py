@@ -22,42 +22,19 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.strategies.strategy import Strategy, _validate_keys_for_strict_loading
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _distributed_is_initialized,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.types import ReduceOp, _Stateful
+from lightning.fabric.strategies.strategy import Strategy
+from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tp import remote
-from lightning_tp.checkpoint import (
-    META_FILENAME,
-    MODEL_KEY,
-    MODELS_KEY,
-    check_checkpoint,
-    clear_partial,
-    frozen_parameter_names,
-    index_reader,
-    load_torch_file,
-    match_model_state,
-    partial_path,
-    publish,
-    run_on_main_and_share_failure,
-    safe_load_planner,
-    save_target_refusal,
-    stored_entries,
-    unpickling_guard,
-)
-from lightning_tp.discovery import describe_models
-from lightning_tp.fsdp import BF16_NAMES
+from lightning_tp import checkpoint_io
+from lightning_tp.checkpoint import MODEL_KEY
+from lightning_tp.compat import all_gather_if_available, sync_if_available
 from lightning_tp.grad import clip_grad_norm_
+from lightning_tp.integration import StrategyOptions, destroy_process_groups_at_exit, distributed_is_initialized
 from lightning_tp.layout import TP_AXIS, ParallelLayout
 from lightning_tp.parallelize import ParallelOptions, parallelize
-from lightning_tp.plan import check_style
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -128,49 +105,27 @@ class TensorParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if parallelism_config is not None:
-            from lightning_tp.strategy import _sizes_from_parallelism_config
-
-            tp_size, dp_shard_size, dp_replicate_size = _sizes_from_parallelism_config(
-                parallelism_config, tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size
-            )
         # Checked here, without processes, so that a typo fails when the strategy is built.
-        ParallelLayout.resolve(
-            (tp_size or 1) * (dp_shard_size or 1) * dp_replicate_size,
+        self.options = StrategyOptions.build(
             tp_size=tp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
-        )
-        if isinstance(tp_plan, Mapping):
-            for key, style in tp_plan.items():
-                check_style(key, style)
-        elif tp_plan != "auto":
-            raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')
-        if fsdp_param_dtype is not None and fsdp_param_dtype not in BF16_NAMES:
-            raise ValueError(
-                "`fsdp_param_dtype` must be None (gather parameters in their own dtype) or 'bf16' (gather bf16 copies, "
-                f"reduce gradients in fp32), got {fsdp_param_dtype!r}."
-            )
-        if not save_frozen_weights and not save_distributed_checkpoint:
-            raise ValueError(
-                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
-                "loaded weight by weight and must hold every weight."
-            )
-        self._tp_size = tp_size
-        self._dp_shard_size = dp_shard_size
-        self._dp_replicate_size = dp_replicate_size
-        self._save_frozen_weights = save_frozen_weights
-        # Everything but the precision, which Fabric's connector sets after construction.
-        self._options = dict(
+            parallelism_config=parallelism_config,
             tp_plan=tp_plan,
+            fsdp_blocks=fsdp_blocks,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
             activation_checkpointing=activation_checkpointing,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
-            fsdp_blocks=list(fsdp_blocks) if fsdp_blocks else None,
             fsdp_param_dtype=fsdp_param_dtype,
         )
+        if not save_frozen_weights and not save_distributed_checkpoint:
+            raise ValueError(
+                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
+                "loaded weight by weight and must hold every weight."
+            )
+        self._save_frozen_weights = save_frozen_weights
         self._layout: ParallelLayout | None = None
         self._dp_mesh: DeviceMesh | None = None
 
@@ -205,31 +160,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # The configuration is checked before the process group starts: a mistake raises on every rank alike.
-        self._layout = ParallelLayout.resolve(
-            self.world_size,
-            tp_size=self._tp_size,
-            dp_shard_size=self._dp_shard_size,
-            dp_replicate_size=self._dp_replicate_size,
-        )
-        if self._options["cpu_offload"] and self.root_device.type == "cpu":
-            raise ValueError(
-                "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
-                f"`accelerator='cpu'` the model is in host memory already. Drop `cpu_offload` (device: "
-                f"{self.root_device})."
-            )
-        if self._options["cpu_offload"] and self._layout.dp_size == 1:
-            raise ValueError(
-                f"`cpu_offload=True` is FSDP2's offload and needs data parallelism, but the layout ({self._layout}) "
-                "has none. Use fewer TP ranks or drop `cpu_offload`."
-            )
+        # The configuration is checked before the process group starts: a mistake raises on every rank alike. Fabric's
+        # connector refused the precisions TP does not support already.
+        self._layout = self.options.layout(self.world_size)
+        self.parallel_options().check_layout(self._layout, device=self.root_device)
         Strategy.setup_environment(self)  # the accelerator's device; not ModelParallelStrategy's mesh
-        from lightning_tp.strategy import _destroy_process_groups_at_exit
-
-        owns_process_group = not _distributed_is_initialized()
+        owns_process_group = not distributed_is_initialized()
         self._setup_distributed()
         if owns_process_group:
-            _destroy_process_groups_at_exit()
+            destroy_process_groups_at_exit()
         self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type, timeout=self._timeout)
 
     @property
@@ -241,8 +180,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ sharding
 
     def parallel_options(self) -> ParallelOptions:
-        """The options :func:`lightning_tp.parallelize` gets (Fabric's precision included)."""
-        return ParallelOptions(**self._options, precision=str(getattr(self.precision, "precision", "32-true")))
+        """The options :func:`lightning_tp.parallelize` gets, with Fabric's precision (set after construction)."""
+        precision = str(getattr(self.precision, "precision", "32-true"))
+        return ParallelOptions(**{**vars(self.options.parallel), "precision": precision})
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -290,7 +230,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         before the strategy sees it): that default, or ``None``, means the data-parallel group here."""
         if group is not None and group is not torch.distributed.group.WORLD:
             return group
-        if self._device_mesh is None or not _distributed_is_initialized():
+        if self._device_mesh is None or not distributed_is_initialized():
             return group
         return self.dp_mesh.get_group()
 
@@ -300,21 +240,21 @@ class TensorParallelStrategy(ModelParallelStrategy):
         hold the same values, and a sum over the world would count each one ``tp_size`` times. Over every rank:
         ``torch.distributed.all_reduce``."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, self._default_to_data_parallel(group), reduce_op)
+            return sync_if_available(tensor, self._default_to_data_parallel(group), reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Over the data-parallel group by default, as ``all_reduce``: one entry per data-parallel replica."""
-        return _all_gather_ddp_if_available(tensor, group=self._default_to_data_parallel(group), sync_grads=sync_grads)
+        return all_gather_if_available(tensor, group=self._default_to_data_parallel(group), sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Over every rank (``all_reduce`` defaults to the data-parallel group; a decision is compared with the world
         size)."""
         flag = torch.tensor(int(decision), device=self.root_device)
-        world = torch.distributed.group.WORLD if _distributed_is_initialized() else None
-        flag = _sync_ddp_if_available(flag, world, reduce_op="sum")
+        world = torch.distributed.group.WORLD if distributed_is_initialized() else None
+        flag = sync_if_available(flag, world, reduce_op="sum")
         return bool(flag == self.world_size) if all else bool(flag > 0)
 
     @override
@@ -350,25 +290,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Save in the Trainer strategy's format: the model under ``state_dict``, each optimizer under its key, the
-        rest (plain values, ``state_dict()`` of stateful objects) and what export needs in ``meta.pt``. Written to
-        ``.NAME.partial`` and renamed to ``NAME`` once every rank has finished: a run killed during a save leaves the
-        previous checkpoint whole."""
+        """Save in the Trainer strategy's format (see :func:`lightning_tp.checkpoint_io.save_checkpoint`: crash-safe,
+        resharding, at a local path or an fsspec URL): the model's weights under ``state_dict``, each optimizer under
+        its key, the rest (plain values, the ``state_dict()`` of stateful objects) and what export needs in
+        ``meta.pt``. One model per checkpoint."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options` (it writes with DCP).")
         if filter is not None:
             raise ValueError(f"`fabric.save(..., filter=...)` is not supported by {type(self).__name__}; drop it.")
         module_key, module, optimizers = _split_state(state, action="save")
-        _refuse_url(path)
-        # Rank 0 decides whether the path may be replaced (never what this package did not write); every rank learns
-        # it in the broadcast of the path and raises the same error before anything is written.
-        local = Path(path)
-        refusal = save_target_refusal(local) if self.is_global_zero else None
-        path, refusal = self.broadcast((str(path), refusal))
-        if refusal is not None:
-            raise refusal
-        path = Path(path)
-        from torch.distributed.checkpoint import save
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -380,28 +310,24 @@ class TensorParallelStrategy(ModelParallelStrategy):
             cpu_offload=True,
             ignore_frozen_params=not self._save_frozen_weights,
         )
-        tensors: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module, options=options)}
-        for key, optimizer in optimizers.items():
-            tensors[key] = get_optimizer_state_dict(module, optimizer, options=options)
-        metadata = {
-            key: (value.state_dict() if isinstance(value, _Stateful) else value)
+        checkpoint: dict[str, Any] = {
+            key: (value.state_dict() if _is_stateful(value) else value)
             for key, value in state.items()
             if key != module_key and key not in optimizers
         }
-        metadata[MODELS_KEY] = describe_models(module)
-        metadata[FABRIC_KEY] = {"model": module_key, "optimizers": list(optimizers)}
-        staged = partial_path(path)
-        run_on_main_and_share_failure(lambda: clear_partial(path), is_main=self.is_global_zero)
-        if self._save_distributed_checkpoint:
-            save(tensors, checkpoint_id=staged)  # every rank writes its shards; DCP shares failures itself
-            run_on_main_and_share_failure(
-                lambda: torch.save(metadata, staged / META_FILENAME), is_main=self.is_global_zero
-            )
-        else:
-            run_on_main_and_share_failure(
-                lambda: torch.save({**tensors, **metadata}, staged), is_main=self.is_global_zero
-            )
-        run_on_main_and_share_failure(lambda: publish(path), is_main=self.is_global_zero)
+        checkpoint[FABRIC_KEY] = {"model": module_key, "optimizers": list(optimizers)}
+        checkpoint[MODEL_KEY] = get_model_state_dict(module, options=options)
+        for key, optimizer in optimizers.items():
+            checkpoint[key] = get_optimizer_state_dict(module, optimizer, options=options)
+        checkpoint_io.save_checkpoint(
+            checkpoint,
+            path,
+            tensor_keys=[MODEL_KEY, *optimizers],
+            root=module,
+            layout=self._layout,
+            distributed=self._save_distributed_checkpoint,
+            write_file=lambda contents, target: torch.save(contents, target),
+        )
 
     @override
     def load_checkpoint(
@@ -412,9 +338,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load a checkpoint written on any layout (DCP reshards) into ``state``'s model and optimizers, after
-        checking on every rank that it is whole and fits the model. Plain values the state asks for are set in it;
-        the rest is returned. Only tensors and plain values are unpickled unless ``weights_only=False``."""
-        weights_only = True if weights_only is None else weights_only
+        checking on every rank that it is whole and fits the model (see
+        :func:`lightning_tp.checkpoint_io.load_checkpoint`). Plain values the state asks for are set in it (stateful
+        objects get ``load_state_dict``); the rest is returned. Only tensors and plain values are unpickled unless
+        ``weights_only=False``."""
+        weights_only = True if weights_only is None else weights_only  # a checkpoint is untrusted input
         if isinstance(state, nn.Module):
             # `fabric.load_raw(path, model)`: a plain state-dict file, Lightning's loader (rank by rank, into shards).
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
@@ -424,74 +352,34 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
             )
         module_key, module, optimizers = _split_state(state, action="load")
-        _refuse_url(path)
-        path = Path(self.broadcast(str(path)))
-        check_checkpoint(path)  # on every rank, before any collective: every rank raises the same error
-        if path.is_file():
-            metadata = self._load_file(path, module, optimizers, strict=strict, weights_only=weights_only)
-        else:
-            metadata = self._load_directory(path, module, optimizers, strict=strict, weights_only=weights_only)
-        metadata.pop(MODELS_KEY, None)
+        metadata = checkpoint_io.load_checkpoint(
+            path,
+            model=module,
+            modules={MODEL_KEY: module},
+            optimizers=optimizers,
+            weights_only=weights_only,
+            strict=strict,
+            opt_in=_LOAD_OPT_IN,
+        )
         metadata.pop(FABRIC_KEY, None)
+        # Random states are not restored: a Fabric loop seeds as it sees fit (`fabric.seed_everything`).
+        checkpoint_io.pop_rng_entry(metadata, layout=self.layout, restore=False)
         requested = [key for key in state if key != module_key and key not in optimizers]
-        _validate_keys_for_strict_loading(requested, metadata.keys(), strict=strict)
+        missing = [key for key in requested if key not in metadata]
+        if strict and missing:
+            raise KeyError(
+                f"The checkpoint {path} holds no {missing} (it holds {sorted(metadata)}). Pass `strict=False` to "
+                "load what it has."
+            )
         for key in requested:
             if key not in metadata:
                 continue
             value = metadata.pop(key)
-            if isinstance(state[key], _Stateful):
+            if _is_stateful(state[key]):
                 state[key].load_state_dict(value)
             else:
                 state[key] = value
         return metadata
-
-    def _load_directory(
-        self, path: Path, module: nn.Module, optimizers: dict[str, Optimizer], *, strict: bool, weights_only: bool
-    ) -> dict[str, Any]:
-        from torch.distributed.checkpoint import load
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        # Unpickled first, on every rank, before any collective: a refused meta.pt raises the same error everywhere.
-        metadata = load_torch_file(path / META_FILENAME, weights_only=weights_only, opt_in=_LOAD_OPT_IN)
-        reader = index_reader(path)  # never runs code from the index
-        stored = stored_entries(path, reader=reader)
-        planner = safe_load_planner(weights_only=weights_only, opt_in=_LOAD_OPT_IN)  # nor from the shard files
-        template = get_model_state_dict(module)
-        keys = match_model_state(
-            template, stored, frozen=frozen_parameter_names(list(template), module), strict=strict, path=path
-        )
-        written = {key.split(".", 1)[0] for key in stored}
-        missing = [key for key in optimizers if key not in written]
-        if missing:
-            raise ValueError(
-                f"The checkpoint {path} holds no state for the optimizer(s) {missing}; it holds "
-                f"{sorted(written - {MODEL_KEY})}. Load with the keys it was saved with."
-            )
-        model_state = {MODEL_KEY: {key: template[key] for key in keys}}
-        load(model_state, checkpoint_id=path, storage_reader=reader, planner=planner)
-        module.load_state_dict(model_state[MODEL_KEY], strict=False)  # completeness was checked above
-        for key, optimizer in optimizers.items():
-            optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
-            load(optimizer_state, checkpoint_id=path, storage_reader=reader, planner=planner)
-            set_optimizer_state_dict(
-                module, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
-            )
-        return metadata
-
-    def _load_file(
-        self, path: Path, module: nn.Module, optimizers: dict[str, Optimizer], *, strict: bool, weights_only: bool
-    ) -> dict[str, Any]:
-        from lightning.fabric.strategies.model_parallel import _load_checkpoint
-
-        # Lightning's loader of a full file (every rank memory-maps it; weights broadcast into the shards).
-        state: dict[str, Any] = {MODEL_KEY: module, **optimizers}
-        with unpickling_guard(path, weights_only=weights_only, opt_in=_LOAD_OPT_IN):
-            return _load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
 
     @classmethod
     @override
@@ -504,12 +392,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         )
 
 
-def _refuse_url(path: str | Path) -> None:
-    if remote.is_url(path):
-        raise ValueError(
-            f"{path}: Fabric's TensorParallelStrategy saves and loads local paths (a shared file system across "
-            "nodes); checkpoints at URLs are the Trainer strategy's for now."
-        )
+def _is_stateful(value: Any) -> bool:
+    """An object ``fabric.save`` stores by its ``state_dict()`` (a scheduler, a data loader, ...), as Fabric does."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def _unused_parallelize_fn(module: nn.Module, mesh: Any) -> nn.Module:  # pragma: no cover

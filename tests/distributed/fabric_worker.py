@@ -262,7 +262,7 @@ def sequence_loss_parallel(out: Path, checkpoints: Path) -> dict[str, Any]:
     return {"reference": reference, **result}
 
 
-def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any], url: bool = False) -> dict[str, Any]:
     """Train 2 steps on the layout ``first``, ``fabric.save``; build a fresh model on the layout ``second``,
     ``fabric.load``, train 2 more: the losses equal 4 uninterrupted steps on one process. Then export the
     checkpoint: its weights are the saved ones, and close to the one process's after 2 steps."""
@@ -276,13 +276,14 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any]) -> dict
     reference_at_save = full_state(model)
     reference_tail = train(fabric, model, optimizer, batches[2:], clip=0.5)
 
-    path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}.ckpt"
+    path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}{'_url' if url else ''}.ckpt"
+    target = f"file://{path}" if url else path  # fsspec: committed by a marker, as on an object store
     fabric = sharded(**first)
     model = qwen3()
     model, optimizer = fabric.setup(model, adamw(model))
     head = train(fabric, model, optimizer, batches[:2], clip=0.5)
     at_save = full_state(model)  # a collective: on every rank
-    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2, "note": "two steps"})
+    fabric.save(target, {"model": model, "optimizer": optimizer, "step": 2, "note": "two steps"})
     leftovers = sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}"))
 
     fabric = sharded(**second)
@@ -290,14 +291,14 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any]) -> dict
     model = build_causal_lm(tiny_config("qwen3"), seed=123)
     model, optimizer = fabric.setup(model, adamw(model))
     state = {"model": model, "optimizer": optimizer, "step": 0}
-    remainder = fabric.load(path, state)
+    remainder = fabric.load(target, state)
     tail = train(fabric, model, optimizer, batches[2:], clip=0.5)
 
     export_diff = reference_diff = None
     if fabric.global_rank == 0:
         from transformers import AutoModelForCausalLM
 
-        exported = export_checkpoint(path, out / f"{path.name}_export")
+        exported = export_checkpoint(target, out / f"{path.name}_export")
         loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
         export_diff = max_diff(loaded.state_dict(), at_save)
         reference_diff = max_diff(loaded.state_dict(), reference_at_save)
@@ -309,6 +310,7 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any]) -> dict
         "remainder": remainder,
         "leftovers": leftovers,
         "is_file": path.is_file(),
+        "committed": (path / ".lightning_tp_complete").is_file(),
         "export_diff": export_diff,
         "reference_diff": reference_diff,
     }
@@ -324,6 +326,12 @@ def resume_tp_to_fsdp(out: Path, checkpoints: Path) -> dict[str, Any]:
 def resume_full_file(out: Path, checkpoints: Path) -> dict[str, Any]:
     """Saved as one full file by rank 0 (``save_distributed_checkpoint=False``) on TP 2, resumed on FSDP2."""
     return _resume(out, first={"tp_size": 2, "save_distributed_checkpoint": False}, second={"tp_size": 1})
+
+
+@case
+def resume_at_url(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved at a ``file://`` URL on FSDP2 over 2 ranks, resumed on TP 2."""
+    return _resume(out, first={"tp_size": 1}, second={"tp_size": 2}, url=True)
 
 
 @case

@@ -21,6 +21,7 @@ TP2_CASES = [
     "sequence_loss_parallel",
     "resume_tp_to_fsdp",
     "resume_full_file",
+    "resume_at_url",
     "bad_input",
 ]
 TWO_D_CASES = ["adamw_clip", "dataloader", "resume_2d_to_hsdp"]
@@ -115,7 +116,12 @@ def test_sequence_and_loss_parallel(tp2: list[dict]) -> None:
 
 @pytest.mark.parametrize(
     ("layout", "name"),
-    [("tp2", "resume_tp_to_fsdp"), ("tp2", "resume_full_file"), ("two_d", "resume_2d_to_hsdp")],
+    [
+        ("tp2", "resume_tp_to_fsdp"),
+        ("tp2", "resume_full_file"),
+        ("tp2", "resume_at_url"),
+        ("two_d", "resume_2d_to_hsdp"),
+    ],
 )
 def test_resume_on_another_layout_and_export(layout: str, name: str, request: pytest.FixtureRequest) -> None:
     results = [r[name] for r in request.getfixturevalue(layout)]
@@ -125,6 +131,7 @@ def test_resume_on_another_layout_and_export(layout: str, name: str, request: py
         assert result["remainder"] == {"note": "two steps"}  # what the state did not ask for is returned
         assert result["leftovers"] == []  # published by rename: no partial directory left
         assert result["is_file"] == (name == "resume_full_file")
+        assert result["committed"] == (name == "resume_at_url")  # a URL's directory is committed by its marker
         if rank == 0:
             assert result["export_diff"] == 0.0  # `python -m lightning_tp.export` reads a Fabric checkpoint
             assert result["reference_diff"] < 1e-3  # AdamW at lr 1e-2 amplifies reordered sums

@@ -92,12 +92,3 @@ def test_the_state_of_a_save_holds_one_model_and_no_entry_named_like_the_weights
         _split_state({"step": 1}, action="load")
     with pytest.raises(ValueError, match="'state_dict'"):
         _split_state({"model": model, "state_dict": {}}, action="save")
-
-
-def test_a_url_is_refused_by_name_before_anything_runs() -> None:
-    strategy = TensorParallelStrategy(1)
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="s3://bucket/run: Fabric's TensorParallelStrategy saves and loads local"):
-        strategy.save_checkpoint("s3://bucket/run", {"model": model})
-    with pytest.raises(ValueError, match="s3://bucket/run"):
-        strategy.load_checkpoint("s3://bucket/run", {"model": model})
