@@ -61,8 +61,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
     sharded parameters. ``fabric.setup_dataloaders`` splits the data over the data-parallel ranks only (the ranks of a
     TP group read the same batches); ``fabric.all_reduce``/``all_gather`` default to the data-parallel group;
     ``fabric.clip_gradients`` computes the global norm exactly; ``fabric.save``/``fabric.load`` write and read the
-    format of the Trainer strategy (a DCP directory that loads on any layout, published by rename once complete), which
-    ``python -m lightning_tp.export`` reads.
+    format of the Trainer strategy (a DCP directory that loads on any layout, at a local path published by rename once
+    complete, or at an fsspec URL committed by a marker), which ``python -m lightning_tp.export`` reads.
 
     Args: as :class:`lightning_tp.TensorParallelStrategy` (the Trainer's), except ``throughput_monitor``,
     ``preemption_signals`` and ``step_timeout``, which are Trainer features: passing them raises a ``ValueError``
