@@ -47,16 +47,16 @@ def case(fn: Callable[[Path, Path], dict[str, Any]]) -> Callable[[Path, Path], d
 # ---------------------------------------------------------------------------------------------------------- helpers
 
 
-def one_process() -> Fabric:
+def one_process(precision: str = "32-true") -> Fabric:
     """The reference: one Fabric process on the CPU (no process group, whatever torchrun started)."""
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(device="cpu"))
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(device="cpu"), precision=precision)
     fabric.launch()
     return fabric
 
 
-def sharded(**strategy_kwargs: Any) -> Fabric:
+def sharded(precision: str = "32-true", **strategy_kwargs: Any) -> Fabric:
     strategy = TensorParallelStrategy(timeout=TIMEOUT, **strategy_kwargs)
-    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, precision=precision)
     fabric.launch()
     return fabric
 
@@ -186,6 +186,54 @@ def dataloader(out: Path, checkpoints: Path) -> dict[str, Any]:
     dp_size = fabric.strategy.dp_mesh.size()
     result = run(fabric, 4 // dp_size)
     return {"reference": reference, **result, "dp_rank": fabric.strategy.dp_mesh.get_local_rank(), "dp_size": dp_size}
+
+
+@case
+def bf16_mixed(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """``Fabric(precision="bf16-mixed")``: autocast over fp32 weights, FSDP2 gathering fp32 and reducing in fp32, as
+    one process's bf16-mixed."""
+    batches = lm_batches(STEPS)
+    fabric = one_process("bf16-mixed")
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    reference = train(fabric, model, optimizer, batches, clip=1e6)
+
+    fabric = sharded("bf16-mixed", tp_size=2)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    result = train(fabric, model, optimizer, batches, clip=1e6)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return {"reference": reference, **result, "dtypes": dtypes}
+
+
+@case
+def accumulate(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Two micro-batches per step, the first under ``fabric.no_backward_sync`` (FSDP2 reduces once per step): the
+    same as one process on the whole batch."""
+    batches = lm_batches(STEPS)
+    fabric = one_process()
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    reference = train(fabric, model, optimizer, batches, clip=1e6)
+
+    fabric = sharded(tp_size=2)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    losses, norms = [], []
+    for batch in batches:
+        halves = {key: value.chunk(2) for key, value in batch.items()}
+        micro = [{key: parts[index] for key, parts in halves.items()} for index in range(2)]
+        total = 0.0
+        for index, part in enumerate(micro):
+            with fabric.no_backward_sync(model, enabled=index < len(micro) - 1):
+                loss = model(**dp_slice(fabric, part)).loss
+                fabric.backward(loss / len(micro))
+            total += loss.detach() / len(micro)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e6).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+    return {"reference": reference, "losses": losses, "norms": norms}
 
 
 @case
