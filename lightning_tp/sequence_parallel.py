@@ -35,10 +35,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_tp.loss_parallel import lm_head_style
 from lightning_tp.plan import ResolvedPlan
+from lightning_tp.styles import style_names
 
 SEQUENCE_DIM = 1
 #: Transformers styles that sequence parallelism can rewrite; any other in a decoder layer is refused by name.
-_REWRITABLE = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
+_REWRITABLE = style_names(rewritable=True)
 
 
 class SequenceSplit:

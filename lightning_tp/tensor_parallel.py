@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_tp.plan import ResolvedPlan
+from lightning_tp.styles import style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"
@@ -234,8 +235,8 @@ class _GradInParameterLayout(torch.autograd.Function):
         return grad
 
 
-#: Styles whose DTensor backward returns the weight's gradient in another layout than the weight's.
-_GRADIENT_LAYOUT_STYLES = ("embedding_rowwise", "embedding_colwise")
+#: Styles whose DTensor backward returns the weight's gradient in another layout than the weight's: the embeddings.
+_GRADIENT_LAYOUT_STYLES = style_names(kind="embedding")
 
 
 def keep_gradient_layout(module: nn.Module, plan: ResolvedPlan) -> None:
