@@ -28,10 +28,11 @@ class StyleFacts:
     ``weight_dim``: the dim of a weight (2-D, or 3-D for stacked expert weights) the style splits: negative counts from
     the end (the output features are ``-2``, the input features ``-1``, whatever leading expert dim there is),
     non-negative from the start (an embedding's vocabulary ``0``, its hidden dim ``1``); ``None``: kept whole.
-    A 1-D parameter, when split, is split on its only dim.
-    ``bias_split``: whether a parameter named ``bias`` is split too; ``False``: it is replicated (a row-wise bias is
-    added once, after the partial outputs are summed).
-    ``strided``: each rank holds a slice of each packed half (fused gate/up: ``_StridedShard``), a layout of its own.
+    ``bias_split``: whether a parameter named ``bias`` is split too (on its only dim); ``False``: it is replicated (a
+    row-wise bias is added once, after the partial outputs are summed).
+    ``vector_split``: whether a 1-D parameter (a bias where ``bias_split``) is split (on its only dim).
+    ``strided``: each rank holds a slice of each packed half of a weight (fused gate/up: ``_StridedShard``), a layout of
+    its own; a 1-D parameter is split plainly.
     ``output_sharded``: each rank's output holds its own slice of the features (heads), so what follows runs on shards.
     ``lora_half``: the LoRA matrix that shares the base's split dim and gets the same style (``lora_B`` reads the
     replicated low-rank input and writes the base's output slice; ``lora_A`` reads the base's input slice); the other
@@ -48,6 +49,7 @@ class StyleFacts:
     kind: Kind
     weight_dim: int | None = None
     bias_split: bool = False
+    vector_split: bool = True
     strided: bool = False
     output_sharded: bool = False
     lora_half: Literal["lora_A", "lora_B"] | None = None
@@ -64,16 +66,20 @@ class StyleFacts:
         ``is_bias``: the parameter is named ``bias`` (Transformers decides by the name)."""
         if self.weight_dim is None or ndim == 0 or (is_bias and not self.bias_split):
             return None
-        if ndim == 1:
-            return 0
-        return self.weight_dim % ndim if self.weight_dim < 0 else self.weight_dim
+        if ndim == 1 and not self.vector_split:
+            return None
+        # Transformers' `Shard(ndim - 2)` of a 1-D parameter is `Shard(-1)`: its only dim, as `% ndim` gives.
+        dim = self.weight_dim % ndim if self.weight_dim < 0 else self.weight_dim
+        if dim >= ndim:
+            raise ValueError(f"a style that splits dim {self.weight_dim} cannot split a parameter of {ndim} dims")
+        return dim
 
     def layout(self, ndim: int, *, is_bias: bool = False) -> str:
         """A name for the layout of a parameter of ``ndim`` dims: equal names, equal shards on every rank."""
         dim = self.split_dim(ndim, is_bias=is_bias)
         if dim is None:
             return "replicated"
-        return f"strided shard({dim})" if self.strided else f"shard({dim})"
+        return f"strided shard({dim})" if self.strided and ndim > 1 else f"shard({dim})"
 
 
 _MOE = (
@@ -161,6 +167,7 @@ STYLES: dict[str, StyleFacts] = {
         "fused expert weight, each packed half sharded on the last dim",
         kind="row",
         weight_dim=-1,
+        vector_split=False,
         strided=True,
         refused=_MOE,
     ),
