@@ -184,9 +184,10 @@ def facts(style: object) -> StyleFacts | None:
     return STYLES.get(style) if isinstance(style, str) else None
 
 
-def style_names(**where: object) -> frozenset[str]:
-    """The names whose facts have every given value, e.g. ``style_names(kind="embedding")``."""
-    return frozenset(
+def style_names(**where: object) -> tuple[str, ...]:
+    """The names whose facts have every given value, e.g. ``style_names(kind="embedding")``. A tuple: ``style in``
+    compares with ``==``, so a plan value that is an unhashable ``ParallelStyle`` (a dataclass) is simply absent."""
+    return tuple(
         name for name, fact in STYLES.items() if all(getattr(fact, key) == value for key, value in where.items())
     )
 

@@ -180,3 +180,22 @@ def test_inspect_decides_a_bias_by_its_name_as_transformers_does():
     sharded = {name: local for name, _, _, local in report.rows}
     assert sharded == {"proj.weight": (6, 4), "proj.gate_bias": (4,)}
     assert ("proj.bias", (6,)) in report.replicated
+
+
+def test_a_plan_may_hold_unhashable_torch_styles():
+    # Derived name sets are tested with `in` against plan values that may be any ParallelStyle, hashable or not.
+    import dataclasses
+
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    @dataclasses.dataclass(eq=True)
+    class Unhashable(ColwiseParallel):
+        tag: int = 0
+
+    plan = resolve_plan(
+        nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
+        {"0": Unhashable(), "1": "replicated_with_grad_allreduce"},
+        tp_size=2,
+    )
+    # The norm follows a custom style, not a known column-wise one: its gradient is not summed.
+    assert plan.grad_allreduce == [] and list(plan.torch_styles) == ["0"]
