@@ -23,9 +23,7 @@ from torch import nn
 from lightning_tp.checkpoint import _is_main, publish_directory, run_on_main_and_share_failure
 from lightning_tp.plan import ResolvedPlan, Style
 from lightning_tp.random_init import whole_parameters
-
-_COLUMN = ("colwise", "colwise_rep", "colwise_gather_output")
-_ROW = ("rowwise", "rowwise_rep", "rowwise_split_input")
+from lightning_tp.styles import facts
 
 #: LoRA configuration options this strategy cannot shard, merge or save correctly, with the reason.
 _REFUSED_OPTIONS = {
@@ -108,9 +106,19 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
                 f"tp_plan[{name!r}] is a torch ParallelStyle on a LoRA-wrapped layer: its adapters cannot follow it. "
                 "Use a Transformers style name for LoRA targets, or leave this layer out of `target_modules`."
             )
-        half = "lora_B" if style in _COLUMN else "lora_A" if style in _ROW else None
-        if half is None or not isinstance(wrapper.get_base_layer(), nn.Linear):
-            continue  # embeddings and replicated targets keep their adapters whole
+        if not isinstance(wrapper.get_base_layer(), nn.Linear):
+            continue  # embeddings keep their adapters whole
+        fact = facts(style)
+        half = fact.lora_half if fact is not None else None
+        if half is None:
+            if fact is not None and fact.output_sharded:
+                # A whole adapter's output has the full width, the base's only this rank's slice: the sum would fail.
+                raise ValueError(
+                    f"tp_plan[{name!r}] = {style!r} on a LoRA-wrapped linear layer: its output stays sharded in a "
+                    "layout the adapters cannot follow. Use 'colwise' for this layer, or leave it out of "
+                    "`target_modules`."
+                )
+            continue  # replicated and gathered targets keep their adapters whole
         for adapter, layer in getattr(wrapper, half).items():
             prefix = f"{name}.{half}.{adapter}"
             styles.update({f"{prefix}.{p}": style for p, _ in layer.named_parameters(recurse=False)})

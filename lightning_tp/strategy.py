@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_tp import checkpoint_io
-from lightning_tp.checkpoint import set_rng_state
+from lightning_tp.checkpoint import MODEL_KEY, set_rng_state
 from lightning_tp.compat import (
     all_gather_if_available,
     optimizers_to_device,
@@ -382,7 +382,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         checkpoint_io.save_checkpoint(
             checkpoint,
             filepath,
-            tensor_keys=["state_dict", *(f"optimizer_{idx}" for idx in range(len(optimizer_states)))],
+            tensor_keys=[MODEL_KEY, *(f"optimizer_{idx}" for idx in range(len(optimizer_states)))],
             root=self.lightning_module,
             layout=self._layout,
             distributed=self._save_distributed_checkpoint,
@@ -406,7 +406,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         metadata = checkpoint_io.load_checkpoint(
             checkpoint_path,
             model=self.model,
-            modules={"state_dict": self.model},
+            modules={MODEL_KEY: self.model},
             optimizers={f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)},
             weights_only=weights_only,
             strict=getattr(self.lightning_module, "strict_loading", True),

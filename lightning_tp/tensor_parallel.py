@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_tp.plan import ResolvedPlan
+from lightning_tp.styles import style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"
@@ -236,8 +237,8 @@ class _GradInParameterLayout(torch.autograd.Function):
         return grad
 
 
-#: Styles whose DTensor backward returns the weight's gradient in another layout than the weight's.
-_GRADIENT_LAYOUT_STYLES = ("embedding_rowwise", "embedding_colwise")
+#: Styles whose DTensor backward returns the weight's gradient in another layout than the weight's: the embeddings.
+_GRADIENT_LAYOUT_STYLES = style_names(kind="embedding")
 
 
 def keep_gradient_layout(module: nn.Module, plan: ResolvedPlan) -> None:
@@ -300,7 +301,7 @@ def _run_on_parameter_views(
 # Regions: the attention and MLP of a dense decoder layer, between one column-wise entry and one row-wise exit
 
 #: Transformers styles a decoder layer may hold for its regions to be rewritten with torch's styles.
-_REWRITABLE = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
+_REWRITABLE = style_names(rewritable=True)
 
 
 def decoder_layers(model: nn.Module, styles: Mapping[str, Any], blocks: set[type]) -> list[str]:
