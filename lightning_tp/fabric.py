@@ -119,13 +119,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
             fsdp_param_dtype=fsdp_param_dtype,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_frozen_weights=save_frozen_weights,
         )
-        if not save_frozen_weights and not save_distributed_checkpoint:
-            raise ValueError(
-                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
-                "loaded weight by weight and must hold every weight."
-            )
-        self._save_frozen_weights = save_frozen_weights
         self._layout: ParallelLayout | None = None
         self._dp_mesh: DeviceMesh | None = None
 
@@ -308,7 +304,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         options = StateDictOptions(
             full_state_dict=not self._save_distributed_checkpoint,
             cpu_offload=True,
-            ignore_frozen_params=not self._save_frozen_weights,
+            ignore_frozen_params=not self.options.save_frozen_weights,
         )
         checkpoint: dict[str, Any] = {
             key: (value.state_dict() if _is_stateful(value) else value)

@@ -31,6 +31,8 @@ class StrategyOptions:
     dp_shard_size: int | None
     dp_replicate_size: int
     parallel: ParallelOptions
+    save_distributed_checkpoint: bool = True
+    save_frozen_weights: bool = True
 
     @classmethod
     def build(
@@ -42,6 +44,8 @@ class StrategyOptions:
         parallelism_config: Any | None,
         tp_plan: Literal["auto"] | Mapping[str, Any],
         fsdp_blocks: Sequence[str] | None,
+        save_distributed_checkpoint: bool = True,
+        save_frozen_weights: bool = True,
         **parallel: Any,
     ) -> StrategyOptions:
         if parallelism_config is not None:
@@ -55,7 +59,19 @@ class StrategyOptions:
             dp_replicate_size=dp_replicate_size,
         )
         options = ParallelOptions(tp_plan=tp_plan, fsdp_blocks=tuple(fsdp_blocks) if fsdp_blocks else None, **parallel)
-        return cls(tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size, parallel=options)
+        if not save_frozen_weights and not save_distributed_checkpoint:
+            raise ValueError(
+                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
+                "loaded weight by weight and must hold every weight."
+            )
+        return cls(
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+            parallel=options,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_frozen_weights=save_frozen_weights,
+        )
 
     def layout(self, world_size: int) -> ParallelLayout:
         return ParallelLayout.resolve(

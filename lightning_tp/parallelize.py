@@ -246,9 +246,10 @@ def resolve_targets(
     if not models:
         if options.tp_plan == "auto":
             raise ValueError(
-                f"{type(root).__name__} holds no Transformers `PreTrainedModel`, so there is no plan to apply. "
-                "Build the model in `configure_model` or `__init__`, or pass `tp_plan={'<module path>': "
-                "'colwise' | 'rowwise' | <ParallelStyle>}` (paths relative to the module given)."
+                f"{type(root).__name__} holds no Transformers `PreTrainedModel`, so there is no plan to apply. Build "
+                "the model before it is sharded (in a LightningModule: in `configure_model` or `__init__`), or pass "
+                "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>}` (paths relative to the module "
+                "being sharded: the LightningModule, or the module given to `fabric.setup`/`parallelize`)."
             )
         models = [root]
         if layout.dp_size > 1:

@@ -156,14 +156,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
             fsdp_param_dtype=fsdp_param_dtype,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_frozen_weights=save_frozen_weights,
         )
-        if not save_frozen_weights and not save_distributed_checkpoint:
-            raise ValueError(
-                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
-                "loaded weight by weight and must hold every weight."
-            )
         self._throughput_monitor = throughput_monitor
-        self._save_frozen_weights = save_frozen_weights
         self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
         self._step_timeout, self._adaptive_step_timeout = step_timeout_seconds(step_timeout, timeout=timeout)
         self._rng_to_restore: list[dict[str, Any]] | None = None
@@ -356,7 +352,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         options = StateDictOptions(
             full_state_dict=not self._save_distributed_checkpoint,
             cpu_offload=True,
-            ignore_frozen_params=not self._save_frozen_weights,
+            ignore_frozen_params=not self.options.save_frozen_weights,
         )
         assert self.model is not None
         return get_model_state_dict(self.model, options=options)
