@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_tp.compat import distributed_is_initialized, get_default_store, torch_get_layout
+
 #: Lightning's name for the file with everything that is not a model or optimizer tensor.
 META_FILENAME = "meta.pt"
 #: DCP's index of a checkpoint directory.
@@ -53,12 +55,8 @@ RNG_KEY = "lightning_tp_rng"
 MODEL_KEY = "state_dict"
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _is_main() -> bool:
-    return not _distributed() or dist.get_rank() == 0
+    return not distributed_is_initialized() or dist.get_rank() == 0
 
 
 #: How long the other ranks wait for a write of the main rank: far longer than a process-group timeout, since a
@@ -76,7 +74,7 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
     (the strategy's ``timeout``), and a healthy write longer than that would kill the job. The store waits up to
     :data:`MAIN_WRITE_TIMEOUT`."""
     global _calls
-    if not _distributed():
+    if not distributed_is_initialized():
         if is_main:
             fn()
         return
@@ -85,8 +83,8 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
     dist.all_gather_object(flags, bool(is_main))
     writers = [rank for rank, flag in enumerate(flags) if flag]
     _calls += 1
-    # The default store is shared by every process of the job (torch's private accessor: no public one exists).
-    store = dist.distributed_c10d._get_default_store()
+    # The default store is shared by every process of the job.
+    store = get_default_store()
     prefix = f"lightning_tp/run_on_main/{_calls}"
     if is_main:
         error = ""
@@ -327,7 +325,7 @@ class _IndexUnpickler(pickle.Unpickler):
         if module == "torch" and (found is torch.Size or isinstance(found, (torch.dtype, torch.memory_format))):
             return found
         if (module, name) == ("torch.serialization", "_get_layout"):  # looks a layout up by its name
-            return torch.serialization._get_layout
+            return torch_get_layout()
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "PureWindowsPath"):
             return found
         if (module, name) == ("collections", "OrderedDict"):
@@ -523,7 +521,7 @@ def _as_tuple(value: Any) -> Any:
 def gather_rng_states() -> list[dict[str, Any]]:
     """Every rank's random states, on every rank (a collective: call it on all ranks)."""
     state = rng_state()
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed_is_initialized():
         return [state]
     states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(states, state)

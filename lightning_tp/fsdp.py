@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_tp.compat import no_split_modules
+
 
 def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[type[nn.Module]]:
     """The classes of the blocks to shard one by one: ``names``, or each Transformers model's ``_no_split_modules``
@@ -26,7 +28,7 @@ def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[
     wanted = set(names or ())
     if not wanted:
         for submodule in module.modules():
-            wanted.update(getattr(submodule, "_no_split_modules", None) or ())
+            wanted.update(no_split_modules(submodule))
     return {type(m) for m in module.modules() if type(m).__name__ in wanted}
 
 
@@ -146,7 +148,7 @@ def _owning_unit(unit: nn.Module, module: nn.Module) -> nn.Module:
 
 def _refuse_sharded(name: str, owner: str, class_name: str) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
-        for param in module._parameters.values():
+        for param in module.parameters(recurse=False):
             names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
             if names and any(axis in names for axis in _DATA_PARALLEL_AXES):
                 raise ValueError(

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_tp.compat import distributed_is_initialized, parameter_dict, transformers_apply_tensor_parallelism
 from lightning_tp.plan import ResolvedPlan
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
@@ -38,7 +39,7 @@ def apply_tensor_parallel(
     cut). Modules on the meta device stay there, to be materialised after sharding.
     """
     assert tp_mesh.ndim == 1, "apply_tensor_parallel takes the 1-D TP sub-mesh"
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    apply_tensor_parallelism = transformers_apply_tensor_parallelism()
 
     # Transformers' layers install forward hooks on the modules and shard each listed parameter. Sharding slices the
     # local copy (no communication), so the weights must be identical on every TP rank beforehand (same seed or file).
@@ -99,7 +100,7 @@ def take_rank_zero_values(module: nn.Module, group: dist.ProcessGroup | None = N
     (every rank compares the same gathered values, so every rank takes the same decision), then only those are
     broadcast. Sharded (DTensor) and meta tensors are left alone.
     """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not distributed_is_initialized() or dist.get_world_size(group) == 1:
         return []
     names, tensors, sums = [], [], []
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -169,7 +170,7 @@ def retie(module: nn.Module, tied: dict[str, str]) -> None:
     for alias, source in tied.items():
         owner_name, _, param_name = alias.rpartition(".")
         owner = module.get_submodule(owner_name)
-        owner._parameters[param_name] = module.get_parameter(source)
+        parameter_dict(owner)[param_name] = module.get_parameter(source)
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -199,7 +200,7 @@ def replicate_unsharded_parameters(
     modules = dict(module.named_modules())
     for name, submodule in modules.items():
         local_names = []
-        for param_name, param in list(submodule._parameters.items()):
+        for param_name, param in list(parameter_dict(submodule).items()):
             if param is None:
                 continue
             if id(param) not in replaced:
@@ -207,7 +208,7 @@ def replicate_unsharded_parameters(
                     continue
                 replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
                 replaced[id(param)] = nn.Parameter(replicated, requires_grad=param.requires_grad)
-            submodule._parameters[param_name] = replaced[id(param)]
+            parameter_dict(submodule)[param_name] = replaced[id(param)]
             local_names.append(param_name)
         if local_names:
             view = _local_view(tp_mesh.get_group() if name in summed else None)
@@ -281,14 +282,14 @@ def _run_on_parameter_views(
     def forward(*args, **kwargs):
         swapped = {}
         for name, view in views.items():
-            param = holder._parameters[name]
+            param = parameter_dict(holder)[name]
             if param is None:
                 continue
             swapped[name] = param
-            holder._parameters[name] = view(param)
+            parameter_dict(holder)[name] = view(param)
         try:
             return original_forward(*args, **kwargs)
         finally:
-            holder._parameters.update(swapped)
+            parameter_dict(holder).update(swapped)
 
     module.forward = forward
