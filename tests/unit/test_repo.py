@@ -39,6 +39,15 @@ def test_ci_runs_the_readme_test_command():
     assert "examples/train_tp.py" in blocks[0]
 
 
+def test_ci_latest_runs_the_readme_test_arguments():
+    """``.ci/run-latest`` (the suite on the newest upstream releases) runs the README's pytest arguments by default."""
+    script = (ROOT / ".ci/run-latest").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "set -- tests -q" in script and "python3 -m pytest tests -q" in readme
+    assert ".ci/run-latest" in readme
+    assert "--system-site-packages" not in script and "python3 -m venv" in script
+
+
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
