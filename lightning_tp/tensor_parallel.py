@@ -9,6 +9,7 @@ tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fa
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -274,22 +275,32 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
 def _run_on_parameter_views(
     module: nn.Module, views: dict[str, Callable[[torch.Tensor], torch.Tensor]], *, holder: nn.Module | None = None
 ) -> None:
-    """Wrap ``module.forward`` so that, during each call, the named parameters of ``holder`` (default: ``module``)
-    are replaced by ``view(parameter)``, and put back afterwards, also on error."""
-    original_forward = module.forward
-    holder = module if holder is None else holder
+    """During each call of ``module``, replace the named parameters of ``holder`` (default: ``module``) by
+    ``view(parameter)``, and put them back afterwards, also when the forward raises.
 
-    def forward(*args, **kwargs):
+    A forward pre-hook swaps, a forward hook with ``always_call=True`` restores (torch runs it on error too; not
+    under ``torch.compile``, which does not catch errors inside a module). The restore is prepended so that it runs
+    before any other forward hook, as if it ended the forward itself: FSDP2's hook after it may then reshard the
+    parameters it put in place (FSDP2's own pre-hook is prepended and runs before the swap). A stack keeps nested
+    calls of the same module apart."""
+    holder = module if holder is None else holder
+    pending: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
+
+    def swap(_module: nn.Module, _args: Any) -> None:
+        params = parameter_dict(holder)  # looked up at each call, as the forward read its parameters
         swapped = {}
         for name, view in views.items():
-            param = parameter_dict(holder)[name]
+            param = params[name]
             if param is None:
                 continue
             swapped[name] = param
-            parameter_dict(holder)[name] = view(param)
-        try:
-            return original_forward(*args, **kwargs)
-        finally:
-            parameter_dict(holder).update(swapped)
+            params[name] = view(param)
+        pending.append((params, swapped))
 
-    module.forward = forward
+    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if pending:  # empty when a pre-hook before `swap` raised
+            params, swapped = pending.pop()
+            params.update(swapped)
+
+    module.register_forward_pre_hook(swap)
+    module.register_forward_hook(restore, prepend=True, always_call=True)
