@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import torch
@@ -539,20 +539,10 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
     tensor at a time; rank 0 keeps them on the CPU and hands them to Transformers' writer (which names, shards and
     de-duplicates tied weights), so the peak on rank 0 is the model's size in host memory. For a checkpoint of any
     size, ``python -m lightning_tp.export`` streams one tensor at a time instead."""
-    if getattr(model, "_lightning_tp_save", False):
-        return
-    original = model.save_pretrained
 
-    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+    def gather(is_main: bool) -> dict[str, Any]:
         from torch.distributed.tensor import DTensor
 
-        if kwargs.get("state_dict") is not None:
-            # The caller gathered the tensors already and may call from one rank only (`save_merged` does): no
-            # collective here.
-            return original(save_directory, *args, **kwargs)
-        kwargs.pop("state_dict", None)
-        is_main = kwargs.pop("is_main_process", None)
-        is_main = _is_main() if is_main is None else is_main
         state = {}
         gathered: dict[int, torch.Tensor | None] = {}
         # `keep_vars`: tied weights (`lm_head.weight` of a tied model) come as one object under two names. Gathered
@@ -563,6 +553,42 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
                 gathered[id(tensor)] = whole.detach().cpu() if is_main else None
             if is_main:
                 state[name] = gathered[id(tensor)]
+        return state
+
+    # A given `state_dict`: the caller gathered the tensors already and may call from one rank only (`save_merged`
+    # does), so no collective.
+    install_publishing_save_pretrained(model, gather, given_state="call_through")
+
+
+def install_publishing_save_pretrained(
+    model: nn.Module,
+    gather: Callable[[bool], dict[str, Any]],
+    *,
+    given_state: Literal["call_through", "publish"],
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Replace ``model.save_pretrained`` (on this instance, once) by a collective one: every rank calls it, every rank
+    runs ``gather(is_main)`` (the state dict to write, whole, needed on the main rank only), the main rank writes it
+    with the original method into a temporary directory renamed into place once complete, and a failure there raises
+    on every rank. ``is_main_process`` picks the writing rank (default: rank 0).
+
+    A caller's own ``state_dict``: ``given_state="call_through"`` hands the call to the original method as it is (no
+    collective: the caller may be on one rank only); ``"publish"`` writes it from the main rank as above, without
+    ``gather``. ``defaults``: keyword arguments for the original method unless the caller passes them."""
+    if getattr(model, "_lightning_tp_save", False):
+        return
+    original = model.save_pretrained
+
+    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        state = kwargs.pop("state_dict", None)
+        if state is not None and given_state == "call_through":
+            return original(save_directory, *args, state_dict=state, **kwargs)
+        is_main = kwargs.pop("is_main_process", None)
+        is_main = _is_main() if is_main is None else is_main
+        if state is None:
+            state = gather(is_main)
+        for key, value in (defaults or {}).items():
+            kwargs.setdefault(key, value)
 
         def write() -> None:
             with publish_directory(save_directory) as tmp:
