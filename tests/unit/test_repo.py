@@ -105,7 +105,7 @@ def _private_uses(path: Path) -> list[str]:
 
 def test_private_upstream_names_only_in_compat():
     """Every private name of torch, Lightning, Transformers and PEFT is used through ``lightning_tp/compat.py``."""
-    found = [use for path in sorted(PACKAGE.glob("*.py")) if path.name not in EXEMPT for use in _private_uses(path)]
+    found = [use for path in sorted(PACKAGE.rglob("*.py")) if _exempt(path) is False for use in _private_uses(path)]
     assert not found, "private upstream names outside compat.py (add them to compat.py, with why):\n" + "\n".join(found)
 
 
@@ -134,8 +134,8 @@ def test_the_private_name_check_catches_each_kind(tmp_path):
 def test_distributed_is_initialized_is_spelled_once():
     """``dist.is_initialized()`` (which needs ``is_available()`` first) is asked through one helper."""
     found = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.name in EXEMPT:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _exempt(path):
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Attribute) and node.attr == "is_initialized":
@@ -144,23 +144,44 @@ def test_distributed_is_initialized_is_spelled_once():
     assert not found, f"use lightning_tp.compat.distributed_is_initialized: {found}"
 
 
-def _imports_of(path: Path) -> set[str]:
-    """The ``lightning_tp`` modules that ``path`` imports, at module level and inside functions alike."""
-    package = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+def _exempt(path: Path) -> bool:
+    return path.relative_to(PACKAGE).as_posix() in EXEMPT
+
+
+def _module_names() -> dict[str, Path]:
+    """Each module of the package by its dotted name under ``lightning_tp`` (a subpackage by its ``__init__``), the
+    package's own ``__init__`` aside: it imports everything and nothing imports it."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            names[".".join(parts)] = path
+    return names
+
+
+def _imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that module ``name`` imports, at module level and inside functions alike."""
+    is_package = path.name == "__init__.py"
     imported = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module == "lightning_tp":  # `from lightning_tp import remote`
-                imported.update(alias.name for alias in node.names if alias.name in package)
-            elif node.level == 0 and node.module and node.module.startswith("lightning_tp."):
-                imported.add(node.module.split(".")[1])
-            elif node.level == 1:
-                imported.update(
-                    [node.module.split(".")[0]] if node.module else [a.name for a in node.names if a.name in package]
-                )
+            if node.level:  # relative: from the module's own package, one level up per extra dot
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            elif node.module == "lightning_tp" or (node.module or "").startswith("lightning_tp."):
+                target = node.module.removeprefix("lightning_tp").lstrip(".")
+            else:
+                continue
+            imported.add(target)
+            imported.update(f"{target}.{a.name}" if target else a.name for a in node.names)
         elif isinstance(node, ast.Import):
-            imported.update(a.name.split(".")[1] for a in node.names if a.name.startswith("lightning_tp."))
-    return imported & package
+            imported.update(
+                a.name.removeprefix("lightning_tp.") for a in node.names if a.name.startswith("lightning_tp.")
+            )
+    return imported & modules
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -186,11 +207,16 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_package_has_no_import_cycle():
+def test_package_has_no_import_cycle(tmp_path):
     """No module of the package imports, even lazily inside a function, a module that imports it back (``__init__``
     aside: it imports everything and nothing imports it)."""
-    graph = {p.stem: _imports_of(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    modules = _module_names()
+    graph = {name: _imports_of(name, path, set(modules)) - {name} for name, path in modules.items()}
     assert graph["export"], "the graph misses imports"  # a sanity check of the parser: export imports checkpoint
     cycle = _cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    sample = tmp_path / "strategy.py"  # as if lightning_tp/fabric/strategy.py
+    sample.write_text("from . import x\nfrom ..a import b\nimport lightning_tp.c.d\nfrom lightning_tp import e\n")
+    modules = {"fabric", "fabric.x", "a", "a.b", "c.d", "e", "unrelated"}
+    assert _imports_of("fabric.strategy", sample, modules) == {"fabric", "fabric.x", "a", "a.b", "c.d", "e"}
