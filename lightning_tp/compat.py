@@ -277,7 +277,7 @@ def hpc_save_path(trainer: L.Trainer) -> str:
 
 
 def cluster_environment(trainer: L.Trainer) -> Any:
-    """The Trainer's cluster environment where Lightning's SIGNAL handling reads it (a single-device strategy has no
+    """The Trainer's cluster environment where Lightning's signal handling reads it (a single-device strategy has no
     ``cluster_environment`` attribute of its own)."""
     return trainer._accelerator_connector.cluster_environment
 
