@@ -43,6 +43,7 @@ from lightning_tp.checkpoint import (
     stored_entries,
     unpickling_guard,
 )
+from lightning_tp.compat import distributed_is_initialized
 from lightning_tp.discovery import describe_models
 from lightning_tp.layout import ParallelLayout
 
@@ -52,17 +53,13 @@ T = TypeVar("T")
 _SHARED_ERRORS = (IncompleteCheckpointError, UntrustedCheckpointError, FileNotFoundError, ValueError)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _is_main() -> bool:
-    return not _distributed() or dist.get_rank() == 0
+    return not distributed_is_initialized() or dist.get_rank() == 0
 
 
 def broadcast_from_main(obj: T) -> T:
     """Rank 0's ``obj`` on every rank (the identity without a process group)."""
-    if not _distributed() or dist.get_world_size() == 1:
+    if not distributed_is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -294,7 +291,7 @@ def _load_file(
     opt_in: str,
     optimizer_states_from_list: bool,
 ) -> dict[str, Any]:
-    from lightning_tp.compat import load_full_checkpoint
+    from lightning_tp.compat import load_checkpoint as load_full_checkpoint
 
     # Refused objects raise the same error on every rank, before any collective.
     with unpickling_guard(shown, weights_only=weights_only, opt_in=opt_in):

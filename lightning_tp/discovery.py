@@ -87,7 +87,7 @@ def _describe_model(model: nn.Module, *, prefix: str) -> dict[str, Any]:
         "architecture": _architecture(model),
         "config": json.loads(model.config.to_json_string(use_diff=False)),
         "generation_config": None if generation is None else json.loads(generation.to_json_string(use_diff=False)),
-        "source": model.config._name_or_path or None,
+        "source": model.config.name_or_path or None,
         "peft": None,
     }
 

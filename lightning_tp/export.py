@@ -27,6 +27,7 @@ from torch import nn
 from lightning_tp import remote
 from lightning_tp.checkpoint import MODELS_KEY, publish_directory
 from lightning_tp.checkpoint_readers import DcpCheckpoint, FileCheckpoint, SafetensorsDirectory, open_checkpoint
+from lightning_tp.compat import keys_to_ignore_on_save, remove_tied_weights_from_state_dict, revert_weight_conversion
 from lightning_tp.discovery import FORMAT_VERSION, name_prefix
 from lightning_tp.lora import adapter_keys, check_mergeable, merged_weight
 from lightning_tp.safetensors_writer import Item, Spec, write_safetensors, write_weights
@@ -131,10 +132,8 @@ def _check_adapter_name(name: Any) -> None:
 def _saved_names(model: nn.Module) -> list[str]:
     """The state-dict names ``save_pretrained`` writes, in its order: without ``_keys_to_ignore_on_save`` and
     without the tied copies (``lm_head.weight`` of a tied model)."""
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
     state = model.state_dict()  # meta tensors; tied ones are found through the model's parameters
-    for key in model._keys_to_ignore_on_save or ():
+    for key in keys_to_ignore_on_save(model):
         state.pop(key, None)
     return list(remove_tied_weights_from_state_dict(state, model))
 
@@ -142,12 +141,9 @@ def _saved_names(model: nn.Module) -> list[str]:
 def _converted_names(model: nn.Module, names: list[str]) -> bool:
     """Whether ``save_pretrained`` would rename the tensors back to an original layout (fused mixture-of-experts
     weights, say); export writes the model's own names, which Transformers loads as they are."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # pragma: no cover - older Transformers
-        return False
     state = model.state_dict()
-    return set(revert_weight_conversion(model, {k: state[k] for k in names})) != set(names)
+    reverted = revert_weight_conversion(model, {k: state[k] for k in names})
+    return reverted is not None and set(reverted) != set(names)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ from typing_extensions import override
 
 from lightning_tp import checkpoint_io
 from lightning_tp.checkpoint import MODEL_KEY
-from lightning_tp.compat import all_gather_if_available, sync_if_available
+from lightning_tp.compat import all_gather_ddp_if_available, distributed_is_initialized, sync_ddp_if_available
 from lightning_tp.grad import clip_grad_norm_
-from lightning_tp.integration import StrategyOptions, destroy_process_groups_at_exit, distributed_is_initialized
+from lightning_tp.integration import StrategyOptions, destroy_process_groups_at_exit
 from lightning_tp.layout import TP_AXIS, ParallelLayout
 from lightning_tp.parallelize import ParallelOptions, parallelize
 
@@ -236,13 +236,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
         hold the same values, and a sum over the world would count each one ``tp_size`` times. Over every rank:
         ``torch.distributed.all_reduce``."""
         if isinstance(tensor, Tensor):
-            return sync_if_available(tensor, self._default_to_data_parallel(group), reduce_op)
+            return sync_ddp_if_available(tensor, self._default_to_data_parallel(group), reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Over the data-parallel group by default, as ``all_reduce``: one entry per data-parallel replica."""
-        return all_gather_if_available(tensor, group=self._default_to_data_parallel(group), sync_grads=sync_grads)
+        return all_gather_ddp_if_available(tensor, group=self._default_to_data_parallel(group), sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -250,7 +250,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         size)."""
         flag = torch.tensor(int(decision), device=self.root_device)
         world = torch.distributed.group.WORLD if distributed_is_initialized() else None
-        flag = sync_if_available(flag, world, reduce_op="sum")
+        flag = sync_ddp_if_available(flag, world, reduce_op="sum")
         return bool(flag == self.world_size) if all else bool(flag > 0)
 
     @override

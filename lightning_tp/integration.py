@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_tp.compat import distributed_is_initialized
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.parallelize import ParallelOptions
@@ -95,10 +96,6 @@ def sizes_from_parallelism_config(
     if any(size is not None and not isinstance(size, int) for size in sizes):
         raise ValueError(f"`parallelism_config` must carry integer sizes, got {config!r}.")
     return sizes[0] or 1, sizes[1] or 1, sizes[2] or 1
-
-
-def distributed_is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 _destroy_registered = False

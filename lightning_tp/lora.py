@@ -20,7 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tp.checkpoint import _is_main, publish_directory, run_on_main_and_share_failure
+from lightning_tp.checkpoint import (
+    _is_main,
+    install_publishing_save_pretrained,
+    publish_directory,
+    run_on_main_and_share_failure,
+)
 from lightning_tp.plan import ResolvedPlan, Style
 from lightning_tp.random_init import whole_parameters
 from lightning_tp.styles import facts
@@ -195,27 +200,12 @@ def install_distributed_save(peft_model: nn.Module) -> None:
     tensors, ``adapter_config.json``) from rank 0, into a temporary directory renamed into place once complete.
 
     PEFT's own ``save_pretrained`` would write each rank's DTensor shards (or fail on them)."""
-    if getattr(peft_model, "_lightning_tp_save", False):
-        return
-    original = peft_model.save_pretrained
-
-    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        state = kwargs.pop("state_dict", None)
-        if state is None:
-            state = gather_adapter_state_dict(peft_model)
-        is_main = kwargs.pop("is_main_process", None)
-        if is_main is None:
-            is_main = _is_main()
-        kwargs.setdefault("save_embedding_layers", False)  # "auto" may ask the hub about the base model
-
-        def write() -> None:
-            with publish_directory(save_directory) as tmp:
-                original(tmp, *args, state_dict=state, is_main_process=True, **kwargs)
-
-        run_on_main_and_share_failure(write, is_main=is_main)
-
-    peft_model.save_pretrained = save_pretrained
-    peft_model._lightning_tp_save = True
+    install_publishing_save_pretrained(
+        peft_model,
+        lambda is_main: gather_adapter_state_dict(peft_model),  # every rank keeps them: small
+        given_state="publish",
+        defaults={"save_embedding_layers": False},  # "auto" may ask the hub about the base model
+    )
 
 
 def check_mergeable(layers: Mapping[str, nn.Module]) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
+from lightning_tp.compat import assert_async, causal_lm_loss_function, compute_local_shape_and_global_offset
 from lightning_tp.plan import ResolvedPlan
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -146,8 +147,6 @@ def _local_vocab_shard(
     logits: DTensor, group: Any, vocab_start: int | None, vocab_size: int | None
 ) -> tuple[torch.Tensor, dist.ProcessGroup, int, int]:
     """This rank's slice of DTensor logits sharded on the last dim, its group and its first vocabulary index."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if group is not None or vocab_start is not None:
         raise ValueError(
             "vocab_parallel_cross_entropy: DTensor `logits` carry their group and vocabulary offset; do not pass "
@@ -174,7 +173,7 @@ def _check_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int | Non
     if vocab_size is None:
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a label is outside [0, {vocab_size})")
+    assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a label is outside [0, {vocab_size})")
 
 
 def causal_lm_loss(
@@ -191,7 +190,7 @@ def causal_lm_loss(
     Logits that are a DTensor sharded on the vocabulary go to :func:`vocab_parallel_cross_entropy`; replicated
     DTensor logits are taken locally (each rank computes the same loss); plain tensors go to Transformers' function.
     """
-    from transformers.loss.loss_utils import ForCausalLMLoss
+    ForCausalLMLoss = causal_lm_loss_function()
 
     if isinstance(logits, DTensor) and all(isinstance(p, Replicate) for p in logits.placements):
         logits = logits.to_local()
@@ -247,8 +246,8 @@ def _gather_logits_without_labels(module: nn.Module, args: tuple, kwargs: dict, 
 def _check_causal_lm_loss(model: nn.Module) -> Any:
     """The model's loss function, which must be Transformers' causal-LM loss (or ours, installed already)."""
     from transformers import PreTrainedModel
-    from transformers.loss.loss_utils import ForCausalLMLoss
 
+    ForCausalLMLoss = causal_lm_loss_function()
     # `PreTrainedModel.loss_function` is a property: an instance's `_loss_function` when set, else
     # `LOSS_MAPPING[self.loss_type]` (from the class name: `...ForCausalLM`, and `...ForConditionalGeneration`
     # also map to `ForCausalLMLoss`). Its setter stores `_loss_function` on the instance.

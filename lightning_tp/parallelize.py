@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_tp.compat import flatten_mesh
+from lightning_tp.compat import distributed_is_initialized, flatten_mesh, parameter_dict
 from lightning_tp.discovery import modules_outside, transformers_models
 from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
 from lightning_tp.fsdp import fsdp_units as check_fsdp_units
@@ -172,7 +172,7 @@ def parallelize(
     """
     options = options or ParallelOptions()
     if mesh is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not distributed_is_initialized():
             raise ValueError(
                 "`parallelize` needs the process group: call `torch.distributed.init_process_group()` first (under "
                 "torchrun), or pass a `mesh`."
@@ -254,7 +254,7 @@ def resolve_targets(
         models = [root]
         if layout.dp_size > 1:
             check_fsdp_units(root)  # refuses children sharing a parameter, before any collective
-    direct = [name for name, p in root._parameters.items() if p is not None and p.requires_grad]
+    direct = [name for name, p in parameter_dict(root).items() if p is not None and p.requires_grad]
     if direct and not is_transformers_model(root):
         raise ValueError(
             f"{type(root).__name__} holds trainable parameters directly ({direct}); move them into a submodule "

@@ -38,6 +38,7 @@ from lightning_tp.checkpoint import (
     index_reader,
     is_checkpoint_file,
 )
+from lightning_tp.compat import fsspec_reader_class, fsspec_writer_class
 
 #: Written last into a checkpoint directory at a URL; without it the directory is not a checkpoint.
 COMMIT_MARKER = ".lightning_tp_complete"
@@ -62,16 +63,11 @@ def join(url: str, *names: str) -> str:
 
 
 def dcp_writer(url: str) -> Any:
-    # Private module: torch 2.13 does not export the fsspec writer/reader from `torch.distributed.checkpoint`.
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(url)
+    return fsspec_writer_class()(url)
 
 
 def dcp_reader_class() -> type:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # private, as for the writer
-
-    return FsspecReader
+    return fsspec_reader_class()
 
 
 def dcp_reader(url: str) -> Any:

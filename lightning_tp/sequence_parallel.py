@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_tp.plan import ResolvedPlan
 from lightning_tp.tensor_parallel import (
@@ -90,7 +90,9 @@ class ScatterSequence(ParallelStyle):
         self.split = split
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)._apply(module, device_mesh)
+        parallelize_module(
+            module, device_mesh, RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)
+        )
 
         def to_local(module: nn.Module, args: Any, output: DTensor) -> Any:
             if self.split.active:

@@ -22,17 +22,19 @@ from typing_extensions import override
 from lightning_tp import checkpoint_io
 from lightning_tp.checkpoint import MODEL_KEY, set_rng_state
 from lightning_tp.compat import (
-    all_gather_if_available,
+    all_gather_ddp_if_available,
+    buffer_dict,
+    distributed_is_initialized,
     optimizers_to_device,
+    set_device_mesh,
     set_sampler_epoch,
-    sync_if_available,
+    sync_ddp_if_available,
 )
 from lightning_tp.inference import gather_for_inference, mark_synced_generate, release_after_inference
 from lightning_tp.integration import (
     StrategyOptions,
     clip_with_dtensor_support,
     destroy_process_groups_at_exit,
-    distributed_is_initialized,
     drop_data_position,
     reduce_metrics_over,
     step_timeout_seconds,
@@ -222,7 +224,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type, timeout=self._timeout)
         # Users can read the mesh in `LightningModule.configure_model()`.
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self.lightning_module, self._device_mesh)
 
     @property
     @override
@@ -277,9 +279,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             return
         # FSDP2's CPU offload keeps parameters on the CPU; only buffers (rotary tables, ...) go to the device.
         for module in self.model.modules():
-            for name, buffer in module._buffers.items():
+            buffers = buffer_dict(module)
+            for name, buffer in buffers.items():
                 if buffer is not None:
-                    module._buffers[name] = buffer.to(self.root_device)
+                    buffers[name] = buffer.to(self.root_device)
 
     @contextmanager
     @override
@@ -456,14 +459,14 @@ class TensorParallelStrategy(ModelParallelStrategy):
         """Reduce over the data-parallel group by default: the ranks of a TP group hold the same values, and a sum over
         the world would count each one ``tp_size`` times."""
         if isinstance(tensor, Tensor):
-            return sync_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
+            return sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Gather over the data-parallel group by default (one entry per data-parallel replica)."""
         group = group if group is not None else self._data_parallel_group()
-        return all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
+        return all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_tp.compat import distributed_is_initialized, parameter_dict, transformers_apply_tensor_parallelism
 from lightning_tp.plan import ResolvedPlan
 from lightning_tp.styles import style_names
 
@@ -41,7 +42,7 @@ def apply_tensor_parallel(
     cut). Modules on the meta device stay there, to be materialised after sharding.
     """
     assert tp_mesh.ndim == 1, "apply_tensor_parallel takes the 1-D TP sub-mesh"
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    apply_tensor_parallelism = transformers_apply_tensor_parallelism()
 
     # Transformers' layers install forward hooks on the modules and shard each listed parameter. Sharding slices the
     # local copy (no communication), so the weights must be identical on every TP rank beforehand (same seed or file).
@@ -102,7 +103,7 @@ def take_rank_zero_values(module: nn.Module, group: dist.ProcessGroup | None = N
     (every rank compares the same gathered values, so every rank takes the same decision), then only those are
     broadcast. Sharded (DTensor) and meta tensors are left alone.
     """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not distributed_is_initialized() or dist.get_world_size(group) == 1:
         return []
     names, tensors, sums = [], [], []
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -172,7 +173,7 @@ def retie(module: nn.Module, tied: dict[str, str]) -> None:
     for alias, source in tied.items():
         owner_name, _, param_name = alias.rpartition(".")
         owner = module.get_submodule(owner_name)
-        owner._parameters[param_name] = module.get_parameter(source)
+        parameter_dict(owner)[param_name] = module.get_parameter(source)
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -202,7 +203,7 @@ def replicate_unsharded_parameters(
     modules = dict(module.named_modules())
     for name, submodule in modules.items():
         local_names = []
-        for param_name, param in list(submodule._parameters.items()):
+        for param_name, param in list(parameter_dict(submodule).items()):
             if param is None:
                 continue
             if id(param) not in replaced:
@@ -210,7 +211,7 @@ def replicate_unsharded_parameters(
                     continue
                 replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
                 replaced[id(param)] = nn.Parameter(replicated, requires_grad=param.requires_grad)
-            submodule._parameters[param_name] = replaced[id(param)]
+            parameter_dict(submodule)[param_name] = replaced[id(param)]
             local_names.append(param_name)
         if local_names:
             view = _local_view(tp_mesh.get_group() if name in summed else None)
@@ -276,25 +277,35 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
 def _run_on_parameter_views(
     module: nn.Module, views: dict[str, Callable[[torch.Tensor], torch.Tensor]], *, holder: nn.Module | None = None
 ) -> None:
-    """Wrap ``module.forward`` so that, during each call, the named parameters of ``holder`` (default: ``module``)
-    are replaced by ``view(parameter)``, and put back afterwards, also on error."""
-    original_forward = module.forward
-    holder = module if holder is None else holder
+    """During each call of ``module``, replace the named parameters of ``holder`` (default: ``module``) by
+    ``view(parameter)``, and put them back afterwards, also when the forward raises.
 
-    def forward(*args, **kwargs):
+    A forward pre-hook swaps, a forward hook with ``always_call=True`` restores (torch runs it on error too; not
+    under ``torch.compile``, which does not catch errors inside a module). The restore is prepended so that it runs
+    before any other forward hook, as if it ended the forward itself: FSDP2's hook after it may then reshard the
+    parameters it put in place (FSDP2's own pre-hook is prepended and runs before the swap). A stack keeps nested
+    calls of the same module apart."""
+    holder = module if holder is None else holder
+    pending: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
+
+    def swap(_module: nn.Module, _args: Any) -> None:
+        params = parameter_dict(holder)  # looked up at each call, as the forward read its parameters
         swapped = {}
         for name, view in views.items():
-            param = holder._parameters[name]
+            param = params[name]
             if param is None:
                 continue
             swapped[name] = param
-            holder._parameters[name] = view(param)
-        try:
-            return original_forward(*args, **kwargs)
-        finally:
-            holder._parameters.update(swapped)
+            params[name] = view(param)
+        pending.append((params, swapped))
 
-    module.forward = forward
+    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if pending:  # empty when a pre-hook before `swap` raised
+            params, swapped = pending.pop()
+            params.update(swapped)
+
+    module.register_forward_pre_hook(swap)
+    module.register_forward_hook(restore, prepend=True, always_call=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
