@@ -1,12 +1,15 @@
 """Tensor-parallel training of Hugging Face Transformers models in PyTorch Lightning."""
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_tp import fabric
 from lightning_tp.grad import clip_grad_norm_, grad_norm
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
 from lightning_tp.lora import save_merged
 from lightning_tp.monitor import ThroughputMonitor
+from lightning_tp.parallelize import ParallelOptions, parallelize
 from lightning_tp.plan import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
 from lightning_tp.strategy import TensorParallelStrategy
 from lightning_tp.tensor_parallel import apply_tensor_parallel
@@ -17,17 +20,21 @@ __all__ = [
     "REFUSED_STYLES",
     "SUPPORTED_STYLES",
     "ParallelLayout",
+    "ParallelOptions",
     "ResolvedPlan",
     "TensorParallelStrategy",
     "ThroughputMonitor",
     "apply_tensor_parallel",
     "clip_grad_norm_",
     "from_pretrained",
-    "load_sharded",
     "grad_norm",
+    "load_sharded",
+    "parallelize",
     "resolve_plan",
     "save_merged",
 ]
 
-# `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI.
+# `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI; `Fabric(strategy="tp")`. Two registries, one
+# name each: neither overrides the other.
 TensorParallelStrategy.register_strategies(StrategyRegistry)
+fabric.TensorParallelStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

@@ -35,12 +35,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_tp.compat import distributed_is_initialized, get_default_store, torch_get_layout
 
 #: Lightning's name for the file with everything that is not a model or optimizer tensor.
 META_FILENAME = "meta.pt"
@@ -53,12 +55,8 @@ RNG_KEY = "lightning_tp_rng"
 MODEL_KEY = "state_dict"
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _is_main() -> bool:
-    return not _distributed() or dist.get_rank() == 0
+    return not distributed_is_initialized() or dist.get_rank() == 0
 
 
 #: How long the other ranks wait for a write of the main rank: far longer than a process-group timeout, since a
@@ -76,7 +74,7 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
     (the strategy's ``timeout``), and a healthy write longer than that would kill the job. The store waits up to
     :data:`MAIN_WRITE_TIMEOUT`."""
     global _calls
-    if not _distributed():
+    if not distributed_is_initialized():
         if is_main:
             fn()
         return
@@ -85,8 +83,8 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
     dist.all_gather_object(flags, bool(is_main))
     writers = [rank for rank, flag in enumerate(flags) if flag]
     _calls += 1
-    # The default store is shared by every process of the job (torch's private accessor: no public one exists).
-    store = dist.distributed_c10d._get_default_store()
+    # The default store is shared by every process of the job.
+    store = get_default_store()
     prefix = f"lightning_tp/run_on_main/{_calls}"
     if is_main:
         error = ""
@@ -140,9 +138,9 @@ def _previous_path(path: Path) -> Path:
 
 
 #: The files of a checkpoint directory: DCP's index (global or per rank, and the temporary name it is written under)
-#: and shards, Lightning's ``meta.pt``. A directory holding only these (or nothing) is one this package may replace
-#: or remove; anything else in it is someone else's.
-_CHECKPOINT_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|meta\.pt|__\d+_\d+\.distcp")
+#: and shards, Lightning's ``META_FILENAME``. A directory holding only these (or nothing) is one this package may
+#: replace or remove; anything else in it is someone else's. Also what a URL's data directory may hold (`remote`).
+CHECKPOINT_FILE = re.compile(rf"(__\d+)?{re.escape(DCP_INDEX)}(\.tmp)?|{re.escape(META_FILENAME)}|__\d+_\d+\.distcp")
 #: How every torch.save archive (Lightning's single-file checkpoints) begins: a zip file.
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -150,13 +148,13 @@ _ZIP_MAGIC = b"PK\x03\x04"
 def _foreign_entries(directory: Path) -> list[str]:
     """What ``directory`` holds that no save of this package writes (sub-directories included)."""
     return sorted(
-        entry.name for entry in directory.iterdir() if entry.is_dir() or not _CHECKPOINT_FILE.fullmatch(entry.name)
+        entry.name for entry in directory.iterdir() if entry.is_dir() or not CHECKPOINT_FILE.fullmatch(entry.name)
     )
 
 
 def _is_ours(path: Path) -> bool:
     """Whether ``path`` is something a save of this package may replace or remove: a link (replaced, never followed:
-    ModelCheckpoint's ``save_last="link"``), a checkpoint directory (see ``_CHECKPOINT_FILE``), or an empty file or
+    ModelCheckpoint's ``save_last="link"``), a checkpoint directory (see ``CHECKPOINT_FILE``), or an empty file or
     torch.save archive (a single-file checkpoint, whole or cut short)."""
     if path.is_symlink():
         return True
@@ -327,7 +325,7 @@ class _IndexUnpickler(pickle.Unpickler):
         if module == "torch" and (found is torch.Size or isinstance(found, (torch.dtype, torch.memory_format))):
             return found
         if (module, name) == ("torch.serialization", "_get_layout"):  # looks a layout up by its name
-            return torch.serialization._get_layout
+            return torch_get_layout()
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "PureWindowsPath"):
             return found
         if (module, name) == ("collections", "OrderedDict"):
@@ -455,7 +453,7 @@ def match_model_state(
     frozen: set[str],
     strict: bool,
     path: Path,
-    prefix: str = "state_dict.",
+    prefix: str = f"{MODEL_KEY}.",
 ) -> list[str]:
     """The model keys to load from ``stored``. Frozen parameters the checkpoint left out (``save_frozen_weights=False``)
     are skipped: they come from where the model was loaded. A missing trainable key, a key the model lacks (with
@@ -523,7 +521,7 @@ def _as_tuple(value: Any) -> Any:
 def gather_rng_states() -> list[dict[str, Any]]:
     """Every rank's random states, on every rank (a collective: call it on all ranks)."""
     state = rng_state()
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed_is_initialized():
         return [state]
     states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(states, state)
@@ -541,20 +539,10 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
     tensor at a time; rank 0 keeps them on the CPU and hands them to Transformers' writer (which names, shards and
     de-duplicates tied weights), so the peak on rank 0 is the model's size in host memory. For a checkpoint of any
     size, ``python -m lightning_tp.export`` streams one tensor at a time instead."""
-    if getattr(model, "_lightning_tp_save", False):
-        return
-    original = model.save_pretrained
 
-    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+    def gather(is_main: bool) -> dict[str, Any]:
         from torch.distributed.tensor import DTensor
 
-        if kwargs.get("state_dict") is not None:
-            # The caller gathered the tensors already and may call from one rank only (`save_merged` does): no
-            # collective here.
-            return original(save_directory, *args, **kwargs)
-        kwargs.pop("state_dict", None)
-        is_main = kwargs.pop("is_main_process", None)
-        is_main = _is_main() if is_main is None else is_main
         state = {}
         gathered: dict[int, torch.Tensor | None] = {}
         # `keep_vars`: tied weights (`lm_head.weight` of a tied model) come as one object under two names. Gathered
@@ -565,6 +553,42 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
                 gathered[id(tensor)] = whole.detach().cpu() if is_main else None
             if is_main:
                 state[name] = gathered[id(tensor)]
+        return state
+
+    # A given `state_dict`: the caller gathered the tensors already and may call from one rank only (`save_merged`
+    # does), so no collective.
+    install_publishing_save_pretrained(model, gather, given_state="call_through")
+
+
+def install_publishing_save_pretrained(
+    model: nn.Module,
+    gather: Callable[[bool], dict[str, Any]],
+    *,
+    given_state: Literal["call_through", "publish"],
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Replace ``model.save_pretrained`` (on this instance, once) by a collective one: every rank calls it, every rank
+    runs ``gather(is_main)`` (the state dict to write, whole, needed on the main rank only), the main rank writes it
+    with the original method into a temporary directory renamed into place once complete, and a failure there raises
+    on every rank. ``is_main_process`` picks the writing rank (default: rank 0).
+
+    A caller's own ``state_dict``: ``given_state="call_through"`` hands the call to the original method as it is (no
+    collective: the caller may be on one rank only); ``"publish"`` writes it from the main rank as above, without
+    ``gather``. ``defaults``: keyword arguments for the original method unless the caller passes them."""
+    if getattr(model, "_lightning_tp_save", False):
+        return
+    original = model.save_pretrained
+
+    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        state = kwargs.pop("state_dict", None)
+        if state is not None and given_state == "call_through":
+            return original(save_directory, *args, state_dict=state, **kwargs)
+        is_main = kwargs.pop("is_main_process", None)
+        is_main = _is_main() if is_main is None else is_main
+        if state is None:
+            state = gather(is_main)
+        for key, value in (defaults or {}).items():
+            kwargs.setdefault(key, value)
 
         def write() -> None:
             with publish_directory(save_directory) as tmp:

@@ -57,7 +57,7 @@ def transformers_models(root: nn.Module) -> list[nn.Module]:
 
 
 def describe_models(root: nn.Module) -> dict[str, Any]:
-    """The ``"lightning_tp"`` checkpoint entry: what export needs to rebuild a Transformers directory.
+    """The ``MODELS_KEY`` checkpoint entry: what export needs to rebuild a Transformers directory.
 
     One entry per top-level Transformers model in ``root`` (a ``PeftModel`` wrapping one counts as that model, with
     its adapters). Reads configs only, never tensors, so it works on sharded and meta models. Plain JSON data."""
@@ -87,7 +87,7 @@ def _describe_model(model: nn.Module, *, prefix: str) -> dict[str, Any]:
         "architecture": _architecture(model),
         "config": json.loads(model.config.to_json_string(use_diff=False)),
         "generation_config": None if generation is None else json.loads(generation.to_json_string(use_diff=False)),
-        "source": model.config._name_or_path or None,
+        "source": model.config.name_or_path or None,
         "peft": None,
     }
 

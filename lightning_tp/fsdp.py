@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_tp.compat import no_split_modules
+
 
 def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[type[nn.Module]]:
     """The classes of the blocks to shard one by one: ``names``, or each Transformers model's ``_no_split_modules``
@@ -26,7 +28,7 @@ def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[
     wanted = set(names or ())
     if not wanted:
         for submodule in module.modules():
-            wanted.update(getattr(submodule, "_no_split_modules", None) or ())
+            wanted.update(no_split_modules(submodule))
     return {type(m) for m in module.modules() if type(m).__name__ in wanted}
 
 
@@ -129,8 +131,11 @@ def _refuse_calls_outside_units(root: nn.Module, units: list[nn.Module]) -> None
             if isinstance(module, FSDPModule) or not any(True for _ in module.parameters(recurse=False)):
                 continue
             owner = _owning_unit(unit, module)
+            # First of the module's pre-hooks: it reads the parameters as FSDP2 left them, before TP's parameter
+            # views (tensor_parallel._run_on_parameter_views, a pre-hook too) put local tensors in their place.
             module.register_forward_pre_hook(
-                _refuse_sharded(names.get(id(module), "?"), names.get(id(owner), "?"), type(module).__name__)
+                _refuse_sharded(names.get(id(module), "?"), names.get(id(owner), "?"), type(module).__name__),
+                prepend=True,
             )
 
 
@@ -146,7 +151,7 @@ def _owning_unit(unit: nn.Module, module: nn.Module) -> nn.Module:
 
 def _refuse_sharded(name: str, owner: str, class_name: str) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
-        for param in module._parameters.values():
+        for param in module.parameters(recurse=False):
             names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
             if names and any(axis in names for axis in _DATA_PARALLEL_AXES):
                 raise ValueError(

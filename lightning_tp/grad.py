@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_tp.compat import foreach_mul_, foreach_norm
+
 
 def _group_key(grad: torch.Tensor) -> object:
     if isinstance(grad, DTensor):
@@ -42,9 +44,7 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     for grads in groups.values():
         locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         # fp32 norms of bf16 gradients: their squares would lose precision in bf16.
-        local = torch.linalg.vector_norm(
-            torch.stack(torch._foreach_norm(locals_, norm_type, dtype=torch.float32)), norm_type
-        )
+        local = torch.linalg.vector_norm(torch.stack(foreach_norm(locals_, norm_type, dtype=torch.float32)), norm_type)
         value = local if is_inf else local.pow(norm_type)
         if isinstance(grads[0], DTensor):
             mesh, placements = grads[0].device_mesh, grads[0].placements
@@ -93,5 +93,5 @@ def clip_grad_norm_(
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         locals_by_device.setdefault((local.device, local.dtype), []).append(local)
     for (device, dtype), grads in locals_by_device.items():
-        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
+        foreach_mul_(grads, coef.to(device=device, dtype=dtype))
     return total

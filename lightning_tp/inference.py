@@ -22,9 +22,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-#: Transformers' mark of a model it sharded with FSDP2 itself (``transformers/distributed/fsdp.py``): ``generate``
-#: then defaults to ``synced_gpus=True`` when the world has more than one rank.
-FSDP_MANAGED_ATTR = "_is_fsdp_managed_module"
+from lightning_tp.compat import FSDP_MANAGED_ATTR
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

@@ -17,18 +17,10 @@ import torch
 from torch import nn
 
 from lightning_tp.plan import ResolvedPlan, key_regex, model_plan, resolve_plan
+from lightning_tp.styles import facts, style_names
 
-_SPLIT_DIM = {  # which dim of a parameter a style splits, from the end for weights (None: kept whole)
-    "colwise": "out",
-    "colwise_rep": "out",
-    "colwise_gather_output": "out",
-    "packed_colwise": "out",
-    "rowwise": "in",
-    "rowwise_rep": "in",
-    "rowwise_split_input": "in",
-    "embedding_rowwise": 0,
-    "embedding_colwise": 1,
-}
+#: Styles that split an embedding's vocabulary (dim 0): a vocabulary the TP size does not divide gives uneven shards.
+_VOCABULARY_STYLES = style_names(kind="embedding", weight_dim=0)
 
 
 @dataclass
@@ -45,18 +37,12 @@ class Report:
 
 
 def local_shape(shape: tuple[int, ...], style: str, tp_size: int, *, is_bias: bool) -> tuple[int, ...]:
-    """The largest per-rank shape of a parameter of ``shape`` under ``style`` (uneven splits give rank 0 the most)."""
-    split = _SPLIT_DIM.get(style)
-    if split is None or not shape:
+    """The largest per-rank shape of a parameter of ``shape`` under ``style`` (uneven splits give rank 0 the most).
+    ``is_bias``: the parameter is named ``bias`` (a row-wise bias is added after the reduction: replicated)."""
+    fact = facts(style)
+    dim = fact.split_dim(len(shape), is_bias=is_bias) if fact is not None else None
+    if dim is None:
         return shape
-    if split == "in" and is_bias:
-        return shape  # a row-wise bias is added after the reduction: replicated
-    if split == "out":
-        dim = 0 if len(shape) == 1 else len(shape) - 2
-    elif split == "in":
-        dim = len(shape) - 1
-    else:
-        dim = split
     out = list(shape)
     out[dim] = math.ceil(shape[dim] / tp_size)
     return tuple(out)
@@ -94,9 +80,10 @@ def inspect_model(
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
         style = styles.get(name)
-        local = local_shape(shape, style, tp_size, is_bias=name.endswith("bias")) if style else shape
-        local = _fsdp_shape(local, dp_shard_size)
-        if style and local_shape(shape, style, tp_size, is_bias=name.endswith("bias")) != shape:
+        is_bias = name.rpartition(".")[2] == "bias"  # Transformers replicates a row-wise `bias` by its name
+        tp_local = local_shape(shape, style, tp_size, is_bias=is_bias) if style else shape
+        local = _fsdp_shape(tp_local, dp_shard_size)
+        if tp_local != shape:
             report.rows.append((name, style, shape, local))
         else:
             report.replicated.append((name, local))
@@ -125,7 +112,7 @@ def _uneven_splits(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[s
     notes = []
     params = dict(model.named_parameters())
     for name, style in plan.transformers_styles.items():
-        if style in ("embedding_rowwise",) and name in params and params[name].shape[0] % tp_size:
+        if style in _VOCABULARY_STYLES and name in params and params[name].shape[0] % tp_size:
             vocab = params[name].shape[0]
             notes.append(
                 f"warning: {name} has a vocabulary of {vocab}, not divisible by tp_size={tp_size}: shards are uneven "

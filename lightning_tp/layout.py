@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from lightning_tp.compat import flatten_mesh
+from lightning_tp.compat import group_options as compat_group_options
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -118,7 +121,7 @@ class ParallelLayout:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
         # One group over every data-parallel rank, for the sampler and metric reductions.
         flat_override = options if options is not None and self.dp_size != self.world_size else None
-        dp_mesh = mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]._flatten(DP_AXIS, backend_override=flat_override)
+        dp_mesh = flatten_mesh(mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)], DP_AXIS, backend_override=flat_override)
         return mesh, dp_mesh
 
     def __str__(self) -> str:
@@ -129,23 +132,13 @@ class ParallelLayout:
 
 
 def group_options(timeout: timedelta | None) -> Any:
-    """Backend options that carry ``timeout`` into the groups ``init_device_mesh`` and ``DeviceMesh._flatten``
-    create (they read it from ``options._timeout``), or ``None`` for torch's default. NCCL insists on its own options
-    class; gloo and the others take the timeout alone."""
+    """Backend options of the world's backend that carry ``timeout`` into the groups ``init_device_mesh`` and
+    ``flatten_mesh`` create, or ``None`` for torch's default."""
     if timeout is None:
         return None
     import torch.distributed as dist
 
-    backend = str(dist.get_backend())
-    if "nccl" in backend and dist.is_nccl_available():
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False  # torch's default for the groups it builds itself
-    else:
-        from torch._C._distributed_c10d import Backend  # no public constructor for the base options
-
-        options = Backend.Options(backend, timeout)
-    options._timeout = timeout
-    return options
+    return compat_group_options(str(dist.get_backend()), timeout)
 
 
 def _divisors(n: int) -> list[int]:

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_tp.compat import distributed_is_initialized, mark_hf_initialized
 from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero, whole_parameters
 from lightning_tp.tensor_parallel import retie
 
@@ -79,7 +80,7 @@ def _local_directory(name_or_path: str | os.PathLike, revision: str | None) -> P
     def download(**kwargs: Any) -> Path:
         return Path(snapshot_download(str(name_or_path), revision=revision, allow_patterns=_HUB_FILES, **kwargs))
 
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not distributed_is_initialized():
         return download()
     # One process per node downloads (the cache may not be shared between nodes), and every rank learns whether all of
     # them succeeded: a download failing on one rank raises on every rank instead of leaving the others waiting in the
@@ -175,7 +176,7 @@ def materialize(model: nn.Module, device: torch.device, *, tied: dict[str, str])
     loaded = load_sharded(model, directory) if directory is not None else set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if _base_name(name) in loaded and not _is_adapter(name):
-            tensor._is_hf_initialized = True  # Transformers' initialisation skips what is marked
+            mark_hf_initialized(tensor)  # Transformers' initialisation skips what is marked
     if hasattr(model, "initialize_weights"):
         with random_state_of_rank_zero(device):
             initialize_transformers_weights(model)

@@ -14,17 +14,21 @@ model, and the plan is extended to the LoRA wrappers before sharding:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_tp.checkpoint import _is_main, publish_directory, run_on_main_and_share_failure
+from lightning_tp.checkpoint import (
+    _is_main,
+    install_publishing_save_pretrained,
+    publish_directory,
+    run_on_main_and_share_failure,
+)
 from lightning_tp.plan import ResolvedPlan, Style
 from lightning_tp.random_init import whole_parameters
-
-_COLUMN = ("colwise", "colwise_rep", "colwise_gather_output")
-_ROW = ("rowwise", "rowwise_rep", "rowwise_split_input")
+from lightning_tp.styles import facts
 
 #: LoRA configuration options this strategy cannot shard, merge or save correctly, with the reason.
 _REFUSED_OPTIONS = {
@@ -107,9 +111,19 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
                 f"tp_plan[{name!r}] is a torch ParallelStyle on a LoRA-wrapped layer: its adapters cannot follow it. "
                 "Use a Transformers style name for LoRA targets, or leave this layer out of `target_modules`."
             )
-        half = "lora_B" if style in _COLUMN else "lora_A" if style in _ROW else None
-        if half is None or not isinstance(wrapper.get_base_layer(), nn.Linear):
-            continue  # embeddings and replicated targets keep their adapters whole
+        if not isinstance(wrapper.get_base_layer(), nn.Linear):
+            continue  # embeddings keep their adapters whole
+        fact = facts(style)
+        half = fact.lora_half if fact is not None else None
+        if half is None:
+            if fact is not None and fact.output_sharded:
+                # A whole adapter's output has the full width, the base's only this rank's slice: the sum would fail.
+                raise ValueError(
+                    f"tp_plan[{name!r}] = {style!r} on a LoRA-wrapped linear layer: its output stays sharded in a "
+                    "layout the adapters cannot follow. Use 'colwise' for this layer, or leave it out of "
+                    "`target_modules`."
+                )
+            continue  # replicated and gathered targets keep their adapters whole
         for adapter, layer in getattr(wrapper, half).items():
             prefix = f"{name}.{half}.{adapter}"
             styles.update({f"{prefix}.{p}": style for p, _ in layer.named_parameters(recurse=False)})
@@ -186,27 +200,69 @@ def install_distributed_save(peft_model: nn.Module) -> None:
     tensors, ``adapter_config.json``) from rank 0, into a temporary directory renamed into place once complete.
 
     PEFT's own ``save_pretrained`` would write each rank's DTensor shards (or fail on them)."""
-    if getattr(peft_model, "_lightning_tp_save", False):
-        return
-    original = peft_model.save_pretrained
+    install_publishing_save_pretrained(
+        peft_model,
+        lambda is_main: gather_adapter_state_dict(peft_model),  # every rank keeps them: small
+        given_state="publish",
+        defaults={"save_embedding_layers": False},  # "auto" may ask the hub about the base model
+    )
 
-    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        state = kwargs.pop("state_dict", None)
-        if state is None:
-            state = gather_adapter_state_dict(peft_model)
-        is_main = kwargs.pop("is_main_process", None)
-        if is_main is None:
-            is_main = _is_main()
-        kwargs.setdefault("save_embedding_layers", False)  # "auto" may ask the hub about the base model
 
-        def write() -> None:
-            with publish_directory(save_directory) as tmp:
-                original(tmp, *args, state_dict=state, is_main_process=True, **kwargs)
+def check_mergeable(layers: Mapping[str, nn.Module]) -> None:
+    """Refuse, naming the layers, what :func:`merged_weight` cannot merge exactly: LoRA on anything but linear
+    (``nn.Linear``, GPT-2's ``Conv1D``) and embedding layers, DoRA, LoRA biases and variants (their merge reads more
+    than the adapter), and adapters already merged."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear: PEFT's LoRA with fan_in_fan_out
 
-        run_on_main_and_share_failure(write, is_main=is_main)
+    bad = [n for n, m in layers.items() if not isinstance(m.get_base_layer(), (nn.Linear, nn.Embedding, Conv1D))]
+    bad += [n for n, m in layers.items() for option in _REFUSED_OPTIONS if any(getattr(m, option, {}).values())]
+    bad += [n for n, m in layers.items() if getattr(m, "lora_variant", None) or m.merged]
+    if bad:
+        raise ValueError(
+            f"Cannot merge the adapters of {sorted(set(bad))[:4]}: plain, unmerged LoRA on linear, Conv1D and "
+            "embedding layers only. Export the adapters instead (without merging)."
+        )
 
-    peft_model.save_pretrained = save_pretrained
-    peft_model._lightning_tp_save = True
+
+def adapter_keys(layer: nn.Module) -> list[str]:
+    """The tensors a merge of ``layer`` reads: the keys, in the layer's own state dict, of its active adapters
+    (``lora_A.default.weight``, ``lora_embedding_B.default``, ...)."""
+    active = set(layer.active_adapters)
+    keys = [key.split(".") for key in layer.state_dict(keep_vars=True)]
+    return [".".join(k) for k in keys if k[0].startswith("lora_") and len(k) > 1 and k[1] in active]
+
+
+class _DeltaWeights(nn.Module):
+    """Runs PEFT's ``get_delta_weight`` of ``layer`` as a forward, so that ``torch.func.functional_call`` can give
+    it other tensors than the layer's own."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, adapters: list[str]) -> list[torch.Tensor]:
+        return [self.layer.get_delta_weight(adapter) for adapter in adapters]
+
+
+def merged_weight(layer: nn.Module, *, base_weight: torch.Tensor, adapters: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``base_weight`` with the active adapters of the LoRA ``layer`` merged in, what ``merge_and_unload`` writes into
+    that layer: the sum of PEFT's own ``get_delta_weight`` (scaling, rsLoRA, rank and alpha patterns,
+    ``fan_in_fan_out`` / ``Conv1D``, embeddings), computed on the whole tensors given, in fp32, and cast back to
+    ``base_weight``'s dtype.
+
+    ``adapters``: whole tensors under the keys of :func:`adapter_keys` (gathered from a live sharded run, or read from
+    a checkpoint). ``layer`` only supplies the math and the hyper-parameters: it may be on the meta device, or live
+    and sharded; its own tensors are swapped for these during the call (``functional_call``) and left as they were.
+    Check the layers with :func:`check_mergeable` first."""
+    assert set(adapters) == set(adapter_keys(layer)), (sorted(adapters), adapter_keys(layer))  # by the callers
+    active = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
+    tensors = {f"layer.{key}": tensor.float() for key, tensor in adapters.items()}
+    with torch.no_grad():
+        deltas = torch.func.functional_call(_DeltaWeights(layer), tensors, (active,), strict=False)
+        merged = base_weight.float()
+        for delta in deltas:
+            merged = merged + delta
+    return merged.to(base_weight.dtype)
 
 
 def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, str]]:
@@ -220,12 +276,7 @@ def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dic
     keep = _is_main()
     base = peft_model.get_base_model()
     layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
-    unmergeable = [n for n, m in layers.items() if not isinstance(m.get_base_layer(), (nn.Linear, nn.Embedding))]
-    unmergeable += [n for n, m in layers.items() if m.merged]
-    if unmergeable:
-        raise ValueError(
-            f"Cannot merge the adapters of {unmergeable[:4]}: only unmerged LoRA on linear and embedding layers."
-        )
+    check_mergeable(layers)
     full: dict[str, Any] = {}
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -242,32 +293,25 @@ def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dic
 
 
 def _merge(layers: dict[str, nn.Module], full: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
-    """``W + scaling * B @ A`` for each active adapter, under the base model's own names (what ``merge_and_unload``
-    gives); inactive adapters are left out, as ``merge_and_unload`` drops them. A tied name holds the very tensor of
-    the name it is tied to, so that Transformers writes it once, as its own ``save_pretrained``; merging an adapter
-    into one of them unties them."""
+    """The active adapters merged (:func:`merged_weight`), under the base model's own names (what
+    ``merge_and_unload`` gives); inactive adapters are left out, as ``merge_and_unload`` drops them. A tied name holds
+    the very tensor of the name it is tied to, so that Transformers writes it once, as its own ``save_pretrained``;
+    merging an adapter into one of them unties them."""
     for alias, source in aliases.items():
         full[alias] = full[source]
-    for name, module in layers.items():
-        weight = full[f"{name}.base_layer.weight"].float()
-        for adapter in module.active_adapters:
-            if adapter in module.lora_A:  # linear: W[out, in] += s * B[out, r] @ A[r, in]
-                a = full.pop(f"{name}.lora_A.{adapter}.weight").float()
-                b = full.pop(f"{name}.lora_B.{adapter}.weight").float()
-                weight = weight + module.scaling[adapter] * (b @ a)
-            elif adapter in module.lora_embedding_A:  # embedding: W[vocab, dim] += s * (B[dim, r] @ A[r, vocab]).T
-                a = full.pop(f"{name}.lora_embedding_A.{adapter}").float()
-                b = full.pop(f"{name}.lora_embedding_B.{adapter}").float()
-                weight = weight + module.scaling[adapter] * (b @ a).T
-        full[f"{name}.base_layer.weight"] = weight.to(full[f"{name}.base_layer.weight"].dtype)
+    for name, layer in layers.items():
+        adapters = {key: full.pop(f"{name}.{key}") for key in adapter_keys(layer)}
+        key = f"{name}.base_layer.weight"
+        full[key] = merged_weight(layer, base_weight=full[key], adapters=adapters)
     return {k.replace(".base_layer.", "."): v for k, v in full.items() if ".lora_" not in k}
 
 
 def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwargs: Any) -> None:
-    """Write the model with its LoRA adapters merged (``W + scaling * B @ A``) as a standard Transformers directory
-    (``config.json``, safetensors), loadable with ``AutoModelForCausalLM.from_pretrained`` on one process, without
-    changing the sharded model that keeps training. Call it on every rank: they gather one tensor at a time; rank 0
-    merges and writes, and a failure there raises on every rank."""
+    """Write the model with its LoRA adapters merged (:func:`merged_weight`: PEFT's own delta, ``Conv1D`` included)
+    as a standard Transformers directory (``config.json``, safetensors), loadable with
+    ``AutoModelForCausalLM.from_pretrained`` on one process, without changing the sharded model that keeps training.
+    Call it on every rank: they gather one tensor at a time; rank 0 merges and writes, and a failure there raises on
+    every rank."""
     layers, full, aliases = _gather_base_state(peft_model)
     is_main = _is_main()
 

@@ -17,6 +17,7 @@ issues three), none in the backward, and no DTensor dispatch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import Placement
+
+from lightning_tp.compat import assert_async, causal_lm_loss_function, compute_local_shape_and_global_offset
+from lightning_tp.plan import ResolvedPlan
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -143,8 +147,6 @@ def _local_vocab_shard(
     logits: DTensor, group: Any, vocab_start: int | None, vocab_size: int | None
 ) -> tuple[torch.Tensor, dist.ProcessGroup, int, int]:
     """This rank's slice of DTensor logits sharded on the last dim, its group and its first vocabulary index."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if group is not None or vocab_start is not None:
         raise ValueError(
             "vocab_parallel_cross_entropy: DTensor `logits` carry their group and vocabulary offset; do not pass "
@@ -171,7 +173,7 @@ def _check_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int | Non
     if vocab_size is None:
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a label is outside [0, {vocab_size})")
+    assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a label is outside [0, {vocab_size})")
 
 
 def causal_lm_loss(
@@ -188,7 +190,7 @@ def causal_lm_loss(
     Logits that are a DTensor sharded on the vocabulary go to :func:`vocab_parallel_cross_entropy`; replicated
     DTensor logits are taken locally (each rank computes the same loss); plain tensors go to Transformers' function.
     """
-    from transformers.loss.loss_utils import ForCausalLMLoss
+    ForCausalLMLoss = causal_lm_loss_function()
 
     if isinstance(logits, DTensor) and all(isinstance(p, Replicate) for p in logits.placements):
         logits = logits.to_local()
@@ -224,21 +226,8 @@ def install_loss_parallel(model: nn.Module, *, gather_logits: bool = True) -> nn
     wants the logits: they are gathered into a plain tensor (``generate`` fails on DTensor logits, torch 2.13). With
     ``labels`` they stay a sharded DTensor (``.full_tensor()`` gathers them), which is the point.
     """
-    from transformers import PreTrainedModel
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    # `PreTrainedModel.loss_function` is a property: an instance's `_loss_function` when set, else
-    # `LOSS_MAPPING[self.loss_type]` (from the class name: `...ForCausalLM`, and `...ForConditionalGeneration`
-    # also map to `ForCausalLMLoss`). Its setter stores `_loss_function` on the instance.
-    current = model.loss_function if isinstance(model, PreTrainedModel) else None
-    if current is causal_lm_loss:
+    if _check_causal_lm_loss(model) is causal_lm_loss:
         return model
-    if current is not ForCausalLMLoss:
-        raise ValueError(
-            f"install_loss_parallel: {type(model).__name__} does not compute Transformers' causal-LM loss (its "
-            f"`loss_function` is {getattr(current, '__name__', current)!r}), so there is nothing to replace. Pass "
-            "the `...ForCausalLM` model itself (not a wrapper), or call `vocab_parallel_cross_entropy` on its logits."
-        )
     model.loss_function = causal_lm_loss
     if gather_logits:
         model.register_forward_hook(_gather_logits_without_labels, with_kwargs=True)
@@ -254,6 +243,24 @@ def _gather_logits_without_labels(module: nn.Module, args: tuple, kwargs: dict, 
     return output
 
 
+def _check_causal_lm_loss(model: nn.Module) -> Any:
+    """The model's loss function, which must be Transformers' causal-LM loss (or ours, installed already)."""
+    from transformers import PreTrainedModel
+
+    ForCausalLMLoss = causal_lm_loss_function()
+    # `PreTrainedModel.loss_function` is a property: an instance's `_loss_function` when set, else
+    # `LOSS_MAPPING[self.loss_type]` (from the class name: `...ForCausalLM`, and `...ForConditionalGeneration`
+    # also map to `ForCausalLMLoss`). Its setter stores `_loss_function` on the instance.
+    current = model.loss_function if isinstance(model, PreTrainedModel) else None
+    if current is not causal_lm_loss and current is not ForCausalLMLoss:
+        raise ValueError(
+            f"loss_parallel: {type(model).__name__} does not compute Transformers' causal-LM loss (its "
+            f"`loss_function` is {getattr(current, '__name__', current)!r}), so there is nothing to replace. Pass "
+            "the `...ForCausalLM` model itself (not a wrapper), or call `vocab_parallel_cross_entropy` on its logits."
+        )
+    return current
+
+
 def lm_head_style(input_layouts: Placement | None = None) -> ColwiseParallel:
     """The ``lm_head`` style for loss parallelism: column-wise, logits left sharded on the vocabulary as a DTensor.
 
@@ -262,3 +269,27 @@ def lm_head_style(input_layouts: Placement | None = None) -> ColwiseParallel:
     parallelism); replicated by default.
     """
     return ColwiseParallel(input_layouts=input_layouts or Replicate(), output_layouts=Shard(-1), use_local_output=False)
+
+
+def loss_parallel_plan(model: nn.Module, plan: ResolvedPlan) -> ResolvedPlan:
+    """``plan`` with the output head (``lm_head``) column-wise and its logits left vocabulary-sharded
+    (:func:`lm_head_style`), after checking that the model computes Transformers' causal-LM loss, which
+    :func:`install_loss_parallel` replaces once the model is sharded. Changes nothing on the model."""
+    _check_causal_lm_loss(model)
+    styles = dict(plan.styles)
+    head = output_head(model, styles)
+    styles.pop(f"{head}.weight", None)
+    styles[head] = lm_head_style()
+    return ResolvedPlan(styles=styles, grad_allreduce=list(plan.grad_allreduce), tied=plan.tied)
+
+
+def output_head(model: nn.Module, styles: Mapping[str, Any]) -> str:
+    """The path of the model's output embeddings (``lm_head``), which must be in the plan."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if get_output is not None else None
+    names = [name for name, m in model.named_modules() if m is head]
+    if head is None or not names or names[0] not in styles:
+        raise ValueError(
+            f"loss_parallel=True needs a sharded output head (`lm_head`); {type(model).__name__} has none in its plan."
+        )
+    return names[0]

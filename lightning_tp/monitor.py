@@ -14,6 +14,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_tp.compat import CUDA_FLOPS
+
 
 class ThroughputMonitor(L.Callback):
     """Logs ``tokens_per_sec`` (global, shown in the progress bar), ``tokens_per_sec_per_replica`` (this
@@ -101,8 +103,6 @@ def _h200_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """Lightning 2.6 knows the H200 only by names with "SXM1"/"NVL1" (and quotes sparse figures for it); CUDA reports
     a plain "NVIDIA H200" (seen here), which then gets no MFU. The H200 has the H100 SXM's compute: take its dense
     figures."""
-    from lightning.fabric.utilities.throughput import _CUDA_FLOPS
-
     if "h200" not in torch.cuda.get_device_name(device).lower():
         return None
-    return _CUDA_FLOPS["h100 sxm"].get(dtype)
+    return CUDA_FLOPS["h100 sxm"].get(dtype)

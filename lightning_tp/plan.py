@@ -16,61 +16,18 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_tp.styles import REFUSED_STYLES, SUPPORTED_STYLES, facts, style_names
+
 Style = str | ParallelStyle
 
-#: Transformers style names applied with Transformers' own TP layers.
-SUPPORTED_STYLES: dict[str, str] = {
-    "colwise": "linear, weight sharded on the output dim, output stays sharded",
-    "colwise_gather_output": "colwise, output gathered to every rank (e.g. lm_head)",
-    "colwise_rep": "colwise, output gathered to every rank",
-    "rowwise": "linear, weight sharded on the input dim, output all-reduced",
-    "rowwise_rep": "rowwise with a replicated input that is split locally",
-    "rowwise_split_input": "rowwise with a replicated input that is split locally",
-    "embedding_rowwise": "embedding sharded on the vocabulary, partial lookups summed",
-    "embedding_colwise": "embedding sharded on the hidden dim, slices gathered",
-    "replicated_with_grad_allreduce": "replicated parameter whose gradient is summed over the TP group (q/k norms)",
-    "replicate": "kept whole on every rank",
-    "local_params": "module runs on its local parameter shards",
-    "moe_tp_experts": "mixture-of-experts block: every expert sharded, partial outputs summed",
-    "packed_colwise": "fused gate/up expert weight, each packed half sharded column-wise",
-}
-
-_MOE = (
-    "Transformers uses it for mixture-of-experts layers, whose tensor parallelism is not verified for training with "
-    "this strategy yet; map the rule to 'replicate' to keep that module whole"
-)
-
-#: Transformers style names this strategy refuses, with the reason and the fix.
-REFUSED_STYLES: dict[str, str] = {
-    "ep_dispatch_experts": "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not "
-    "build; shard the experts with `moe_tp_experts` instead",
-    "grouped_gemm": "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not build; "
-    "shard the experts with `moe_tp_experts` instead",
-    "sequence_parallel": "Transformers' sequence-parallel style is not wired into its layers yet; leave the norms "
-    "replicated (drop the rule)",
-    "moe_identity_expert": _MOE,
-    "all_reduce": _MOE,
-    "packed_rowwise": _MOE,
-    "mla_kv_a_proj": "multi-head latent attention (DeepSeek-V2 style) is not verified for training with this "
-    "strategy yet",
-}
-
-#: How a style lays out a 2-D weight, to check that tied weights get one layout. ``None``: replicated.
-_WEIGHT_DIM: dict[str, int | None] = {
-    "colwise": 0,
-    "colwise_gather_output": 0,
-    "colwise_rep": 0,
-    "rowwise": 1,
-    "rowwise_rep": 1,
-    "rowwise_split_input": 1,
-    "embedding_rowwise": 0,
-    "embedding_colwise": 1,
-}
+#: Styles whose gradient sum over the TP group this package applies itself (not Transformers' hook layer).
+_SUMMED_HERE = style_names(sums_gradients=True)
 
 #: Output projections whose width counts attention heads (query) and KV heads (key/value).
 _QUERY_PROJECTIONS = ("q_proj", "query", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
 _KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value", "qkv_proj", "query_key_value")
-_COLUMN_STYLES = ("colwise", "packed_colwise")
+#: Styles whose output holds each rank's slice of the features (heads): a head count must divide by the TP size.
+_COLUMN_STYLES = style_names(output_sharded=True)
 
 
 @dataclass
@@ -91,9 +48,7 @@ class ResolvedPlan:
     def transformers_styles(self) -> dict[str, str]:
         """The entries applied with Transformers' layers."""
         return {
-            name: style
-            for name, style in self.styles.items()
-            if isinstance(style, str) and style != "replicated_with_grad_allreduce"
+            name: style for name, style in self.styles.items() if isinstance(style, str) and style not in _SUMMED_HERE
         }
 
     @property
@@ -237,9 +192,7 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     resolved.grad_allreduce = [
         name
         for name, style in resolved.styles.items()
-        if style == "replicated_with_grad_allreduce"
-        and name in module_names
-        and _sees_sharded_features(name, resolved.styles)
+        if style in _SUMMED_HERE and name in module_names and _sees_sharded_features(name, resolved.styles)
     ]
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
@@ -273,7 +226,7 @@ def _tied_aliases(module: nn.Module, param_styles: Mapping[str, Style | None]) -
             continue
         source = owner[id(param)]
         tied[name] = source
-        layouts = {n: _weight_layout(param_styles.get(n)) for n in (source, name)}
+        layouts = {n: _weight_layout(param_styles.get(n), n, param.ndim) for n in (source, name)}
         if layouts[source] != layouts[name]:
             raise ValueError(
                 f"Tied parameters {source!r} and {name!r} would be sharded differently "
@@ -284,12 +237,11 @@ def _tied_aliases(module: nn.Module, param_styles: Mapping[str, Style | None]) -
     return tied
 
 
-def _weight_layout(style: Style | None) -> str:
-    if style is None or style in ("replicate", "replicated_with_grad_allreduce", "all_reduce", "local_params"):
-        return "replicated"
-    if isinstance(style, str):
-        dim = _WEIGHT_DIM.get(style)
-        return "replicated" if dim is None else f"shard({dim})"
+def _weight_layout(style: Style | None, name: str, ndim: int) -> str:
+    """The layout ``style`` gives parameter ``name`` of ``ndim`` dims (equal strings: the same shard on every rank)."""
+    if style is None or isinstance(style, str):
+        fact = facts(style)
+        return "replicated" if fact is None else fact.layout(ndim, is_bias=name.rpartition(".")[2] == "bias")
     return f"custom {type(style).__name__}"
 
 

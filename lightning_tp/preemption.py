@@ -37,6 +37,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_tp.checkpoint import partial_path
+from lightning_tp.compat import (
+    clear_received_sigterm,
+    cluster_environment,
+    distributed_is_initialized,
+    hpc_save_path,
+    replace_sigterm_broadcast,
+    restore_sigterm_broadcast,
+    strategy_timeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +137,13 @@ class PreemptionCheckpoint(L.Callback):
             self._received.append(signal.SIGTERM)
             # Taken over: Lightning's own checks of the flag would raise on this rank alone, without a save, and
             # leave the others in their next collective.
-            trainer._signal_connector.received_sigterm = False  # private: the flag has no public setter
+            clear_received_sigterm(trainer)
         if signal.SIGTERM in self._active:
             # Lightning broadcasts its SIGTERM flag from rank 0 before every batch (`_broadcast_sigterm_tensor`, a
             # private hook of the epoch loop); with its handler replaced the flag stays False, so the all-reduce
             # below takes its place instead of running beside it. Undone when training ends.
             loop = trainer.fit_loop.epoch_loop
-            loop._broadcast_sigterm_tensor = _no_broadcast
+            replace_sigterm_broadcast(loop, _no_broadcast)
             self._patched_loop = loop
         self._ensure_group(trainer)
 
@@ -145,7 +154,7 @@ class PreemptionCheckpoint(L.Callback):
         self._previous = {}
         self._active = ()
         if self._patched_loop is not None:
-            self._patched_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            restore_sigterm_broadcast(self._patched_loop)
             self._patched_loop = None
         if self._received:
             names = sorted({signal.Signals(s).name for s in self._received})
@@ -162,7 +171,7 @@ class PreemptionCheckpoint(L.Callback):
     # ------------------------------------------------------------------ the step boundary
 
     def _ensure_group(self, trainer: L.Trainer) -> None:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not distributed_is_initialized() or dist.get_world_size() == 1:
             self._group = None
             return
         if self._group_of is dist.group.WORLD:
@@ -171,7 +180,7 @@ class PreemptionCheckpoint(L.Callback):
         if dist.get_backend() != "gloo":
             # A gloo side group over CPU tensors: the flag's all-reduce does not wait for the device's queue (NCCL
             # would need a device tensor and a host sync every step). Created by every rank, in the same order.
-            timeout = getattr(trainer.strategy, "_timeout", None)  # the strategy's `timeout`
+            timeout = strategy_timeout(trainer.strategy)
             self._group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -186,7 +195,7 @@ class PreemptionCheckpoint(L.Callback):
     def _agree(self, trainer: L.Trainer) -> list[signal.Signals]:
         """The signals any rank received, on every rank (one all-reduce of a few bytes)."""
         flags = torch.tensor([float(sig in self._received) for sig in self._active])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed_is_initialized() and dist.get_world_size() > 1:
             assert self._group is not None or dist.get_backend() == "gloo", "no side group for the flag"
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         return [sig for sig, flag in zip(self._active, flags.tolist(), strict=True) if flag]
@@ -196,7 +205,7 @@ class PreemptionCheckpoint(L.Callback):
         names = ", ".join(sig.name for sig in received)
         # Lightning's own numbering (`hpc_ckpt_{max + 1}.ckpt`), which `ckpt_path="hpc"` resolves to the newest of;
         # rank 0's choice is the one every rank uses (the strategy broadcasts the path).
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)  # private: Lightning's naming
+        path = hpc_save_path(trainer)
         path = trainer.strategy.broadcast(path)
         rank_zero_info(f"Preemption ({names}) at global step {trainer.global_step}: saving {path}")
         trainer.save_checkpoint(path)
@@ -248,7 +257,7 @@ def _slurm_requeue_signal(trainer: L.Trainer) -> signal.Signals | None:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     # Where Lightning's `_SignalConnector` reads it (a single-device strategy has no `cluster_environment`).
-    environment = trainer._accelerator_connector.cluster_environment
+    environment = cluster_environment(trainer)
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
         return signal.Signals(environment.requeue_signal)
     return None

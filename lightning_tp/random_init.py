@@ -21,6 +21,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_tp.compat import (
+    distributed_is_initialized,
+    is_hf_initialized,
+    parameter_dict,
+    wrapped_initialize_weights,
+)
+
 
 @contextmanager
 def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None]:
@@ -29,8 +36,8 @@ def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None
     is back in place. Parameters marked ``_is_hf_initialized`` (loaded from a checkpoint) are left as they are."""
     swapped: list[tuple[nn.Module, str, DTensor, torch.Tensor]] = []
     for module in dict.fromkeys(modules):  # once each, in order
-        for name, param in module._parameters.items():
-            if not isinstance(param, DTensor) or getattr(param, "_is_hf_initialized", False):
+        for name, param in parameter_dict(module).items():
+            if not isinstance(param, DTensor) or is_hf_initialized(param):
                 continue
             if not param.is_floating_point():  # NaN marks what was not written; no random init makes integers
                 continue
@@ -39,14 +46,14 @@ def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None
                 torch.full(param.shape, float("nan"), dtype=param.dtype, device=local.device),
                 requires_grad=param.requires_grad,
             )
-            module._parameters[name] = whole
+            parameter_dict(module)[name] = whole
             swapped.append((module, name, param, whole))
     try:
         yield
     finally:
         with torch.no_grad():
             for module, name, param, whole in swapped:
-                module._parameters[name] = param
+                parameter_dict(module)[name] = param
                 # No communication (src_data_rank=None): every rank holds the same whole tensor and keeps its slice,
                 # whatever the placements (TP's Shard, FSDP2's Shard/_StridedShard on the 2-D mesh, Replicate).
                 mine = distribute_tensor(whole.detach(), param.device_mesh, param.placements, src_data_rank=None)
@@ -70,7 +77,7 @@ def random_state_of_rank_zero(device: torch.device) -> Generator[None, None, Non
     enter), so that every rank draws the same whole tensors. A rank whose state was rank 0's keeps the advanced state,
     as one process would; a rank whose state differed gets its own back afterwards (its later draws, e.g. dropout
     masks on another data-parallel rank, stay its own)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed_is_initialized() or dist.get_world_size() == 1:
         yield
         return
     get_state, set_state = _generator_state(device)
@@ -93,22 +100,15 @@ def initialize_transformers_weights(model: nn.Module) -> None:
 
     # `initialize_weights` visits modules depth-first and calls the `_initialize_weights` of the nearest Transformers
     # model on each; wrapping that method on every sub-model instance catches each module when it is initialised.
-    wrapped = []
-    for sub in model.modules():
-        if isinstance(sub, PreTrainedModel) and "_initialize_weights" not in sub.__dict__:
-            original = sub._initialize_weights
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def initialize(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            with whole_parameters(_reachable_from_init(module)):
+                original(module, *args, **kwargs)
 
-            def initialize(module: nn.Module, *args: Any, _original: Callable = original, **kwargs: Any) -> None:
-                with whole_parameters(_reachable_from_init(module)):
-                    _original(module, *args, **kwargs)
+        return initialize
 
-            sub._initialize_weights = initialize
-            wrapped.append(sub)
-    try:
+    with wrapped_initialize_weights([sub for sub in model.modules() if isinstance(sub, PreTrainedModel)], wrap):
         model.initialize_weights()
-    finally:
-        for sub in wrapped:
-            del sub._initialize_weights
 
 
 def _reachable_from_init(module: nn.Module) -> list[nn.Module]:

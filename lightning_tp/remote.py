@@ -30,6 +30,7 @@ import zipfile
 from typing import Any
 
 from lightning_tp.checkpoint import (
+    CHECKPOINT_FILE,
     DCP_INDEX,
     META_FILENAME,
     IncompleteCheckpointError,
@@ -37,13 +38,12 @@ from lightning_tp.checkpoint import (
     index_reader,
     is_checkpoint_file,
 )
+from lightning_tp.compat import fsspec_reader_class, fsspec_writer_class
 
 #: Written last into a checkpoint directory at a URL; without it the directory is not a checkpoint.
 COMMIT_MARKER = ".lightning_tp_complete"
 _DATA_PREFIX = "shards-"
 _DATA_DIRECTORY = re.compile(rf"{_DATA_PREFIX}[0-9a-f]{{16}}")
-#: What DCP's writer and this package write into a data directory.
-_WRITTEN_FILE = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|meta\.pt")
 
 
 def is_url(path: Any) -> bool:
@@ -63,16 +63,11 @@ def join(url: str, *names: str) -> str:
 
 
 def dcp_writer(url: str) -> Any:
-    # Private module: torch 2.13 does not export the fsspec writer/reader from `torch.distributed.checkpoint`.
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(url)
+    return fsspec_writer_class()(url)
 
 
 def dcp_reader_class() -> type:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # private, as for the writer
-
-    return FsspecReader
+    return fsspec_reader_class()
 
 
 def dcp_reader(url: str) -> Any:
@@ -184,7 +179,7 @@ def _remove_unfinished(fs: Any, root: str, *, keep: str) -> None:
         if name == keep or not _DATA_DIRECTORY.fullmatch(name) or not fs.isdir(entry):
             continue
         files = fs.find(entry)
-        if all(_WRITTEN_FILE.fullmatch(posixpath.relpath(f, entry)) for f in files):
+        if all(CHECKPOINT_FILE.fullmatch(posixpath.relpath(f, entry)) for f in files):
             for file in files:
                 fs.rm_file(file)
             try:

@@ -31,14 +31,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_tp.loss_parallel import lm_head_style
 from lightning_tp.plan import ResolvedPlan
+from lightning_tp.tensor_parallel import (
+    decoder_layers,
+    layer_entries,
+    on_hidden_states,
+    region_problem,
+    rewrite_layer_styles,
+)
 
 SEQUENCE_DIM = 1
-#: Transformers styles that sequence parallelism can rewrite; any other in a decoder layer is refused by name.
-_REWRITABLE = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
 
 
 class SequenceSplit:
@@ -73,7 +77,7 @@ class GatherSequence(ParallelStyle):
                 device_mesh, [Replicate()]
             )
 
-        module.register_forward_pre_hook(_on_hidden_states(gather), with_kwargs=True)
+        module.register_forward_pre_hook(on_hidden_states(gather), with_kwargs=True)
         return module
 
 
@@ -86,7 +90,9 @@ class ScatterSequence(ParallelStyle):
         self.split = split
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)._apply(module, device_mesh)
+        parallelize_module(
+            module, device_mesh, RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)
+        )
 
         def to_local(module: nn.Module, args: Any, output: DTensor) -> Any:
             if self.split.active:
@@ -116,18 +122,6 @@ class GatherOutput(ParallelStyle):
         return module
 
 
-class ReplicateRegionInput(ParallelStyle):
-    """The module's ``hidden_states`` (whole on every rank) enter as one replicated DTensor, shared by the
-    column-wise projections inside: the backward sums their partial input gradients, then all-reduces once."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def as_dtensor(local: Any) -> Any:
-            return DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
-
-        module.register_forward_pre_hook(_on_hidden_states(as_dtensor), with_kwargs=True)
-        return module
-
-
 class ShardSequence(ParallelStyle):
     """The module's replicated ``hidden_states`` enter as this rank's sequence shard (a local slice; its backward
     all-gathers the gradient). Decides :class:`SequenceSplit` for the whole forward."""
@@ -150,7 +144,7 @@ class ShardSequence(ParallelStyle):
                 .to_local()
             )
 
-        module.register_forward_pre_hook(_on_hidden_states(shard), with_kwargs=True)
+        module.register_forward_pre_hook(on_hidden_states(shard), with_kwargs=True)
         return module
 
 
@@ -184,136 +178,66 @@ def _raise_on_every_rank_if_undivisible(
     )
 
 
-def _on_hidden_states(fn: Any) -> Any:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args:
-            return (fn(args[0]), *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-        raise ValueError(
-            f"{type(module).__name__} was called without `hidden_states`; sequence parallelism needs them."
-        )
-
-    return hook
-
-
-def rewrite_plan(
+def sequence_parallel_plan(
     model: nn.Module,
     plan: ResolvedPlan,
     *,
-    sequence_parallel: bool,
-    loss_parallel: bool,
     blocks: set[type],
-    dense_layers: bool = True,
     agree_group: dist.ProcessGroup | None = None,
 ) -> ResolvedPlan:
-    """``plan`` rewritten for sequence and/or loss parallelism (see the module docstring). ``blocks``: the classes of
-    the decoder layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite.
-
-    Without sequence parallelism, decoder layers made of column-/row-wise pairs are rewritten too (``dense_layers``):
-    each attention and MLP makes its input one replicated DTensor (:class:`ReplicateRegionInput`) shared by its
-    column-wise projections, so their partial input gradients are summed and all-reduced once, 2 all-reduces per layer
-    in backward (Megatron's count) instead of one per projection (5 for q, k, v, gate, up) with Transformers' layers.
-    Layers with other styles keep Transformers' layers. ``agree_group``: the data-parallel group over which training
-    forwards agree on whether the sequence splits (see :class:`SequenceSplit`)."""
+    """``plan`` rewritten for sequence parallelism (see the module docstring). ``blocks``: the classes of the decoder
+    layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite. ``agree_group``: the
+    data-parallel group over which training forwards agree on whether the sequence splits (see
+    :class:`SequenceSplit`)."""
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
     split = SequenceSplit(agree_group)
-    # Decoder layers with plan entries: `_no_split_modules` also lists vision and audio blocks, which the plan
-    # leaves alone.
-    layers = [name for name, m in model.named_modules() if type(m) in blocks and _layer_entries(styles, name)]
-    problems = [problem for layer in layers if (problem := _unrewritable(styles, layer))]
-    if sequence_parallel and not problems:
-        problems = [problem for layer in layers if (problem := _outside_regions(model, styles, layer))]
-    if sequence_parallel and not layers:
+    layers = decoder_layers(model, styles, blocks)
+    if not layers:
         classes = sorted(b.__name__ for b in blocks)
         raise ValueError(
             f"sequence_parallel=True needs the decoder layers of {type(model).__name__} (classes {classes}), and "
             "found none. Pass `fsdp_blocks=[<decoder layer class>]`, or drop `sequence_parallel`."
         )
-    if sequence_parallel and problems:
+    problems = [problem for layer in layers if (problem := region_problem(styles, layer))]
+    if not problems:
+        problems = [problem for layer in layers if (problem := _outside_regions(model, styles, layer))]
+    if problems:
         raise ValueError(f"sequence_parallel=True rewrites column-wise/row-wise pairs, but {problems[0]}.")
-    if layers and not problems and (sequence_parallel or dense_layers):
-        for index, layer in enumerate(layers):
-            _rewrite_layer(
-                model, layer, styles, grad_allreduce, first=index == 0, split=split if sequence_parallel else None
-            )
-        if sequence_parallel:
-            norms = _norms_after_layers(model, layers, styles)
-            if len(norms) != 1:
-                raise ValueError(
-                    f"sequence_parallel=True gathers the sequence after the final norm, but found {norms or 'none'} "
-                    f"after the decoder layers of {type(model).__name__}."
-                )
-            grad_allreduce += norms
-            styles[norms[0]] = GatherOutput(split)
-    if loss_parallel:
-        head = _output_head(model, styles)
-        styles.pop(f"{head}.weight", None)
-        styles[head] = lm_head_style()
+    for index, layer in enumerate(layers):
+        regions = rewrite_layer_styles(
+            styles, layer, rowwise=lambda: ScatterSequence(split), region=lambda: GatherSequence(split)
+        )
+        if index == 0:
+            styles[layer] = ShardSequence(split)
+        # Replicated parameters outside the regions (the norms) see one sequence shard each.
+        inside = layer_entries(plan.styles, layer)
+        for name, module in model.get_submodule(layer).named_modules(prefix=layer):
+            if any(name == r or name.startswith(f"{r}.") for r in regions) or name in inside:
+                continue
+            if any(True for _ in module.parameters(recurse=False)):
+                grad_allreduce.append(name)
+    norms = _norms_after_layers(model, layers, styles)
+    if len(norms) != 1:
+        raise ValueError(
+            f"sequence_parallel=True gathers the sequence after the final norm, but found {norms or 'none'} "
+            f"after the decoder layers of {type(model).__name__}."
+        )
+    grad_allreduce += norms
+    styles[norms[0]] = GatherOutput(split)
     return ResolvedPlan(styles=styles, grad_allreduce=grad_allreduce, tied=plan.tied)
-
-
-def _layer_entries(styles: dict[str, Any], layer: str) -> dict[str, Any]:
-    return {k: v for k, v in styles.items() if k.startswith(f"{layer}.") and not k.endswith((".weight", ".bias"))}
-
-
-def _unrewritable(styles: dict[str, Any], layer: str) -> str | None:
-    """Why ``layer``'s entries are not column-/row-wise pairs, or ``None``."""
-    inside = _layer_entries(styles, layer)
-    for key, style in inside.items():
-        if not (isinstance(style, str) and style in _REWRITABLE):
-            return f"{key!r} has style {style!r}. Drop `sequence_parallel` for this model, or override that entry"
-    if not any(style == "rowwise" for style in inside.values()):
-        return f"decoder layer {layer!r} has no row-wise projection"
-    return None
 
 
 def _outside_regions(model: nn.Module, styles: dict[str, Any], layer: str) -> str | None:
     """A module of the layer with parameters that would run on sequence shards and is not a norm (an attention the
     plan leaves whole, say), or ``None``."""
-    regions = {key.rsplit(".", 1)[0] for key, style in _layer_entries(styles, layer).items() if style == "rowwise"}
+    regions = {key.rsplit(".", 1)[0] for key, style in layer_entries(styles, layer).items() if style == "rowwise"}
     for name, child in model.get_submodule(layer).named_children():
         path = f"{layer}.{name}"
         if path in regions or "norm" in type(child).__name__.lower() or not any(True for _ in child.parameters()):
             continue
         return f"{path!r} ({type(child).__name__}) would run on sequence shards; only norms can"
     return None
-
-
-def _rewrite_layer(
-    model: nn.Module,
-    layer: str,
-    styles: dict[str, Any],
-    grad_allreduce: list[str],
-    *,
-    first: bool,
-    split: SequenceSplit | None,
-) -> None:
-    """One input DTensor per attention/MLP; with ``split``, sequence parallelism around them."""
-    inside = _layer_entries(styles, layer)
-    rowwise = [k for k, v in inside.items() if v == "rowwise"]
-    for key in [k for k in styles if k.startswith(f"{layer}.") and k.endswith((".weight", ".bias"))]:
-        if styles[key] in ("colwise", "rowwise"):
-            del styles[key]  # torch's styles shard the parameters of the module entry
-    for key, style in inside.items():
-        if style == "colwise":
-            styles[key] = ColwiseParallel()
-        elif style == "rowwise":
-            styles[key] = ScatterSequence(split) if split is not None else RowwiseParallel()
-    regions = {key.rsplit(".", 1)[0] for key in rowwise}
-    for region in regions:
-        styles[region] = GatherSequence(split) if split is not None else ReplicateRegionInput()
-    if split is None:
-        return
-    if first:
-        styles[layer] = ShardSequence(split)
-    # Replicated parameters outside the regions (the norms) see one sequence shard each.
-    for name, module in model.get_submodule(layer).named_modules(prefix=layer):
-        if any(name == r or name.startswith(f"{r}.") for r in regions) or name in inside:
-            continue
-        if any(True for _ in module.parameters(recurse=False)):
-            grad_allreduce.append(name)
 
 
 def _norms_after_layers(model: nn.Module, layers: list[str], styles: dict[str, Any]) -> list[str]:
@@ -327,15 +251,3 @@ def _norms_after_layers(model: nn.Module, layers: list[str], styles: dict[str, A
         if any(True for _ in module.parameters()):
             found.append(path)
     return found
-
-
-def _output_head(model: nn.Module, styles: dict[str, Any]) -> str:
-    get_output = getattr(model, "get_output_embeddings", None)
-    head = get_output() if get_output is not None else None
-    names = [name for name, m in model.named_modules() if m is head]
-    if head is None or not names or names[0] not in styles:
-        raise ValueError(
-            f"loss_parallel/sequence_parallel need a sharded output head (`lm_head`); {type(model).__name__} has "
-            "none in its plan."
-        )
-    return names[0]

@@ -126,9 +126,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(results, args.out / f"rank{os.environ['RANK']}.pt")  # kept if what follows fails
     results.update(phase_store())
-    import lightning_tp.strategy
+    import lightning_tp.integration
 
-    results["destroy_registered"] = lightning_tp.strategy._destroy_registered
+    results["destroy_registered"] = lightning_tp.integration._destroy_registered
     gc.collect()  # the runs' reference cycles hold the groups' finished work: free it while the interpreter is whole
     dist.destroy_process_group()
     gc.collect()

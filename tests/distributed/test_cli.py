@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 
-from tests.helpers.launch import ROOT, child_env, torchrun
+from tests.helpers.launch import ROOT, run_script, torchrun
 
 CONFIGS = {"tp.yaml": 2, "lora.yaml": 2, "2d.yaml": 4}
 
@@ -30,16 +27,8 @@ def test_config_trains(config: str, tmp_path) -> None:
 
 
 def _print_config(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "examples/cli.py", "fit", *args, "--print_config"],
-        cwd=ROOT,
-        env=child_env(),  # this checkout's lightning_tp, not whichever copy is installed
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return yaml.safe_load(proc.stdout)
+    # run_script puts this checkout on the path, so the test does not depend on which lightning_tp is installed.
+    return yaml.safe_load(run_script("examples/cli.py", "fit", *args, "--print_config", timeout=300))
 
 
 def test_print_config_round_trips_every_strategy_argument(tmp_path) -> None:

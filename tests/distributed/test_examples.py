@@ -22,3 +22,21 @@ def test_finetune_lora_example_accuracy_rises_and_saves_the_adapter(tmp_path) ->
     assert len(accuracy) == 4, stdout  # before training, then every 20 steps
     assert accuracy[-1] > accuracy[0] + 0.3, accuracy
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+
+
+def test_fabric_tp_example_loss_falls_and_saves(tmp_path) -> None:
+    checkpoint = tmp_path / "fabric.ckpt"
+    stdout = run_script("examples/fabric_tp.py", "--steps", "20", "--checkpoint", str(checkpoint))
+    losses = [float(v) for v in re.findall(r"^step +\d+ +loss ([\d.]+)$", stdout, flags=re.M)]
+    assert len(losses) == 20, stdout
+    assert sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
+    assert (checkpoint / "meta.pt").is_file() and (checkpoint / ".metadata").is_file()
+
+
+def test_plain_torch_example_loss_falls() -> None:
+    from tests.helpers.launch import torchrun
+
+    stdout = torchrun("examples/plain_torch.py", 2, "--steps", "20")
+    losses = [float(v) for v in re.findall(r"^step \d+ loss ([\d.]+)", stdout, flags=re.M)]
+    assert len(losses) == 3, stdout  # steps 0, 10 and 19
+    assert losses[-1] < 0.8 * losses[0], losses

@@ -1,12 +1,14 @@
 """``lightning_tp.export``: checkpoints of the strategy's format, made in one process without Lightning, exported to
 Transformers and PEFT directories that load with no missing keys and give the original logits."""
 
+import copy
 import json
 import os
 import subprocess
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lightning_tp.discovery import describe_models
-from lightning_tp.export import _Item, _Spec, _write_safetensors, export_checkpoint, main
+from lightning_tp.export import export_checkpoint, main
+from lightning_tp.safetensors_writer import Item, Spec, write_safetensors
 from tests.helpers.models import VOCAB, build_causal_lm, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -260,8 +263,8 @@ def test_streaming_writer_matches_safetensors(tmp_path):
         "e.scalar": torch.tensor(2.5),
         "f.empty": torch.zeros(0, 4),
     }
-    items = [_Item(k, _Spec(tuple(v.shape), v.dtype), lambda v=v: v) for k, v in tensors.items()]
-    _write_safetensors(tmp_path / "mine.safetensors", items)
+    items = [Item(k, Spec(tuple(v.shape), v.dtype), lambda v=v: v) for k, v in tensors.items()]
+    write_safetensors(tmp_path / "mine.safetensors", items=items)
     safetensors_save(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
     with safe_open(tmp_path / "mine.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
@@ -344,6 +347,74 @@ def test_lora_merge_conv1d_fan_in_fan_out(tmp_path):
     peft_model = lora(base, LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
     out = export_checkpoint(save_file(Root(peft_model), tmp_path / "ckpt.pt"), tmp_path / "out", merge=True)
     assert torch.allclose(logits(load(out)), logits(peft_model), rtol=0, atol=1e-5)
+
+
+def _merge_cases() -> dict[str, tuple[Any, list[LoraConfig], str]]:
+    """A Llama-like model (two active adapters, rsLoRA, a rank pattern, an embedding adapter) and GPT-2 with LoRA on
+    its ``Conv1D`` ``c_attn`` (``fan_in_fan_out=True``: the weight is stored transposed, ``[in, out]``); with the name
+    of one adapted weight."""
+    llama = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["q_proj", "down_proj", "embed_tokens"],
+        rank_pattern={"down_proj": 2},
+    )
+    other = LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"])
+    gpt2 = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)
+    conv1d = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    return {
+        "llama": (tiny_config("llama"), [llama, other], "model.layers.0.self_attn.q_proj.weight"),
+        "gpt2_conv1d": (gpt2, [conv1d], "transformer.h.0.attn.c_attn.weight"),
+    }
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt2_conv1d"])
+def test_both_merges_equal_peft_merge_and_unload(tmp_path, case):
+    """``save_merged`` (gathered tensors of a live run) and ``export --merge`` (tensors read from a checkpoint) write
+    the tensors of PEFT's own ``merge_and_unload``, on one process."""
+    from safetensors.torch import load_file
+
+    from lightning_tp import save_merged
+
+    config, lora_configs, adapted = _merge_cases()[case]
+    peft_model = get_peft_model(build_causal_lm(config), lora_configs[0])
+    for i, extra in enumerate(lora_configs[1:]):
+        peft_model.add_adapter(f"extra{i}", extra)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)  # every adapter non-zero, as after training
+    peft_model.base_model.set_adapter(list(peft_model.peft_config))  # all active: merge_and_unload merges them all
+    expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    assert not torch.allclose(expected[adapted], build_causal_lm(config).state_dict()[adapted])  # a merge to check
+
+    save_merged(peft_model, tmp_path / "live")
+    exported = export_checkpoint(save_file(Root(peft_model), tmp_path / "ckpt.pt"), tmp_path / "export", merge=True)
+    for directory in (tmp_path / "live", exported):
+        tensors = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+        tied = set(expected) - set(tensors)
+        assert tied <= {"lm_head.weight"} and set(tensors) <= set(expected), (directory.name, tied)
+        gaps = {k: (v - expected[k]).abs().max().item() for k, v in tensors.items()}
+        assert max(gaps.values()) < 1e-6, (directory.name, {k: g for k, g in gaps.items() if g >= 1e-6})
+
+
+@pytest.mark.parametrize("how", ["dora", "merged"])
+def test_both_merges_refuse_what_they_cannot_merge(tmp_path, how):
+    """One check for ``save_merged`` and ``export --merge``, naming the layers, before anything is written."""
+    from lightning_tp import save_merged
+
+    config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=how == "dora")
+    peft_model = get_peft_model(build_causal_lm(tiny_config("llama")), config)
+    if how == "merged":
+        peft_model.merge_adapter()
+    with pytest.raises(ValueError, match=r"Cannot merge the adapters of \['model.layers.0.self_attn.q_proj'"):
+        save_merged(peft_model, tmp_path / "live")
+    if how == "dora":  # a checkpoint holds unmerged adapters
+        with pytest.raises(ValueError, match=r"Cannot merge the adapters of \['model.layers.0.self_attn.q_proj'"):
+            export_checkpoint(save_file(Root(peft_model), tmp_path / "ckpt.pt"), tmp_path / "export", merge=True)
+    assert not (tmp_path / "live").exists() and not (tmp_path / "export").exists()
 
 
 def test_lora_merge_reads_base_weights_from_a_directory(tmp_path):

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_tp import REFUSED_STYLES, SUPPORTED_STYLES, resolve_plan
+from lightning_tp import resolve_plan
 from tests.helpers.models import MLP, tiny_config
 
 
@@ -12,13 +12,6 @@ def meta_model(kind="qwen3", **overrides):
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(tiny_config(kind, **overrides))
-
-
-def test_every_transformers_style_is_supported_or_refused_by_name():
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-
-    assert set(ALL_PARALLEL_STYLES) <= set(SUPPORTED_STYLES) | set(REFUSED_STYLES)
-    assert not set(SUPPORTED_STYLES) & set(REFUSED_STYLES)
 
 
 def test_auto_plan_expands_to_concrete_names_params_before_modules():

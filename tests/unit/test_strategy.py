@@ -1,7 +1,6 @@
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tp import TensorParallelStrategy, clip_grad_norm_, grad_norm
@@ -15,7 +14,7 @@ def test_registered_as_tp():
 
 def test_constructor_stores_configuration_and_checks_it_early():
     strategy = TensorParallelStrategy(2, tp_plan={"model.layers.*.mlp.up_proj": "colwise"}, dp_replicate_size=2)
-    assert strategy._tp_size == 2 and strategy._dp_replicate_size == 2
+    assert strategy.options.tp_size == 2 and strategy.options.dp_replicate_size == 2
     with pytest.raises(ValueError, match='"auto" or a dict'):
         TensorParallelStrategy(tp_plan="colwise")
     with pytest.raises(ValueError, match=r"tp_plan\['x'\] = 'sequence_parallel' is not supported"):
@@ -37,10 +36,10 @@ def test_mesh_and_layout_before_setup_raise_a_clear_error():
 
 
 def test_unsupported_precision_is_refused_before_processes_start():
-    strategy = TensorParallelStrategy()
-    strategy.precision_plugin = DoublePrecision()
+    from lightning_tp import ParallelOptions
+
     with pytest.raises(ValueError, match=r"precision='64-true'.*32-true, bf16-mixed, bf16-true, 16-true"):
-        strategy._check_precision()
+        ParallelOptions(precision="64-true")
 
 
 def test_trainer_with_unsupported_precision_fails_in_fit_without_a_process_group():
@@ -73,7 +72,7 @@ def test_sizes_from_accelerate_parallelism_config():
 
     config = SimpleNamespace(tp_size=2, dp_shard_size=2, dp_replicate_size=2, cp_size=1)
     strategy = TensorParallelStrategy(parallelism_config=config)
-    assert (strategy._tp_size, strategy._dp_shard_size, strategy._dp_replicate_size) == (2, 2, 2)
+    assert (strategy.options.tp_size, strategy.options.dp_shard_size, strategy.options.dp_replicate_size) == (2, 2, 2)
     with pytest.raises(ValueError, match="either `parallelism_config` or the sizes"):
         TensorParallelStrategy(2, parallelism_config=config)
     with pytest.raises(ValueError, match=r"\{'cp_size': 2\}"):
@@ -81,7 +80,7 @@ def test_sizes_from_accelerate_parallelism_config():
     accelerate = pytest.importorskip("accelerate")
     real = accelerate.ParallelismConfig(tp_size=2, dp_shard_size=2)
     strategy = TensorParallelStrategy(parallelism_config=real)
-    assert (strategy._tp_size, strategy._dp_shard_size, strategy._dp_replicate_size) == (2, 2, 1)
+    assert (strategy.options.tp_size, strategy.options.dp_shard_size, strategy.options.dp_replicate_size) == (2, 2, 1)
 
 
 def test_from_pretrained_builds_on_meta_and_remembers_the_checkpoint(tmp_path):
@@ -157,40 +156,30 @@ def test_bf16_mixed_keeps_fp32_parameters_in_fsdp2_unless_bf16_all_gathers_are_a
     assert fsdp_mixed_precision("32-true", param_dtype=None).param_dtype is None
 
 
-def _strategy_for(precision: str, **kwargs) -> TensorParallelStrategy:
-    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-
-    plugins = {
-        "32-true": Precision(),
-        "bf16-mixed": MixedPrecision("bf16-mixed", "cpu"),
-        "bf16-true": HalfPrecision("bf16-true"),
-        "16-true": HalfPrecision("16-true"),
-    }
-    strategy = TensorParallelStrategy(**kwargs)
-    strategy.precision_plugin = plugins[precision]
-    return strategy
-
-
 @pytest.mark.parametrize("precision", ["32-true", "16-true"])
 def test_bf16_all_gathers_refused_without_bf16_compute(precision: str) -> None:
-    from lightning_tp.layout import ParallelLayout
+    from lightning_tp import ParallelLayout, ParallelOptions
 
-    strategy = _strategy_for(precision, tp_size=2, fsdp_param_dtype="bf16")
+    options = ParallelOptions(precision=precision, fsdp_param_dtype="bf16")
     with pytest.raises(ValueError, match=f"precision='{precision}'.*Use `precision='bf16-mixed'`"):
-        strategy._check_fsdp_param_dtype(ParallelLayout.resolve(4, tp_size=2))
+        options.check_layout(ParallelLayout.resolve(4, tp_size=2), device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
     ("precision", "world", "fragment"), [("bf16-true", 4, "bf16 already"), ("bf16-mixed", 2, "no data")]
 )
 def test_bf16_all_gathers_warn_where_ignored(precision: str, world: int, fragment: str) -> None:
-    from lightning_tp.layout import ParallelLayout
+    import warnings
 
-    strategy = _strategy_for(precision, tp_size=2, fsdp_param_dtype="bf16")
+    from lightning_tp import ParallelLayout, ParallelOptions
+
+    options = ParallelOptions(precision=precision, fsdp_param_dtype="bf16")
     with pytest.warns(UserWarning, match=f"fsdp_param_dtype='bf16'` is ignored.*{fragment}"):
-        strategy._check_fsdp_param_dtype(ParallelLayout.resolve(world, tp_size=2))
-    quiet = _strategy_for("bf16-mixed", tp_size=2, fsdp_param_dtype="bf16")
-    quiet._check_fsdp_param_dtype(ParallelLayout.resolve(4, tp_size=2))  # the setting it is meant for: no warning
+        options.check_layout(ParallelLayout.resolve(world, tp_size=2), device=torch.device("cpu"))
+    quiet = ParallelOptions(precision="bf16-mixed", fsdp_param_dtype="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the setting it is meant for: no warning
+        quiet.check_layout(ParallelLayout.resolve(4, tp_size=2), device=torch.device("cpu"))
 
 
 def test_fsdp_param_dtype_values_are_checked_when_the_strategy_is_built() -> None:

@@ -1,0 +1,293 @@
+"""Every private name of torch, Lightning, Transformers and PEFT that lightning_tp uses, in one place: a new upstream
+release that moves one breaks here, and ``.ci/run-latest`` runs the tests on the newest releases to find out.
+
+Each entry says why it is used and which public alternative is missing. ``tests/unit/test_repo.py`` fails when another
+module of the package imports a private name of those packages. Transformers and PEFT are imported where used (as
+the package does elsewhere): importing this module costs nothing beyond torch and Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.model_parallel import _load_checkpoint as load_checkpoint
+from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available as all_gather_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.fabric.utilities.throughput import _CUDA_FLOPS as CUDA_FLOPS
+from torch import nn
+
+if TYPE_CHECKING:
+    import lightning as L
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "CUDA_FLOPS",
+    "FSDP_MANAGED_ATTR",
+    "all_gather_ddp_if_available",
+    "assert_async",
+    "buffer_dict",
+    "causal_lm_loss_function",
+    "clear_received_sigterm",
+    "cluster_environment",
+    "compute_local_shape_and_global_offset",
+    "distributed_is_initialized",
+    "flatten_mesh",
+    "foreach_mul_",
+    "foreach_norm",
+    "fsspec_reader_class",
+    "fsspec_writer_class",
+    "get_default_store",
+    "group_options",
+    "hpc_save_path",
+    "is_hf_initialized",
+    "keys_to_ignore_on_save",
+    "load_checkpoint",
+    "mark_hf_initialized",
+    "no_split_modules",
+    "optimizers_to_device",
+    "parameter_dict",
+    "remove_tied_weights_from_state_dict",
+    "replace_sigterm_broadcast",
+    "restore_sigterm_broadcast",
+    "set_device_mesh",
+    "revert_weight_conversion",
+    "set_sampler_epoch",
+    "strategy_timeout",
+    "sync_ddp_if_available",
+    "torch_get_layout",
+    "transformers_apply_tensor_parallelism",
+    "wrapped_initialize_weights",
+]
+
+# Lightning (imported above under public names):
+# - `load_checkpoint`: ModelParallelStrategy's DCP loader, shared with its Fabric twin; no public function.
+# - `set_sampler_epoch`: sets the epoch of a dataloader's sampler wherever Lightning keeps it; no public helper.
+# - `all_gather_ddp_if_available`, `sync_ddp_if_available`: Lightning's gather/reduce on a group, what its own
+#   strategies call; the public `Strategy.all_gather`/`reduce` are what we implement with them.
+# - `optimizers_to_device`: moves optimizer states after a checkpoint load, as Lightning's strategies do.
+# - `CUDA_FLOPS`: Lightning's table of dense peak FLOPs per GPU; `get_available_flops` does not know the H200.
+
+
+# ------------------------------------------------------------------------------------------------------------- torch
+
+
+def distributed_is_initialized() -> bool:
+    """Whether a default process group exists (the one spelling of it in the package). ``is_initialized`` exists only
+    where torch was built with distributed support, hence ``is_available`` first (Lightning's private helper does the
+    same)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_default_store() -> dist.Store:
+    """The c10d store every process of the job shares (a rank waits there longer than a collective's timeout allows);
+    torch has no public accessor."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str, *, backend_override: Any = None) -> DeviceMesh:
+    """One 1-D mesh over several axes of ``mesh``: ``DeviceMesh._flatten``, what torchtitan uses; no public API yet."""
+    return mesh._flatten(name, backend_override=backend_override)
+
+
+def group_options(backend: str, timeout: timedelta) -> Any:
+    """Backend options that carry ``timeout`` into the groups ``init_device_mesh`` and :func:`flatten_mesh` create:
+    torch reads it from the private ``options._timeout``. NCCL insists on its own (public) options class; for the
+    others the base class has no public constructor (``torch._C._distributed_c10d.Backend.Options``)."""
+    if "nccl" in backend and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # torch's default for the groups it builds itself
+    else:
+        from torch._C._distributed_c10d import Backend
+
+        options = Backend.Options(backend, timeout)
+    options._timeout = timeout
+    return options
+
+
+def compute_local_shape_and_global_offset(
+    shape: torch.Size, mesh: DeviceMesh, placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard shape and offset in a DTensor of ``shape`` (torch's own chunking rule, uneven sizes too);
+    DTensor exposes no public equivalent (``torch.distributed.tensor._utils``)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as compute
+
+    return compute(shape, mesh, placements)
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """A device-side assert (no host sync on GPU), as torch's own losses check their targets; no public spelling."""
+    torch._assert_async(condition, message)
+
+
+def foreach_norm(tensors: list[torch.Tensor], norm_type: float, *, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One norm per tensor in one fused kernel, what ``torch.nn.utils.clip_grad_norm_`` runs itself; the public
+    ``get_total_norm`` reduces them to one number, and we combine norms of several meshes ourselves."""
+    return torch._foreach_norm(tensors, norm_type, dtype=dtype)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """In-place scaling of many tensors in one kernel (``clip_grad_norm_``'s own step); no public spelling."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def fsspec_writer_class() -> type:
+    """DCP's fsspec writer: torch 2.13 does not export it from ``torch.distributed.checkpoint``."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter
+
+
+def fsspec_reader_class() -> type:
+    """DCP's fsspec reader, private for the same reason as :func:`fsspec_writer_class`."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader
+
+
+def torch_get_layout() -> Callable[[str], Any]:
+    """What a DCP index pickles to name a tensor layout (``torch.serialization._get_layout``): the safe unpickler
+    must hand back this very function."""
+    return torch.serialization._get_layout
+
+
+def parameter_dict(module: nn.Module) -> dict[str, Any]:
+    """``module._parameters``: name -> parameter held by the module itself. Assigning into it swaps a tensor in
+    without ``register_parameter``'s type check (a plain-tensor view in forward) and without hooks; nn.Module has no
+    public setter that does."""
+    return module._parameters
+
+
+def buffer_dict(module: nn.Module) -> dict[str, Any]:
+    """``module._buffers``, for the same reason as :func:`parameter_dict`."""
+    return module._buffers
+
+
+# ------------------------------------------------------------------------------------------------------ Transformers
+
+#: Transformers' mark of a model it sharded with FSDP2 itself (``transformers/distributed/fsdp.py``): ``generate``
+#: then defaults to ``synced_gpus=True`` when the world has more than one rank. No public switch.
+FSDP_MANAGED_ATTR = "_is_fsdp_managed_module"
+
+#: Transformers' mark of a tensor its weight initialisation must leave alone (loaded from a checkpoint).
+_HF_INITIALIZED_ATTR = "_is_hf_initialized"
+
+
+def is_hf_initialized(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, _HF_INITIALIZED_ATTR, False)
+
+
+def mark_hf_initialized(tensor: torch.Tensor) -> None:
+    """Make Transformers' ``initialize_weights`` skip ``tensor``, as its own loading does; no public API."""
+    setattr(tensor, _HF_INITIALIZED_ATTR, True)
+
+
+def no_split_modules(module: nn.Module) -> Iterable[str]:
+    """The class names Transformers keeps whole when splitting a model (``_no_split_modules``, a class attribute):
+    our default FSDP2 units. No public accessor."""
+    return getattr(module, "_no_split_modules", None) or ()
+
+
+def keys_to_ignore_on_save(model: nn.Module) -> Iterable[str]:
+    """The state-dict names ``save_pretrained`` leaves out (``_keys_to_ignore_on_save``); no public accessor."""
+    return getattr(model, "_keys_to_ignore_on_save", None) or ()
+
+
+def remove_tied_weights_from_state_dict(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``save_pretrained``'s own de-duplication of tied weights (``transformers.modeling_utils``, not exported)."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict as remove
+
+    return remove(state, model)
+
+
+def revert_weight_conversion(model: nn.Module, state: dict[str, Any]) -> dict[str, Any] | None:
+    """``save_pretrained``'s renaming back to a checkpoint's original layout (``transformers.core_model_loading``, not
+    exported), or ``None`` where Transformers has none."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion as revert
+    except ImportError:  # pragma: no cover - older Transformers
+        return None
+    return revert(model, state)
+
+
+def transformers_apply_tensor_parallelism() -> Callable[..., Any]:
+    """Transformers' TP on an already built model over any 1-D mesh: its module is internal (it moved once already,
+    ``integrations/`` keeps a shim) and not exported at the top level."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    return apply_tensor_parallelism
+
+
+def causal_lm_loss_function() -> Callable[..., Any]:
+    """Transformers' ``ForCausalLMLoss``, what ``PreTrainedModel.loss_function`` resolves to for causal LMs; its
+    module (``transformers.loss.loss_utils``) is not exported."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+@contextmanager
+def wrapped_initialize_weights(
+    models: Iterable[nn.Module], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Iterator[None]:
+    """Inside the block, each of ``models`` (Transformers models) runs ``wrap(original)`` as its private
+    ``_initialize_weights(module)``, the per-module step of the public ``initialize_weights``; there is no public hook
+    around it. Instances that carry their own already are left alone; every wrapper is removed on exit."""
+    attr = "_initialize_weights"
+    wrapped = []
+    try:
+        for model in models:
+            if attr not in model.__dict__:
+                setattr(model, attr, wrap(getattr(model, attr)))
+                wrapped.append(model)
+        yield
+    finally:
+        for model in wrapped:
+            delattr(model, attr)
+
+
+# --------------------------------------------------------------------------------------------------------- Lightning
+
+
+def clear_received_sigterm(trainer: L.Trainer) -> None:
+    """Reset the Trainer's SIGTERM flag: ``trainer.received_sigterm`` has no public setter."""
+    trainer._signal_connector.received_sigterm = False
+
+
+def replace_sigterm_broadcast(loop: Any, broadcast: Callable[[], None]) -> None:
+    """Replace the epoch loop's per-batch broadcast of the SIGTERM flag (``_broadcast_sigterm_tensor``, private);
+    undo with :func:`restore_sigterm_broadcast`."""
+    loop._broadcast_sigterm_tensor = broadcast
+
+
+def restore_sigterm_broadcast(loop: Any) -> None:
+    loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def hpc_save_path(trainer: L.Trainer) -> str:
+    """Lightning's name for the next HPC checkpoint (``hpc_ckpt_{max + 1}.ckpt``, which ``ckpt_path="hpc"`` resolves
+    to the newest of); only its private checkpoint connector knows the rule."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def cluster_environment(trainer: L.Trainer) -> Any:
+    """The Trainer's cluster environment where Lightning's signal handling reads it (a single-device strategy has no
+    ``cluster_environment`` attribute of its own)."""
+    return trainer._accelerator_connector.cluster_environment
+
+
+def set_device_mesh(module: L.LightningModule, mesh: DeviceMesh) -> None:
+    """Give a LightningModule its ``device_mesh`` (a read-only property over the private ``_device_mesh``, which
+    Lightning's own ModelParallelStrategy sets)."""
+    module._device_mesh = mesh
+
+
+def strategy_timeout(strategy: Any) -> timedelta | None:
+    """The process-group ``timeout`` a Lightning strategy was built with (kept in the private ``_timeout``)."""
+    return getattr(strategy, "_timeout", None)

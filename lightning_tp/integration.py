@@ -1,0 +1,171 @@
+"""What the Trainer and Fabric strategies share beyond the pipeline and checkpoints: their constructor's options,
+the process groups' lifetime, and the places where Lightning's defaults assume plain data parallelism (metric syncs,
+gradient clipping, data positions)."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_tp.compat import distributed_is_initialized
+from lightning_tp.grad import clip_grad_norm_
+from lightning_tp.layout import ParallelLayout
+from lightning_tp.parallelize import ParallelOptions
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """The constructor arguments both strategies take, checked once, without processes, so that a typo fails when
+    the strategy is built: the sizes (as given; resolved against the world size in ``setup_environment``) and how
+    to parallelise (``precision`` is filled in from the Trainer's or Fabric's flag at setup)."""
+
+    tp_size: int | None
+    dp_shard_size: int | None
+    dp_replicate_size: int
+    parallel: ParallelOptions
+    save_distributed_checkpoint: bool = True
+    save_frozen_weights: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        tp_size: int | None,
+        dp_shard_size: int | None,
+        dp_replicate_size: int,
+        parallelism_config: Any | None,
+        tp_plan: Literal["auto"] | Mapping[str, Any],
+        fsdp_blocks: Sequence[str] | None,
+        save_distributed_checkpoint: bool = True,
+        save_frozen_weights: bool = True,
+        **parallel: Any,
+    ) -> StrategyOptions:
+        if parallelism_config is not None:
+            tp_size, dp_shard_size, dp_replicate_size = sizes_from_parallelism_config(
+                parallelism_config, tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size
+            )
+        ParallelLayout.resolve(
+            (tp_size or 1) * (dp_shard_size or 1) * dp_replicate_size,
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+        )
+        options = ParallelOptions(tp_plan=tp_plan, fsdp_blocks=tuple(fsdp_blocks) if fsdp_blocks else None, **parallel)
+        if not save_frozen_weights and not save_distributed_checkpoint:
+            raise ValueError(
+                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
+                "loaded weight by weight and must hold every weight."
+            )
+        return cls(
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+            parallel=options,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_frozen_weights=save_frozen_weights,
+        )
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        return ParallelLayout.resolve(
+            world_size, tp_size=self.tp_size, dp_shard_size=self.dp_shard_size, dp_replicate_size=self.dp_replicate_size
+        )
+
+
+def sizes_from_parallelism_config(
+    config: Any, *, tp_size: int | None, dp_shard_size: int | None, dp_replicate_size: int
+) -> tuple[int | None, int | None, int]:
+    """Sizes from an ``accelerate.ParallelismConfig`` (duck-typed: accelerate is not a dependency)."""
+    if tp_size is not None or dp_shard_size is not None or dp_replicate_size != 1:
+        raise ValueError(
+            "Pass either `parallelism_config` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`), not both."
+        )
+    unsupported = {name: getattr(config, name, 1) for name in ("cp_size", "sp_size")}
+    unsupported = {name: size for name, size in unsupported.items() if size not in (None, 1)}
+    if unsupported:
+        raise ValueError(f"`parallelism_config` asks for {unsupported}; this strategy offers TP, FSDP2 and HSDP only.")
+    sizes = [getattr(config, name, None) for name in ("tp_size", "dp_shard_size", "dp_replicate_size")]
+    if any(size is not None and not isinstance(size, int) for size in sizes):
+        raise ValueError(f"`parallelism_config` must carry integer sizes, got {config!r}.")
+    return sizes[0] or 1, sizes[1] or 1, sizes[2] or 1
+
+
+_destroy_registered = False
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroy the world group and every subgroup (the mesh's included) when the interpreter exits, while it can still
+    run Python: left to interpreter shutdown, gloo's and NCCL's threads and sockets are torn down in no fixed order,
+    and about one successful launch in 30 ended in SIGABRT ("terminate called without an active exception"). Only for
+    a world group the strategy created: a group the user created before is theirs to destroy. Lightning registers the
+    same for NCCL only."""
+    global _destroy_registered
+    if _destroy_registered:
+        return
+    _destroy_registered = True
+
+    def destroy() -> None:
+        # Trainer, strategy and model form reference cycles that only the interpreter's final collection frees, when
+        # gloo's threads can no longer take the GIL to drop the tensors their finished work holds: free them now.
+        gc.collect()
+        if distributed_is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+    atexit.register(destroy)
+
+
+def reduce_metrics_over(root: nn.Module, group: Any) -> None:
+    """torchmetrics syncs over the world group by default, which counts each sample once per TP rank: sync the
+    metrics that name no group over ``group`` (the data-parallel one)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover
+        return
+    for module in root.modules():
+        if isinstance(module, Metric) and module.process_group is None:
+            module.process_group = group
+
+
+def clip_with_dtensor_support(plugin: Any) -> None:
+    """Lightning clips with ``torch.nn.utils.clip_grad_norm_``, which fails on DTensor gradients across meshes; route
+    the precision plugin's norm clipping to :func:`lightning_tp.clip_grad_norm_`, same arguments."""
+
+    def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: int | float) -> None:
+        clip_grad_norm_(plugin_self.main_params(optimizer), clip_val)
+
+    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+
+
+def drop_data_position(metadata: dict[str, Any], *, saved_dp_size: int, dp_size: int) -> None:
+    """A data loader's position (samples read per rank) means nothing for another number of data-parallel ranks, and
+    torchdata's loaders fail restoring it; the epoch in progress restarts from its beginning."""
+    fit_loop = metadata.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    if fit_loop.pop("combined_loader", None):
+        rank_zero_warn(
+            f"The checkpoint was written with {saved_dp_size} data-parallel rank(s) and this run has {dp_size}: the "
+            "data loader's position is not restored, the epoch in progress restarts from its first batch. Weights, "
+            "optimizer, scheduler and loop counters are restored."
+        )
+
+
+def step_timeout_seconds(
+    step_timeout: timedelta | float | Literal["auto"] | None, *, timeout: timedelta | None
+) -> tuple[float | None, bool]:
+    """The watchdog's limit and whether it adapts. ``"auto"``: learn the step time (see ``StepWatchdog``); outside
+    steps, twice the collectives' timeout, since a collective waiting longer than that fails anyway."""
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+    from lightning_tp.watchdog import resolve_step_timeout
+
+    if step_timeout == "auto":
+        return resolve_step_timeout(2 * (timeout or default_pg_timeout)), True
+    return resolve_step_timeout(step_timeout), False

@@ -1,0 +1,502 @@
+"""``parallelize(module, ...)``: the one place where the order of the parallelisms is written, with the reason for each.
+
+Used by the Trainer strategy, the Fabric strategy and plain PyTorch scripts alike::
+
+    torch.distributed.init_process_group("gloo")  # torchrun --nproc-per-node 4 train.py
+    model = AutoModelForCausalLM.from_config(config)
+    model = lightning_tp.parallelize(model, tp_size=2)  # tp 2 x FSDP2 over the 2 data-parallel ranks
+
+Every stage is a small function of this module; each technique lives in its own module (:mod:`~lightning_tp.plan`,
+:mod:`~lightning_tp.tensor_parallel`, :mod:`~lightning_tp.sequence_parallel`, :mod:`~lightning_tp.fsdp`, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_tp.compat import distributed_is_initialized, flatten_mesh, parameter_dict
+from lightning_tp.discovery import modules_outside, transformers_models
+from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
+from lightning_tp.fsdp import fsdp_units as check_fsdp_units
+from lightning_tp.layout import DP_AXIS, DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
+from lightning_tp.loading import materialize, materialize_modules
+from lightning_tp.lora import (
+    check_peft_supported,
+    extend_plan_to_adapters,
+    has_peft,
+    initialize_adapters,
+    install_distributed_save,
+    peft_models,
+)
+from lightning_tp.loss_parallel import install_loss_parallel, loss_parallel_plan
+from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.random_init import random_state_of_rank_zero
+from lightning_tp.sequence_parallel import sequence_parallel_plan
+from lightning_tp.tensor_parallel import (
+    SHARDED_MARKER,
+    adopt_transformers_sharding,
+    apply_tensor_parallel,
+    is_sharded,
+    on_meta,
+    replicate_unsharded_parameters,
+    rewrite_dense_layers,
+    take_rank_zero_values,
+    transformers_tp_mesh,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Precisions (Lightning's flags) whose parameters and gradients stay exact under TP, and the dtype the ``-true``
+#: ones cast the module to before sharding.
+PRECISION_DTYPES: Mapping[str, torch.dtype | None] = MappingProxyType(
+    {"32-true": None, "bf16-mixed": None, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+)
+SUPPORTED_PRECISIONS = tuple(PRECISION_DTYPES)
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How to parallelise, apart from the sizes (see :class:`lightning_tp.TensorParallelStrategy` for each field).
+    Checked when built, so that a typo fails before any process starts."""
+
+    tp_plan: Literal["auto"] | Mapping[str, Any] = "auto"
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    fsdp_blocks: tuple[str, ...] | None = None
+    fsdp_param_dtype: Literal["bf16"] | None = None
+    precision: str = "32-true"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp_plan, Mapping):
+            for key, style in self.tp_plan.items():
+                check_style(key, style)
+            object.__setattr__(self, "tp_plan", MappingProxyType(dict(self.tp_plan)))
+        elif self.tp_plan != "auto":
+            raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {self.tp_plan!r}.')
+        if self.fsdp_blocks is not None:
+            object.__setattr__(self, "fsdp_blocks", tuple(self.fsdp_blocks) or None)
+        if self.fsdp_param_dtype is not None and self.fsdp_param_dtype not in BF16_NAMES:
+            raise ValueError(
+                "`fsdp_param_dtype` must be None (gather parameters in their own dtype) or 'bf16' (gather bf16 copies, "
+                f"reduce gradients in fp32), got {self.fsdp_param_dtype!r}. fp16 would need loss scaling, which "
+                "sharded gradients do not have."
+            )
+        if self.precision not in PRECISION_DTYPES:
+            raise ValueError(
+                f"Tensor parallelism does not support precision={self.precision!r}. Choose one of "
+                f"{', '.join(SUPPORTED_PRECISIONS)} (for 16-bit mixed precision use 'bf16-mixed': fp16 loss scaling "
+                "is not implemented for sharded gradients)."
+            )
+
+    def check_layout(self, layout: ParallelLayout, *, device: torch.device) -> None:
+        """What depends on the layout and the device: decided on every rank from the configuration alone, before the
+        process group starts."""
+        if self.cpu_offload and device.type == "cpu":
+            raise ValueError(
+                "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
+                f"`accelerator='cpu'` the model is in host memory already. Drop `cpu_offload` (device: {device})."
+            )
+        if self.cpu_offload and layout.dp_size == 1:
+            raise ValueError(
+                "`cpu_offload=True` is FSDP2's offload and needs data parallelism, but the layout "
+                f"({layout}) has none. Use fewer TP ranks (`tp_size` below the world size) or drop `cpu_offload`."
+            )
+        if self.fsdp_param_dtype is None:
+            return
+        if self.precision in ("32-true", "16-true"):
+            raise ValueError(
+                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` gathers bf16 copies of the parameters for a bf16 "
+                f"forward, but precision={self.precision!r} asks for {self.precision.split('-')[0]}-bit compute. Use "
+                "`precision='bf16-mixed'` with it, or drop `fsdp_param_dtype`."
+            )
+        if self.precision == "bf16-true":
+            rank_zero_warn(
+                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` is ignored under `precision='bf16-true'`: the "
+                "parameters are bf16 already, and so are FSDP2's all-gathers."
+            )
+        elif layout.dp_size == 1:
+            rank_zero_warn(
+                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` is ignored: the layout ({layout}) has no data "
+                "parallelism, so FSDP2 gathers nothing. `bf16-mixed` autocasts over fp32 weights as on one device."
+            )
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model to shard with its resolved plan. ``presharded_mesh``: the TP mesh of a model Transformers sharded at
+    load time (``from_pretrained(distributed_config=...)``), which keeps its shards."""
+
+    module: nn.Module
+    plan: ResolvedPlan
+    presharded_mesh: DeviceMesh | None = None
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Everything ``parallelize`` places: the models (``Target``) and the other modules that hold parameters
+    (``extras``: a value head, say), replicated over the TP group and sharded by FSDP2 as one group each."""
+
+    models: list[Target] = field(default_factory=list)
+    extras: list[nn.Module] = field(default_factory=list)
+
+
+def parallelize(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    tp_size: int | None = None,
+    dp_shard_size: int | None = None,
+    dp_replicate_size: int = 1,
+    options: ParallelOptions | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Shard ``module`` in place over the TP and data-parallel ranks and return it.
+
+    ``module``: a Transformers model, a module holding some (a LightningModule, a ``PeftModel``), or any module
+    given a ``tp_plan``. The mesh: ``mesh`` (axes named ``dp_replicate``, ``dp_shard``, ``tp``; the ones missing
+    have size 1; see :meth:`ParallelLayout.build_device_mesh`), or the sizes, on the initialised world group.
+    ``device``: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
+    Every rank must call it, with the same arguments: it runs collectives.
+    """
+    options = options or ParallelOptions()
+    if mesh is None:
+        if not distributed_is_initialized():
+            raise ValueError(
+                "`parallelize` needs the process group: call `torch.distributed.init_process_group()` first (under "
+                "torchrun), or pass a `mesh`."
+            )
+        layout = ParallelLayout.resolve(
+            dist.get_world_size(), tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size
+        )
+        device = _device(device, mesh_type=_default_device_type())
+        options.check_layout(layout, device=device)
+        mesh, _ = layout.build_device_mesh(device.type)
+    else:
+        if (tp_size, dp_shard_size, dp_replicate_size) != (None, None, 1):
+            raise ValueError("Pass either `mesh` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`).")
+        layout = layout_of(mesh)
+        device = _device(device, mesh_type=mesh.device_type)
+        options.check_layout(layout, device=device)
+    apply_parallelisms(module, mesh=mesh, layout=layout, options=options, device=device)
+    return module
+
+
+def apply_parallelisms(
+    root: nn.Module, *, mesh: DeviceMesh, layout: ParallelLayout, options: ParallelOptions, device: torch.device
+) -> Targets:
+    """The pipeline, in its one order. Modules handled by an earlier call (fit, then validate) are left alone."""
+    tp_mesh = mesh[TP_AXIS]
+    # 1. Resolve and check every plan before any weight moves or any collective runs: a bad plan raises the same error
+    #    on every rank, where a rank failing mid-way would leave the others hanging in a collective.
+    targets = resolve_targets(root, layout=layout, tp_mesh=tp_mesh, dp_mesh=data_parallel_mesh(mesh), options=options)
+    # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
+    cast_precision(root, options.precision)
+    # 3. Every rank must hold the same weights before TP and FSDP2 each slice their own copy: one checksum all-gather
+    #    over every rank, then rank 0's values of what differs (as torch's styles, `src_data_rank=0`).
+    take_rank_zero_weights([t.module for t in targets.models if t.presharded_mesh is None] + targets.extras)
+    # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss
+    #    parallelism with it, since it changes what the TP'd `lm_head` returns.
+    apply_tp(targets, tp_mesh=tp_mesh, device=device, loss_parallel=options.loss_parallel)
+    # 5. Activation checkpointing per decoder layer, after TP (the recomputed forward runs the TP layers) and before
+    #    FSDP2 (whose hooks then wrap the checkpointed layer and gather its weights again for the recompute).
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(targets)
+    # 6. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D) and must see the final
+    #    DTensor parameters. HSDP when dp_replicate_size > 1.
+    if layout.dp_size > 1:
+        apply_data_parallel(root, targets, mesh=mesh, layout=layout, options=options)
+    # 7. Models built on the meta device are materialised only now, already sharded, and filled from their checkpoint
+    #    slice by slice: no rank ever holds the whole model. With CPU offload FSDP2 keeps the shards on the CPU.
+    init_device = torch.device("cpu") if options.cpu_offload else device
+    materialized = materialize_and_load(root, targets, device=init_device)
+    # 8. LoRA adapters of a meta-built model exist only now; PEFT initialises them, every rank drawing the same whole
+    #    adapters and keeping its slices. Then the saves that must gather shards (adapters, save_pretrained).
+    initialize_and_hook_adapters(root, materialized=materialized, device=init_device)
+    install_save_hooks(targets)
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The stages
+
+
+def resolve_targets(
+    root: nn.Module,
+    *,
+    layout: ParallelLayout,
+    tp_mesh: DeviceMesh,
+    dp_mesh: DeviceMesh | None,
+    options: ParallelOptions,
+) -> Targets:
+    """The models to shard, each with its resolved (and rewritten) plan, and the other modules that hold parameters.
+    Raises before anything moves; modules an earlier call sharded are left out."""
+    models = transformers_models(root)
+    if not models:
+        if options.tp_plan == "auto":
+            raise ValueError(
+                f"{type(root).__name__} holds no Transformers `PreTrainedModel`, so there is no plan to apply. Build "
+                "the model before it is sharded (in a LightningModule: in `configure_model` or `__init__`), or pass "
+                "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>}` (paths relative to the module "
+                "being sharded: the LightningModule, or the module given to `fabric.setup`/`parallelize`)."
+            )
+        models = [root]
+        if layout.dp_size > 1:
+            check_fsdp_units(root)  # refuses children sharing a parameter, before any collective
+    direct = [name for name, p in parameter_dict(root).items() if p is not None and p.requires_grad]
+    if direct and not is_transformers_model(root):
+        raise ValueError(
+            f"{type(root).__name__} holds trainable parameters directly ({direct}); move them into a submodule "
+            "(e.g. `self.head = nn.Linear(...)`) so they can be placed."
+        )
+    targets = Targets()
+    tp_ranks = sorted(tp_mesh.mesh.flatten().tolist())
+    for module in models:
+        if getattr(module, SHARDED_MARKER, None) is not None:
+            _check_sharded_size(module, getattr(module, SHARDED_MARKER), tp_ranks=tp_ranks, layout=layout)
+            continue
+        presharded_mesh = transformers_tp_mesh(module) if is_sharded(module) else None
+        if presharded_mesh is not None:
+            _check_sharded_size(module, presharded_mesh, tp_ranks=tp_ranks, layout=layout)
+            if options.tp_plan != "auto":
+                rank_zero_warn(
+                    f"`tp_plan` overrides are ignored for {type(module).__name__}: Transformers sharded it at load "
+                    "time with its own plan. Load it without `distributed_config` to apply them."
+                )
+        plan = resolve_plan(module, "auto" if presharded_mesh is not None else options.tp_plan, tp_size=layout.tp_size)
+        if has_peft(module):
+            # PEFT was applied to the whole model: shard each adapter with its base layer, and refuse what cannot be
+            # sharded, before anything moves.
+            check_peft_supported(module)
+            if presharded_mesh is not None:
+                raise ValueError(
+                    f"{type(module).__name__} carries PEFT adapters but was sharded by Transformers at load time, "
+                    "when the adapters did not exist yet. Load it without `distributed_config`."
+                )
+            plan = extend_plan_to_adapters(module, plan)
+        plan = rewrite_for_regions(
+            module, plan, presharded=presharded_mesh is not None, layout=layout, dp_mesh=dp_mesh, options=options
+        )
+        targets.models.append(Target(module, plan, presharded_mesh))
+    targets.extras.extend(
+        m
+        for m in modules_outside(root, models)
+        if getattr(m, SHARDED_MARKER, None) is None and any(True for _ in m.parameters())
+    )
+    if options.cpu_offload and targets.extras:
+        raise ValueError("`cpu_offload=True` supports parameters inside the Transformers models only.")
+    return targets
+
+
+def rewrite_for_regions(
+    module: nn.Module,
+    plan: ResolvedPlan,
+    *,
+    presharded: bool,
+    layout: ParallelLayout,
+    dp_mesh: DeviceMesh | None,
+    options: ParallelOptions,
+) -> ResolvedPlan:
+    """Dense decoder layers with one input DTensor per attention/MLP (2 backward all-reduces per layer instead of 5),
+    sequence parallelism when asked, and the vocabulary-sharded ``lm_head`` of loss parallelism."""
+    asked = ", ".join(f"{name}=True" for name in ("sequence_parallel", "loss_parallel") if getattr(options, name))
+    if not is_transformers_model(module) or presharded:
+        if asked and not is_transformers_model(module):
+            raise ValueError(f"{asked} applies to Transformers causal LMs; {type(module).__name__} is not one.")
+        if asked:
+            raise ValueError(
+                f"{asked} rewrites the plan, but {type(module).__name__} was sharded by Transformers at load "
+                "time. Load it without `distributed_config`."
+            )
+        return plan
+    if options.sequence_parallel and has_peft(module):
+        raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")
+    # Data-parallel ranks see different batches: with sequence parallelism they agree on the lengths over their group
+    # before any of them raises (see `SequenceSplit`).
+    agree_group = dp_mesh.get_group() if options.sequence_parallel and layout.dp_size > 1 and dp_mesh else None
+    blocks = block_classes(module, options.fsdp_blocks)
+    if options.sequence_parallel:
+        plan = sequence_parallel_plan(module, plan, blocks=blocks, agree_group=agree_group)
+    elif not has_peft(module):  # PEFT's LoRA layers take plain-tensor inputs
+        plan = rewrite_dense_layers(module, plan, blocks=blocks)
+    if options.loss_parallel:
+        plan = loss_parallel_plan(module, plan)
+    return plan
+
+
+def cast_precision(root: nn.Module, precision: str) -> None:
+    """``module.to(dtype)`` for the ``-true`` precisions, as Lightning's precision plugins do."""
+    dtype = PRECISION_DTYPES[precision]
+    if dtype is not None:
+        root.to(dtype=dtype)
+
+
+def take_rank_zero_weights(modules: list[nn.Module]) -> None:
+    """Ranks that built the model with different values (a seed per rank, say) train rank 0's values, as Lightning's
+    ``ModelParallelStrategy`` does: the run equals one process initialised like rank 0."""
+    for module in modules:
+        taken = take_rank_zero_values(module)  # over WORLD: TP and data parallelism both need identical copies
+        if taken:
+            rank_zero_info(
+                f"{type(module).__name__}: {len(taken)} tensor(s) differed between ranks (first: {taken[0]!r}) and "
+                "were set to rank 0's values on every rank. Seed before building the model to silence this."
+            )
+
+
+def apply_tp(targets: Targets, *, tp_mesh: DeviceMesh, device: torch.device, loss_parallel: bool) -> None:
+    """Each model sharded by its plan (a model Transformers sharded at load time keeps its shards and only gets the
+    replicated DTensors); modules outside the models replicated over the TP group."""
+    for target in targets.models:
+        if target.presharded_mesh is None:
+            apply_tensor_parallel(target.module, tp_mesh, target.plan, device=device)
+            if loss_parallel:
+                install_loss_parallel(target.module)  # the logits stay vocabulary-sharded: the loss runs on the shards
+        else:
+            adopt_transformers_sharding(target.module, target.presharded_mesh, target.plan)
+    for module in targets.extras:
+        if not on_meta(module):
+            module.to(device)
+        replicate_unsharded_parameters(module, tp_mesh)
+        setattr(module, SHARDED_MARKER, tp_mesh)
+
+
+def apply_activation_checkpointing(targets: Targets) -> None:
+    for target in targets.models:
+        module = target.module
+        if is_transformers_model(module) and getattr(module, "supports_gradient_checkpointing", False):
+            module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            rank_zero_warn(
+                f"`activation_checkpointing=True` is ignored for {type(module).__name__}: it applies to "
+                "Transformers models that support it. Wrap your blocks with `torch.utils.checkpoint` instead."
+            )
+
+
+def apply_data_parallel(
+    root: nn.Module, targets: Targets, *, mesh: DeviceMesh, layout: ParallelLayout, options: ParallelOptions
+) -> None:
+    """FSDP2 over each model (its blocks one by one, then the model), and over each module outside the models as one
+    group, so that every trainable parameter has its gradients reduced over the data-parallel ranks. A root that is
+    the model itself gets one group per child (see :func:`apply_fsdp_per_child`)."""
+    # HSDP takes the 2-D (replicate, shard) mesh, even when the shard axis has one rank; FSDP the shard axis.
+    if layout.dp_replicate_size > 1:
+        fsdp_mesh = mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]
+    else:
+        fsdp_mesh = mesh[DP_SHARD_AXIS]
+    fsdp_options = dict(
+        reshard_after_forward=options.reshard_after_forward,
+        mp_policy=fsdp_mixed_precision(options.precision, param_dtype=options.fsdp_param_dtype),
+        cpu_offload=options.cpu_offload,
+    )
+    blocks = list(options.fsdp_blocks) if options.fsdp_blocks else None
+    for target in targets.models:
+        if target.module is root and not is_transformers_model(root):
+            # A plain module tree: the training loop calls its children, never the root's forward.
+            apply_fsdp_per_child(root, fsdp_mesh, fsdp_blocks=blocks, **fsdp_options)
+        else:
+            apply_fsdp(target.module, fsdp_mesh, blocks=block_classes(target.module, blocks), **fsdp_options)
+    for module in targets.extras:
+        apply_fsdp(module, fsdp_mesh, blocks=set(), **fsdp_options)
+
+
+def materialize_and_load(root: nn.Module, targets: Targets, *, device: torch.device) -> set[int]:
+    """Allocate what was built on the meta device, sharded, and fill it (from its checkpoint, else initialised as one
+    process would); returns the ids of the Transformers models materialised."""
+    materialized = set()
+    for target in targets.models:
+        if on_meta(target.module) and is_transformers_model(target.module):
+            materialize(target.module, device, tied=target.plan.tied)
+            materialized.add(id(target.module))
+    materialize_modules(root, device)
+    return materialized
+
+
+def initialize_and_hook_adapters(root: nn.Module, *, materialized: set[int], device: torch.device) -> None:
+    for peft_model in peft_models(root):
+        if id(peft_model.get_base_model()) in materialized:
+            rank_zero_warn(
+                "LoRA adapters on a model built on the meta device are initialised fresh after sharding; an adapter "
+                "loaded with `PeftModel.from_pretrained` onto such a model is not kept. To continue training a saved "
+                "adapter, load the base with `AutoModelForCausalLM.from_pretrained`."
+            )
+            with random_state_of_rank_zero(device):  # every rank draws the same whole adapters
+                initialize_adapters(peft_model)  # PEFT's own initialisation, each rank keeping its slices
+        install_distributed_save(peft_model)
+
+
+def install_save_hooks(targets: Targets) -> None:
+    from lightning_tp.checkpoint import install_distributed_save_pretrained
+
+    for target in targets.models:
+        # A model Transformers sharded at load time saves itself on every rank (its own barrier included).
+        if is_transformers_model(target.module) and target.presharded_mesh is None:
+            install_distributed_save_pretrained(target.module)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Meshes
+
+
+def layout_of(mesh: DeviceMesh) -> ParallelLayout:
+    """The sizes of a mesh whose axes are named ``dp_replicate``, ``dp_shard`` and ``tp`` (missing ones: size 1)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    known = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS)
+    unknown = [name for name in names if name not in known and name != DP_AXIS]
+    if TP_AXIS not in names or unknown:
+        raise ValueError(
+            f"The mesh's axes are {names}; `parallelize` needs a `{TP_AXIS}` axis and knows only {known}. Build the "
+            "mesh with `ParallelLayout(...).build_device_mesh(...)`, or pass the sizes instead of a mesh."
+        )
+    sizes = {name: mesh.size(names.index(name)) if name in names else 1 for name in known}
+    return ParallelLayout(
+        tp_size=sizes[TP_AXIS], dp_shard_size=sizes[DP_SHARD_AXIS], dp_replicate_size=sizes[DP_REPLICATE_AXIS]
+    )
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D mesh over this rank's data-parallel replicas (``dp_replicate`` x ``dp_shard`` flattened), or ``None``
+    for a mesh with TP only."""
+    names = tuple(mesh.mesh_dim_names or ())
+    axes = tuple(name for name in (DP_REPLICATE_AXIS, DP_SHARD_AXIS) if name in names)
+    if not axes:
+        return None
+    if len(axes) == 1:
+        return mesh[axes[0]]
+    return flatten_mesh(mesh[axes], DP_AXIS)  # torch returns the one built already (the strategies build it)
+
+
+def _check_sharded_size(module: nn.Module, mesh: DeviceMesh, *, tp_ranks: list[int], layout: ParallelLayout) -> None:
+    """A model sharded before this call must be sharded over exactly this rank's TP group."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if ranks != tp_ranks:
+        raise ValueError(
+            f"{type(module).__name__} is already tensor-parallel over ranks {ranks} (tp_size={len(ranks)}), but "
+            f"this rank's TP group is {tp_ranks} (tp_size={layout.tp_size}). Load it without "
+            "`distributed_config`/`tp_plan` and let lightning_tp shard it, or use the same tp_size."
+        )
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+
+
+def _device(device: torch.device | str | None, *, mesh_type: str) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if mesh_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh_type)
+
+
+__all__ = ["SUPPORTED_PRECISIONS", "ParallelOptions", "Target", "Targets", "parallelize"]

@@ -1,0 +1,199 @@
+"""The one table of Transformers' TP style names: what each does to the parameters and outputs of the module it is
+given, and whether this package applies or refuses it. Every other fact about styles in the package (the supported
+and refused lists, the layout of a tied weight, the per-rank shapes of ``inspect``, which LoRA half follows the base,
+which styles sequence parallelism can rewrite, which embeddings keep their gradient's layout) is derived from
+:data:`STYLES`, so a new style is one entry here.
+
+The facts follow Transformers 5.24's layers (``transformers/distributed/tensor_parallel.py``: each class's
+``shard_param`` and forward), checked by ``tests/unit/test_styles.py`` against the registry ``ALL_PARALLEL_STYLES``
+and against what each style does to a real ``nn.Linear``/``nn.Embedding`` on a one-rank process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+#: ``column``: output features split (the weight's rows); ``row``: input features split (the weight's columns), partial
+#: outputs summed; ``embedding``: an embedding table split on the vocabulary or the hidden dim; ``replicated``: kept
+#: whole; ``module``: changes the module's forward only, its parameters are split by their own entries (or not at all);
+#: ``expert``: whole experts per rank (expert parallelism).
+Kind = Literal["column", "row", "embedding", "replicated", "module", "expert"]
+
+
+@dataclass(frozen=True)
+class StyleFacts:
+    """What one style name means.
+
+    ``weight_dim``: the dim of a weight (2-D, or 3-D for stacked expert weights) the style splits: negative counts from
+    the end (the output features are ``-2``, the input features ``-1``, whatever leading expert dim there is),
+    non-negative from the start (an embedding's vocabulary ``0``, its hidden dim ``1``); ``None``: kept whole.
+    ``bias_split``: whether a parameter named ``bias`` is split too (on its only dim); ``False``: it is replicated (a
+    row-wise bias is added once, after the partial outputs are summed).
+    ``vector_split``: whether a 1-D parameter (a bias where ``bias_split``) is split (on its only dim).
+    ``strided``: each rank holds a slice of each packed half of a weight (fused gate/up: ``_StridedShard``), a layout of
+    its own; a 1-D parameter is split plainly.
+    ``output_sharded``: each rank's output holds its own slice of the features (heads), so what follows runs on shards.
+    ``lora_half``: the LoRA matrix that shares the base's split dim and gets the same style (``lora_B`` reads the
+    replicated low-rank input and writes the base's output slice; ``lora_A`` reads the base's input slice); the other
+    half stays whole. ``None``: both stay whole (refused by :func:`lightning_tp.lora.extend_plan_to_adapters` when
+    the base's output stays sharded: a whole adapter's output would not match the base's slice).
+    ``sums_gradients``: a replicated parameter whose gradient this package sums over the TP group (not applied with
+    Transformers' hook layer).
+    ``rewritable``: sequence parallelism's rewrite (and the dense-layer rewrite) replaces it with torch's style of the
+    same kind, or keeps it as is (a norm).
+    ``refused``: why this package refuses the style, and the fix; ``None``: applied.
+    """
+
+    description: str
+    kind: Kind
+    weight_dim: int | None = None
+    bias_split: bool = False
+    vector_split: bool = True
+    strided: bool = False
+    output_sharded: bool = False
+    lora_half: Literal["lora_A", "lora_B"] | None = None
+    sums_gradients: bool = False
+    rewritable: bool = False
+    refused: str | None = None
+
+    @property
+    def supported(self) -> bool:
+        return self.refused is None
+
+    def split_dim(self, ndim: int, *, is_bias: bool = False) -> int | None:
+        """The dim that a parameter of ``ndim`` dims is split on (non-negative), or ``None`` when it stays whole.
+        ``is_bias``: the parameter is named ``bias`` (Transformers decides by the name)."""
+        if self.weight_dim is None or ndim == 0 or (is_bias and not self.bias_split):
+            return None
+        if ndim == 1 and not self.vector_split:
+            return None
+        # Transformers' `Shard(ndim - 2)` of a 1-D parameter is `Shard(-1)`: its only dim, as `% ndim` gives.
+        dim = self.weight_dim % ndim if self.weight_dim < 0 else self.weight_dim
+        if dim >= ndim:
+            raise ValueError(f"a style that splits dim {self.weight_dim} cannot split a parameter of {ndim} dims")
+        return dim
+
+    def layout(self, ndim: int, *, is_bias: bool = False) -> str:
+        """A name for the layout of a parameter of ``ndim`` dims: equal names, equal shards on every rank."""
+        dim = self.split_dim(ndim, is_bias=is_bias)
+        if dim is None:
+            return "replicated"
+        return f"strided shard({dim})" if self.strided and ndim > 1 else f"shard({dim})"
+
+
+_MOE = (
+    "Transformers uses it for mixture-of-experts layers, whose tensor parallelism is not verified for training with "
+    "this strategy yet; map the rule to 'replicate' to keep that module whole"
+)
+_EP = (
+    "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not build; shard the "
+    "experts with `moe_tp_experts` instead"
+)
+
+#: Every Transformers style name this package knows: applied ones and refused ones.
+STYLES: dict[str, StyleFacts] = {
+    "colwise": StyleFacts(
+        "linear, weight sharded on the output dim, output stays sharded",
+        kind="column",
+        weight_dim=-2,
+        bias_split=True,
+        output_sharded=True,
+        lora_half="lora_B",
+        rewritable=True,
+    ),
+    "colwise_gather_output": StyleFacts(
+        "colwise, output gathered to every rank (e.g. lm_head)",
+        kind="column",
+        weight_dim=-2,
+        bias_split=True,
+        lora_half="lora_B",
+    ),
+    "colwise_rep": StyleFacts(
+        "colwise, output gathered to every rank", kind="column", weight_dim=-2, bias_split=True, lora_half="lora_B"
+    ),
+    "rowwise": StyleFacts(
+        "linear, weight sharded on the input dim, output all-reduced",
+        kind="row",
+        weight_dim=-1,
+        lora_half="lora_A",
+        rewritable=True,
+    ),
+    "rowwise_rep": StyleFacts(
+        "rowwise with a replicated input that is split locally", kind="row", weight_dim=-1, lora_half="lora_A"
+    ),
+    "rowwise_split_input": StyleFacts(
+        "rowwise with a replicated input that is split locally", kind="row", weight_dim=-1, lora_half="lora_A"
+    ),
+    "embedding_rowwise": StyleFacts(
+        "embedding sharded on the vocabulary, partial lookups summed", kind="embedding", weight_dim=0, bias_split=True
+    ),
+    "embedding_colwise": StyleFacts(
+        "embedding sharded on the hidden dim, slices gathered", kind="embedding", weight_dim=1, bias_split=True
+    ),
+    "replicated_with_grad_allreduce": StyleFacts(
+        "replicated parameter whose gradient is summed over the TP group (q/k norms)",
+        kind="replicated",
+        sums_gradients=True,
+        rewritable=True,
+    ),
+    "replicate": StyleFacts("kept whole on every rank", kind="replicated"),
+    "local_params": StyleFacts("module runs on its local parameter shards", kind="module"),
+    "moe_tp_experts": StyleFacts(
+        "mixture-of-experts block: every expert sharded, partial outputs summed", kind="module"
+    ),
+    "packed_colwise": StyleFacts(
+        "fused gate/up expert weight, each packed half sharded column-wise",
+        kind="column",
+        weight_dim=-2,
+        bias_split=True,
+        strided=True,
+        output_sharded=True,
+    ),
+    # Refused.
+    "ep_dispatch_experts": StyleFacts("expert-parallel token dispatch", kind="module", refused=_EP),
+    "grouped_gemm": StyleFacts(
+        "whole experts per rank on the expert-parallel axis", kind="expert", weight_dim=0, bias_split=True, refused=_EP
+    ),
+    "sequence_parallel": StyleFacts(
+        "module runs on sequence shards",
+        kind="module",
+        refused="Transformers' sequence-parallel style is not wired into its layers yet; leave the norms replicated "
+        "(drop the rule)",
+    ),
+    "moe_identity_expert": StyleFacts("identity expert, input divided by the TP size", kind="module", refused=_MOE),
+    "all_reduce": StyleFacts("partial output summed over the TP group", kind="module", refused=_MOE),
+    "packed_rowwise": StyleFacts(
+        "fused expert weight, each packed half sharded on the last dim",
+        kind="row",
+        weight_dim=-1,
+        vector_split=False,
+        strided=True,
+        refused=_MOE,
+    ),
+    "mla_kv_a_proj": StyleFacts(
+        "latent-attention KV projection, rotary slice's gradient summed",
+        kind="module",
+        refused="multi-head latent attention (DeepSeek-V2 style) is not verified for training with this strategy yet",
+    ),
+}
+
+
+def facts(style: object) -> StyleFacts | None:
+    """The facts of a style name, or ``None`` for anything else (a torch ``ParallelStyle``, an unknown name, none)."""
+    return STYLES.get(style) if isinstance(style, str) else None
+
+
+def style_names(**where: object) -> tuple[str, ...]:
+    """The names whose facts have every given value, e.g. ``style_names(kind="embedding")``. A tuple: ``style in``
+    compares with ``==``, so a plan value that is an unhashable ``ParallelStyle`` (a dataclass) is simply absent."""
+    return tuple(
+        name for name, fact in STYLES.items() if all(getattr(fact, key) == value for key, value in where.items())
+    )
+
+
+#: Transformers style names applied with Transformers' own TP layers (or, for gradient sums, by this package).
+SUPPORTED_STYLES: dict[str, str] = {name: fact.description for name, fact in STYLES.items() if fact.supported}
+
+#: Transformers style names this package refuses, with the reason and the fix.
+REFUSED_STYLES: dict[str, str] = {name: fact.refused for name, fact in STYLES.items() if fact.refused is not None}

@@ -1,0 +1,417 @@
+"""Fabric parity worker, run with torchrun: each case trains a tiny model with ``lightning_tp.fabric`` and with one
+Fabric process (``SingleDeviceStrategy``, in the same worker, same seed and data), and records both.
+
+    torchrun --nproc_per_node=N tests/distributed/fabric_worker.py OUT_DIR CHECKPOINT_DIR CASE [CASE ...]
+
+``CHECKPOINT_DIR`` holds Transformers directories the test wrote (``tied``); each rank writes ``OUT_DIR/rank{r}.pt``:
+``{case: result}``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.helpers.tripwire import worker_setup  # noqa: E402
+
+TIMEOUT = worker_setup()
+
+import torch  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.strategies import SingleDeviceStrategy  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import lightning_tp  # noqa: E402
+from lightning_tp.fabric import TensorParallelStrategy  # noqa: E402
+from tests.helpers.models import build_causal_lm, lm_batches, tiny_config  # noqa: E402
+
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])
+RANK = int(os.environ["RANK"])
+STEPS = 3
+
+#: name -> case function(out_dir, checkpoint_dir) -> result dict
+CASES: dict[str, Callable[[Path, Path], dict[str, Any]]] = {}
+
+
+def case(fn: Callable[[Path, Path], dict[str, Any]]) -> Callable[[Path, Path], dict[str, Any]]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+
+
+def one_process(precision: str = "32-true") -> Fabric:
+    """The reference: one Fabric process on the CPU (no process group, whatever torchrun started)."""
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(device="cpu"), precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def sharded(precision: str = "32-true", **strategy_kwargs: Any) -> Fabric:
+    strategy = TensorParallelStrategy(timeout=TIMEOUT, **strategy_kwargs)
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def dp_slice(fabric: Fabric, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's part of a global batch (the whole batch on one process)."""
+    strategy = fabric.strategy
+    if not isinstance(strategy, TensorParallelStrategy):
+        return batch
+    size, rank = strategy.dp_mesh.size(), strategy.dp_mesh.get_local_rank()
+    return {key: value.chunk(size)[rank] for key, value in batch.items()}
+
+
+def train(
+    fabric: Fabric,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    clip: float | None = None,
+) -> dict[str, list[float]]:
+    """The user's loop: forward, ``fabric.backward``, ``fabric.clip_gradients``, step. Losses are the mean over the
+    data-parallel ranks (``fabric.all_reduce``), so equal to one process's loss on the global batch."""
+    losses, norms = [], []
+    for batch in batches:
+        loss = model(**dp_slice(fabric, batch)).loss
+        fabric.backward(loss)
+        if clip is not None:
+            norms.append(fabric.clip_gradients(model, optimizer, max_norm=clip).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+    return {"losses": losses, "norms": norms}
+
+
+def qwen3() -> torch.nn.Module:
+    return build_causal_lm(tiny_config("qwen3"))
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # foreach=False: under TP alone the norms stay plain tensors and foreach refuses the mix (see NOTES).
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on every rank (gathered DTensors), for comparing with one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------------------------------------------- cases
+
+
+@case
+def adamw_clip(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """``fabric.setup(model, optimizer)`` with the optimizer built before sharding; AdamW; clipping that bites."""
+    batches = lm_batches(STEPS)
+    fabric = one_process()
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    reference = train(fabric, model, optimizer, batches, clip=0.5)
+    reference_state = full_state(model)
+
+    fabric = sharded(tp_size=2, activation_checkpointing=WORLD_SIZE == 4)  # recomputed in 2-D: the same numbers
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    result = train(fabric, model, optimizer, batches, clip=0.5)
+    decisions = [
+        fabric.strategy.reduce_boolean_decision(True),
+        fabric.strategy.reduce_boolean_decision(fabric.global_rank == 0, all=True),
+        fabric.strategy.reduce_boolean_decision(fabric.global_rank == 0, all=False),
+    ]
+    dp_sum = fabric.all_reduce(torch.tensor(1.0), reduce_op="sum").item()
+    return {
+        "reference": reference,
+        **result,
+        "state_diff": max_diff(full_state(model), reference_state),
+        "optimizer_params_are_model_params": {id(p) for g in optimizer.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
+        "sharded": sum(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()),
+        "decisions": decisions,
+        "dp_sum": dp_sum,
+        "dp_size": fabric.strategy.dp_mesh.size(),
+        "activation_checkpointing": model.module.is_activation_checkpointing,
+    }
+
+
+@case
+def dataloader(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """``fabric.setup_dataloaders`` samples over the data-parallel ranks only: the ranks of a TP group see the same
+    samples; the data-parallel ranks split the global batch; losses over the global batch equal one process's."""
+    samples = [
+        {"index": torch.tensor(i), **{k: v[j] for k, v in batch.items()}}
+        for i, (batch, j) in enumerate((b, j) for b in lm_batches(STEPS) for j in range(4))
+    ]
+
+    def run(fabric: Fabric, batch_size: int) -> dict[str, Any]:
+        model = qwen3()
+        model, optimizer = fabric.setup(model, sgd(model))
+        loader = fabric.setup_dataloaders(DataLoader(samples, batch_size=batch_size, shuffle=False))
+        losses, norms, seen = [], [], []
+        for batch in loader:
+            seen.append(batch.pop("index").tolist())
+            loss = model(**batch).loss
+            fabric.backward(loss)
+            norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e6).item())  # measures, clips nothing
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        return {"losses": losses, "norms": norms, "seen": seen}
+
+    reference = run(one_process(), 4)
+    fabric = sharded(tp_size=2)
+    dp_size = fabric.strategy.dp_mesh.size()
+    result = run(fabric, 4 // dp_size)
+    return {"reference": reference, **result, "dp_rank": fabric.strategy.dp_mesh.get_local_rank(), "dp_size": dp_size}
+
+
+@case
+def bf16_mixed(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """``Fabric(precision="bf16-mixed")``: autocast over fp32 weights, FSDP2 gathering fp32 and reducing in fp32, as
+    one process's bf16-mixed."""
+    batches = lm_batches(STEPS)
+    fabric = one_process("bf16-mixed")
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    reference = train(fabric, model, optimizer, batches, clip=1e6)
+
+    fabric = sharded("bf16-mixed", tp_size=2)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    result = train(fabric, model, optimizer, batches, clip=1e6)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return {"reference": reference, **result, "dtypes": dtypes}
+
+
+@case
+def accumulate(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Two micro-batches per step, the first under ``fabric.no_backward_sync`` (FSDP2 reduces once per step): the
+    same as one process on the whole batch."""
+    batches = lm_batches(STEPS)
+    fabric = one_process()
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    reference = train(fabric, model, optimizer, batches, clip=1e6)
+
+    fabric = sharded(tp_size=2)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    losses, norms = [], []
+    for batch in batches:
+        halves = {key: value.chunk(2) for key, value in batch.items()}
+        micro = [{key: parts[index] for key, parts in halves.items()} for index in range(2)]
+        total = 0.0
+        for index, part in enumerate(micro):
+            with fabric.no_backward_sync(model, enabled=index < len(micro) - 1):
+                loss = model(**dp_slice(fabric, part)).loss
+                fabric.backward(loss / len(micro))
+            total += loss.detach() / len(micro)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e6).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+    return {"reference": reference, "losses": losses, "norms": norms}
+
+
+@case
+def meta_load(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """``fabric.init_module(empty_init=True)`` + ``lightning_tp.from_pretrained``: built on meta, loaded sharded (tied
+    embeddings), against Transformers' own load on one process."""
+    from transformers import AutoModelForCausalLM
+
+    batches = lm_batches(STEPS)
+    fabric = one_process()
+    model = AutoModelForCausalLM.from_pretrained(checkpoints / "tied", dtype=torch.float32).train()
+    model, optimizer = fabric.setup(model, sgd(model))
+    reference = train(fabric, model, optimizer, batches)
+    reference_state = full_state(model)
+    raw = out / "meta_load_raw.pt"
+    if RANK == 0:
+        torch.save(reference_state, raw)
+
+    fabric = sharded(tp_size=2)
+    with fabric.init_module(empty_init=True):
+        model = lightning_tp.from_pretrained(checkpoints / "tied", dtype=torch.float32).train()
+    on_meta = all(p.is_meta for p in model.parameters())
+    model, optimizer = fabric.setup(model, sgd(model))  # an optimizer over meta parameters, pointed at the shards
+    result = train(fabric, model, optimizer, batches)
+    inner = model.module
+    tied = inner.lm_head.weight is inner.model.embed_tokens.weight
+    fabric.barrier()  # rank 0 wrote `raw`
+    fabric.load_raw(raw, model)  # a plain state-dict file into the shards
+    return {
+        "reference": reference,
+        **result,
+        "built_on_meta": on_meta,
+        "tied": tied,
+        "load_raw_diff": max_diff(full_state(model), reference_state),
+    }
+
+
+@case
+def lora(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """PEFT LoRA on every linear layer (column- and row-wise), adapters sharded with their base layers."""
+    from peft import LoraConfig, get_peft_model
+
+    def build() -> torch.nn.Module:
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        return get_peft_model(qwen3(), config)
+
+    batches = lm_batches(STEPS)
+    fabric = one_process()
+    model = build()
+    model, optimizer = fabric.setup(model, adamw(model))
+    reference = train(fabric, model, optimizer, batches, clip=0.5)
+
+    fabric = sharded(tp_size=2)
+    model = fabric.setup_module(build())
+    optimizer = fabric.setup_optimizers(adamw(model))
+    result = train(fabric, model, optimizer, batches, clip=0.5)
+    frozen = [n for n, p in model.named_parameters() if "lora_" not in n and p.requires_grad]
+    return {"reference": reference, **result, "trainable_base": frozen}
+
+
+@case
+def sequence_loss_parallel(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Sequence and loss parallelism: the loss of ``model(..., labels=...)`` computed on vocabulary shards."""
+    batches = lm_batches(STEPS)
+    fabric = one_process()
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    reference = train(fabric, model, optimizer, batches, clip=0.5)
+
+    fabric = sharded(tp_size=2, sequence_parallel=True, loss_parallel=True)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    result = train(fabric, model, optimizer, batches, clip=0.5)
+    return {"reference": reference, **result}
+
+
+def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any], url: bool = False) -> dict[str, Any]:
+    """Train 2 steps on the layout ``first``, ``fabric.save``; build a fresh model on the layout ``second``,
+    ``fabric.load``, train 2 more: the losses equal 4 uninterrupted steps on one process. Then export the
+    checkpoint: its weights are the saved ones, and close to the one process's after 2 steps."""
+    from lightning_tp.export import export_checkpoint
+
+    batches = lm_batches(4)
+    fabric = one_process()
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    reference_head = train(fabric, model, optimizer, batches[:2], clip=0.5)
+    reference_at_save = full_state(model)
+    reference_tail = train(fabric, model, optimizer, batches[2:], clip=0.5)
+
+    path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}{'_url' if url else ''}.ckpt"
+    target = f"file://{path}" if url else path  # fsspec: committed by a marker, as on an object store
+    fabric = sharded(**first)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    head = train(fabric, model, optimizer, batches[:2], clip=0.5)
+    at_save = full_state(model)  # a collective: on every rank
+    fabric.save(target, {"model": model, "optimizer": optimizer, "step": 2, "note": "two steps"})
+    leftovers = sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}"))
+
+    fabric = sharded(**second)
+    torch.manual_seed(123)  # other initial weights: everything must come from the checkpoint
+    model = build_causal_lm(tiny_config("qwen3"), seed=123)
+    model, optimizer = fabric.setup(model, adamw(model))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    remainder = fabric.load(target, state)
+    tail = train(fabric, model, optimizer, batches[2:], clip=0.5)
+
+    export_diff = reference_diff = None
+    if fabric.global_rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        exported = export_checkpoint(target, out / f"{path.name}_export")
+        loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+        export_diff = max_diff(loaded.state_dict(), at_save)
+        reference_diff = max_diff(loaded.state_dict(), reference_at_save)
+    fabric.barrier()
+    return {
+        "reference": {"losses": reference_head["losses"] + reference_tail["losses"]},
+        "losses": head["losses"] + tail["losses"],
+        "step": state["step"],
+        "remainder": remainder,
+        "leftovers": leftovers,
+        "is_file": path.is_file(),
+        "committed": (path / ".lightning_tp_complete").is_file(),
+        "export_diff": export_diff,
+        "reference_diff": reference_diff,
+    }
+
+
+@case
+def resume_tp_to_fsdp(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved on TP 2, resumed on FSDP2 over the same 2 ranks (tp_size=1)."""
+    return _resume(out, first={"tp_size": 2}, second={"tp_size": 1})
+
+
+@case
+def resume_full_file(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved as one full file by rank 0 (``save_distributed_checkpoint=False``) on TP 2, resumed on FSDP2."""
+    return _resume(out, first={"tp_size": 2, "save_distributed_checkpoint": False}, second={"tp_size": 1})
+
+
+@case
+def resume_at_url(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved at a ``file://`` URL on FSDP2 over 2 ranks, resumed on TP 2."""
+    return _resume(out, first={"tp_size": 1}, second={"tp_size": 2}, url=True)
+
+
+@case
+def resume_2d_to_hsdp(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved on dp_shard 2 x tp 2, resumed on dp_replicate 2 x tp 2 (4 ranks)."""
+    return _resume(out, first={"tp_size": 2}, second={"tp_size": 2, "dp_shard_size": 1, "dp_replicate_size": 2})
+
+
+@case
+def bad_input(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Mistakes raise a ValueError on every rank, before any collective (the next case still runs)."""
+    errors = {}
+    fabric = sharded(tp_size=2)
+    try:
+        fabric.setup_module(torch.nn.Linear(4, 4))  # not a Transformers model and no tp_plan
+    except ValueError as err:
+        errors["no_plan"] = str(err)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    try:
+        fabric.load(fabric.broadcast(str(out / "does_not_exist")), {"model": model, "optimizer": optimizer})
+    except (ValueError, FileNotFoundError) as err:
+        errors["missing_checkpoint"] = f"{type(err).__name__}: {err}"
+    return {"errors": errors}
+
+
+def main() -> None:
+    out, checkpoints, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    # A case that raises ends the launch (its peers may be waiting in a collective); torchrun reports its traceback.
+    results = {name: CASES[name](out, checkpoints) for name in names}
+    torch.save(results, out / f"rank{RANK}.pt")
+
+
+if __name__ == "__main__":
+    main()

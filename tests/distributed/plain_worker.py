@@ -1,0 +1,118 @@
+"""``lightning_tp.parallelize`` in a plain PyTorch loop (no Trainer, no Fabric), under torchrun: each case trains a
+tiny model with TP (from sizes) or FSDP2 (from a mesh) and compares every step's loss and the final weights with the
+same loop run whole on this process. Prints one JSON line per case on rank 0."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.helpers.models import build_causal_lm, lm_batches, tiny_config
+from tests.helpers.tripwire import worker_setup
+
+STEPS = 3
+
+
+def _train(model: torch.nn.Module, batches: list[dict], *, clip: bool) -> list[float]:
+    import lightning_tp
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # exact: AdamW would amplify rounding in tiny gradients
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        if clip:
+            lightning_tp.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _compare(name: str, model: torch.nn.Module, reference: torch.nn.Module, losses: list, ref_losses: list) -> dict:
+    weights = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    ref_weights = dict(reference.named_parameters())
+    return {
+        "case": name,
+        "names_match": sorted(weights) == sorted(ref_weights),
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "weight_diff": max((weights[n] - ref_weights[n].detach()).abs().max().item() for n in ref_weights),
+        "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
+
+
+def case_tp_from_sizes() -> dict:
+    """TP over both ranks, the sizes given: every rank sees the same batches."""
+    import lightning_tp
+
+    model = build_causal_lm(tiny_config("qwen3"))
+    reference = copy.deepcopy(model)
+    batches = lm_batches(STEPS)
+    lightning_tp.parallelize(model, tp_size=2)
+    return _compare(
+        "tp_from_sizes", model, reference, _train(model, batches, clip=True), _train(reference, batches, clip=True)
+    )
+
+
+def case_fsdp_from_mesh() -> dict:
+    """FSDP2 over both ranks from a mesh the script built: each rank takes its half of every batch (the sampler over
+    the data-parallel ranks), and the run equals one process on the whole batches."""
+    import lightning_tp
+    from lightning_tp import ParallelLayout
+
+    layout = ParallelLayout.resolve(dist.get_world_size(), tp_size=1)
+    mesh, dp_mesh = layout.build_device_mesh("cpu")
+    model = build_causal_lm(tiny_config("llama"))
+    reference = copy.deepcopy(model)
+    batches = lm_batches(STEPS, batch_size=4)
+    lightning_tp.parallelize(model, mesh=mesh, options=lightning_tp.ParallelOptions(activation_checkpointing=True))
+    rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["input_ids"]))]
+    sampler = DistributedSampler(rows, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False)
+    local = list(DataLoader(rows, batch_size=2, sampler=sampler))
+    # The sampler interleaves rows across ranks: the reference takes the same rows per step, in order.
+    losses = _train_data_parallel(model, local, dp_group=dp_mesh.get_group())
+    return _compare("fsdp_from_mesh", model, reference, losses, _train(reference, batches, clip=False))
+
+
+def _train_data_parallel(model: torch.nn.Module, batches: list[dict], *, dp_group) -> list[float]:
+    """The global mean loss of each step (every rank's batch has the same number of counted tokens here)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # exact: AdamW would amplify rounding in tiny gradients
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp_group)
+        losses.append(mean.item() / dist.get_world_size(dp_group))
+    return losses
+
+
+CASES = {"tp_from_sizes": case_tp_from_sizes, "fsdp_from_mesh": case_fsdp_from_mesh}
+
+
+def main() -> None:
+    timeout = worker_setup()
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        for name in sys.argv[1:] or list(CASES):
+            result = CASES[name]()
+            if dist.get_rank() == 0:
+                print(json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

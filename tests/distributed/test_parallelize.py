@@ -1,0 +1,28 @@
+"""``lightning_tp.parallelize`` without Lightning: a plain PyTorch loop under torchrun trains at parity with one
+process, from sizes (TP) and from a mesh the script built (FSDP2 with activation checkpointing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import torchrun
+
+WORKER = Path(__file__).with_name("plain_worker.py")
+
+
+@pytest.fixture(scope="module")
+def plain_results() -> dict[str, dict]:
+    output = torchrun(WORKER, 2)
+    results = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in results}
+
+
+@pytest.mark.parametrize("case", ["tp_from_sizes", "fsdp_from_mesh"])
+def test_plain_pytorch_loop_matches_one_process(plain_results: dict[str, dict], case: str) -> None:
+    result = plain_results[case]
+    assert result["names_match"] and result["all_dtensors"]
+    assert result["loss_diff"] < 1e-5, result
+    assert result["weight_diff"] < 1e-5, result
