@@ -30,18 +30,18 @@ from torch.utils.data import DataLoader  # noqa: E402
 import lightning_tp  # noqa: E402
 from lightning_tp.fabric import TensorParallelStrategy  # noqa: E402
 from tests.helpers.models import build_causal_lm, lm_batches, tiny_config  # noqa: E402
+from tests.helpers.scenarios import Scenarios  # noqa: E402
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])
 RANK = int(os.environ["RANK"])
 STEPS = 3
 
 #: name -> case function(out_dir, checkpoint_dir) -> result dict
-CASES: dict[str, Callable[[Path, Path], dict[str, Any]]] = {}
+SCENARIOS = Scenarios("fabric_worker.py")
 
 
 def case(fn: Callable[[Path, Path], dict[str, Any]]) -> Callable[[Path, Path], dict[str, Any]]:
-    CASES[fn.__name__] = fn
-    return fn
+    return SCENARIOS.register(fn.__name__)(fn)
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -409,7 +409,8 @@ def bad_input(out: Path, checkpoints: Path) -> dict[str, Any]:
 def main() -> None:
     out, checkpoints, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     # A case that raises ends the launch (its peers may be waiting in a collective); torchrun reports its traceback.
-    results = {name: CASES[name](out, checkpoints) for name in names}
+    SCENARIOS.check(names)  # an unknown name fails on every rank before any collective
+    results = {name: SCENARIOS.run(name, out, checkpoints) for name in names}
     torch.save(results, out / f"rank{RANK}.pt")
 
 

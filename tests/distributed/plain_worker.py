@@ -14,9 +14,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.helpers.models import build_causal_lm, lm_batches, tiny_config
+from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import worker_setup
 
 STEPS = 3
+SCENARIOS = Scenarios("plain_worker.py")
 
 
 def _train(model: torch.nn.Module, batches: list[dict], *, clip: bool) -> list[float]:
@@ -51,6 +53,7 @@ def _compare(name: str, model: torch.nn.Module, reference: torch.nn.Module, loss
     }
 
 
+@SCENARIOS.register("tp_from_sizes")
 def case_tp_from_sizes() -> dict:
     """TP over both ranks, the sizes given: every rank sees the same batches."""
     import lightning_tp
@@ -64,6 +67,7 @@ def case_tp_from_sizes() -> dict:
     )
 
 
+@SCENARIOS.register("fsdp_from_mesh")
 def case_fsdp_from_mesh() -> dict:
     """FSDP2 over both ranks from a mesh the script built: each rank takes its half of every batch (the sampler over
     the data-parallel ranks), and the run equals one process on the whole batches."""
@@ -99,15 +103,14 @@ def _train_data_parallel(model: torch.nn.Module, batches: list[dict], *, dp_grou
     return losses
 
 
-CASES = {"tp_from_sizes": case_tp_from_sizes, "fsdp_from_mesh": case_fsdp_from_mesh}
-
-
 def main() -> None:
     timeout = worker_setup()
     dist.init_process_group("gloo", timeout=timeout)
     try:
-        for name in sys.argv[1:] or list(CASES):
-            result = CASES[name]()
+        names = sys.argv[1:] or list(SCENARIOS)
+        SCENARIOS.check(names)
+        for name in names:
+            result = SCENARIOS.run(name)
             if dist.get_rank() == 0:
                 print(json.dumps(result), flush=True)
     finally:
