@@ -39,13 +39,14 @@ def main() -> None:
 
     # --- the ten lines --------------------------------------------------------------------------------------------
     layout = lightning_tp.ParallelLayout.resolve(dist.get_world_size(), tp_size=args.tp_size)
-    mesh, dp_mesh = layout.build_device_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mesh, dp_mesh = layout.build_device_mesh(device.type)
     model = lightning_tp.parallelize(model, mesh=mesh)  # the model's own TP plan, then FSDP2 over the rest
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = SortDigits(64 * args.steps, tokenizer=tokenizer)
     sampler = DistributedSampler(data, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), seed=0)
     for step, batch in enumerate(DataLoader(data, batch_size=8, sampler=sampler)):
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
         loss.backward()
         lightning_tp.clip_grad_norm_(model.parameters(), 1.0)  # the global norm over every shard
         optimizer.step()

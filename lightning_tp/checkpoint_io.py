@@ -331,12 +331,12 @@ def _load_distributed(
     reader = remote.dcp_reader(url) if url else index_reader(path)  # neither runs code from the index
     stored = stored_entries(path, reader=reader)
     planner = safe_load_planner(weights_only=weights_only, opt_in=opt_in)  # nor from the shard files
-    written = {key.split(".", 1)[0] for key in stored}
-    missing_optimizers = [key for key in optimizers if key not in written]
+    missing_optimizers = [key for key in optimizers if not any(name.startswith(f"{key}.") for name in stored)]
     if missing_optimizers:
+        written = sorted({name.split(".", 1)[0] for name in stored})
         raise ValueError(
-            f"The checkpoint {path} holds no optimizer state for {missing_optimizers} (its entries: "
-            f"{sorted(written)}): it was written with fewer optimizers than this run has."
+            f"The checkpoint {path} holds no optimizer state for {missing_optimizers} (its entries start with "
+            f"{written}): it was written with fewer optimizers than this run has."
         )
     for key, module in modules.items():
         template = get_model_state_dict(module)

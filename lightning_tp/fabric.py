@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.strategy import Strategy
 from lightning.fabric.utilities.types import ReduceOp
@@ -34,7 +35,7 @@ from lightning_tp.compat import all_gather_ddp_if_available, distributed_is_init
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.integration import StrategyOptions, destroy_process_groups_at_exit
 from lightning_tp.layout import TP_AXIS, ParallelLayout
-from lightning_tp.parallelize import ParallelOptions, parallelize
+from lightning_tp.parallelize import ParallelOptions, apply_parallelisms
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -191,7 +192,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"The model holds `FullyShardedDataParallel` (FSDP1) modules; {type(self).__name__} applies FSDP2 "
                 "itself: pass the unwrapped model."
             )
-        return parallelize(module, mesh=self.device_mesh, options=self.parallel_options(), device=self.root_device)
+        apply_parallelisms(
+            module,
+            mesh=self.device_mesh,
+            layout=self.layout,
+            options=self.parallel_options(),
+            device=self.root_device,
+            convert_module=lambda converted: converted,  # Fabric's precision plugin cast it before `setup_module`
+        )
+        return module
 
     @override
     def setup_module_and_optimizers(
@@ -322,7 +331,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             root=module,
             layout=self._layout,
             distributed=self._save_distributed_checkpoint,
-            write_file=lambda contents, target: torch.save(contents, target),
+            write_file=TorchCheckpointIO().save_checkpoint,  # fsspec-aware (URLs), makes the parent directory
         )
 
     @override
@@ -429,7 +438,12 @@ def _check_fresh(optimizer: Optimizer, names: dict[int, str]) -> None:
 
 def _split_state(state: Mapping[str, Any], *, action: str) -> tuple[str, nn.Module, dict[str, Optimizer]]:
     """The one model of a ``fabric.save``/``fabric.load`` state (by its key) and its optimizers (by theirs)."""
-    modules = {key: value for key, value in state.items() if isinstance(value, nn.Module)}
+    # A module without parameters (a torchmetrics Metric) is stored by its state dict, like any stateful object.
+    modules = {
+        key: value
+        for key, value in state.items()
+        if isinstance(value, nn.Module) and any(True for _ in value.parameters())
+    }
     if len(modules) != 1:
         raise ValueError(
             f"`fabric.{action}` with TensorParallelStrategy needs exactly one model in the state, got "

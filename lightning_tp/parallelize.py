@@ -12,7 +12,7 @@ Every stage is a small function of this module; each technique lives in its own 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_tp.compat import distributed_is_initialized, flatten_mesh, parameter_dict
+from lightning_tp.compat import buffer_dict, distributed_is_initialized, flatten_mesh, parameter_dict
 from lightning_tp.discovery import modules_outside, transformers_models
 from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
 from lightning_tp.fsdp import fsdp_units as check_fsdp_units
@@ -82,7 +82,7 @@ class ParallelOptions:
         if isinstance(self.tp_plan, Mapping):
             for key, style in self.tp_plan.items():
                 check_style(key, style)
-            object.__setattr__(self, "tp_plan", MappingProxyType(dict(self.tp_plan)))
+            object.__setattr__(self, "tp_plan", dict(self.tp_plan))  # a copy (a proxy would not pickle)
         elif self.tp_plan != "auto":
             raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {self.tp_plan!r}.')
         if self.fsdp_blocks is not None:
@@ -194,15 +194,25 @@ def parallelize(
 
 
 def apply_parallelisms(
-    root: nn.Module, *, mesh: DeviceMesh, layout: ParallelLayout, options: ParallelOptions, device: torch.device
+    root: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    layout: ParallelLayout,
+    options: ParallelOptions,
+    device: torch.device,
+    convert_module: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Targets:
-    """The pipeline, in its one order. Modules handled by an earlier call (fit, then validate) are left alone."""
+    """The pipeline, in its one order. Modules handled by an earlier call (fit, then validate) are left alone.
+    ``convert_module``: the precision plugin's cast (Lightning's), instead of :func:`cast_precision`."""
     tp_mesh = mesh[TP_AXIS]
     # 1. Resolve and check every plan before any weight moves or any collective runs: a bad plan raises the same error
     #    on every rank, where a rank failing mid-way would leave the others hanging in a collective.
     targets = resolve_targets(root, layout=layout, tp_mesh=tp_mesh, dp_mesh=data_parallel_mesh(mesh), options=options)
     # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
-    cast_precision(root, options.precision)
+    if convert_module is not None:
+        convert_module(root)
+    else:
+        cast_precision(root, options.precision)
     # 3. Every rank must hold the same weights before TP and FSDP2 each slice their own copy: one checksum all-gather
     #    over every rank, then rank 0's values of what differs (as torch's styles, `src_data_rank=0`).
     take_rank_zero_weights([t.module for t in targets.models if t.presharded_mesh is None] + targets.extras)
@@ -225,6 +235,9 @@ def apply_parallelisms(
     #    adapters and keeping its slices. Then the saves that must gather shards (adapters, save_pretrained).
     initialize_and_hook_adapters(root, materialized=materialized, device=init_device)
     install_save_hooks(targets)
+    # 9. What no stage placed (buffers of the root or of parameterless modules; with CPU offload, every buffer, which
+    #    the forward needs on the device while FSDP2 keeps the parameters on the CPU).
+    place_on_device(root, device, cpu_offload=options.cpu_offload)
     return targets
 
 
@@ -444,6 +457,19 @@ def install_save_hooks(targets: Targets) -> None:
             install_distributed_save_pretrained(target.module)
 
 
+def place_on_device(root: nn.Module, device: torch.device, *, cpu_offload: bool) -> None:
+    """Everything on ``device``; with FSDP2's CPU offload the parameters stay on the CPU and only the buffers (rotary
+    tables, ...) move."""
+    if not cpu_offload:
+        root.to(device)
+        return
+    for module in root.modules():
+        buffers = buffer_dict(module)
+        for name, buffer in buffers.items():
+            if buffer is not None:
+                buffers[name] = buffer.to(device)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Meshes
 
@@ -452,16 +478,24 @@ def layout_of(mesh: DeviceMesh) -> ParallelLayout:
     """The sizes of a mesh whose axes are named ``dp_replicate``, ``dp_shard`` and ``tp`` (missing ones: size 1)."""
     names = tuple(mesh.mesh_dim_names or ())
     known = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS)
-    unknown = [name for name in names if name not in known and name != DP_AXIS]
+    unknown = [name for name in names if name not in known]
     if TP_AXIS not in names or unknown:
+        # An axis of another name (torchtitan's `dp`, say) would be taken for nothing: its ranks would train apart.
         raise ValueError(
             f"The mesh's axes are {names}; `parallelize` needs a `{TP_AXIS}` axis and knows only {known}. Build the "
             "mesh with `ParallelLayout(...).build_device_mesh(...)`, or pass the sizes instead of a mesh."
         )
     sizes = {name: mesh.size(names.index(name)) if name in names else 1 for name in known}
-    return ParallelLayout(
+    layout = ParallelLayout(
         tp_size=sizes[TP_AXIS], dp_shard_size=sizes[DP_SHARD_AXIS], dp_replicate_size=sizes[DP_REPLICATE_AXIS]
     )
+    world_size = dist.get_world_size() if distributed_is_initialized() else 1
+    if layout.world_size != world_size:
+        raise ValueError(
+            f"The mesh covers {layout.world_size} ranks ({layout}) but the world has {world_size}: pass the whole "
+            "mesh (every rank is a TP or data-parallel rank), not one of its sub-meshes."
+        )
+    return layout
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
@@ -488,7 +522,10 @@ def _check_sharded_size(module: nn.Module, mesh: DeviceMesh, *, tp_ranks: list[i
 
 
 def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    """CUDA where the world group can talk over it: NCCL, a mixed backend ("cpu:gloo,cuda:nccl") or the default
+    ``init_process_group()`` (reported as "undefined", which picks NCCL for CUDA tensors)."""
+    backend = str(dist.get_backend())
+    return "cuda" if torch.cuda.is_available() and ("nccl" in backend or backend == "undefined") else "cpu"
 
 
 def _device(device: torch.device | str | None, *, mesh_type: str) -> torch.device:
@@ -499,4 +536,4 @@ def _device(device: torch.device | str | None, *, mesh_type: str) -> torch.devic
     return torch.device(mesh_type)
 
 
-__all__ = ["SUPPORTED_PRECISIONS", "ParallelOptions", "Target", "Targets", "parallelize"]
+__all__ = ["SUPPORTED_PRECISIONS", "ParallelOptions", "Target", "Targets", "parallelize", "place_on_device"]

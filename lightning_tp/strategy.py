@@ -23,7 +23,6 @@ from lightning_tp import checkpoint_io
 from lightning_tp.checkpoint import MODEL_KEY, set_rng_state
 from lightning_tp.compat import (
     all_gather_ddp_if_available,
-    buffer_dict,
     distributed_is_initialized,
     optimizers_to_device,
     set_device_mesh,
@@ -41,7 +40,7 @@ from lightning_tp.integration import (
 )
 from lightning_tp.layout import TP_AXIS, ParallelLayout
 from lightning_tp.monitor import ThroughputMonitor
-from lightning_tp.parallelize import SUPPORTED_PRECISIONS, ParallelOptions, apply_parallelisms
+from lightning_tp.parallelize import SUPPORTED_PRECISIONS, ParallelOptions, apply_parallelisms, place_on_device
 from lightning_tp.preemption import (
     DEFAULT_PREEMPTION_SIGNALS,
     PreemptionCheckpoint,
@@ -239,9 +238,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None and self._parallel is not None
         self.accelerator.setup(trainer)
         apply_parallelisms(
-            self.model, mesh=self.device_mesh, layout=self.layout, options=self._parallel, device=self.root_device
+            self.model,
+            mesh=self.device_mesh,
+            layout=self.layout,
+            options=self._parallel,
+            device=self.root_device,
+            convert_module=self.precision_plugin.convert_module,
         )
-        self.model_to_device()
         reduce_metrics_over(self.model, self.dp_mesh.get_group())
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -274,15 +277,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not self.options.parallel.cpu_offload:
-            self.model.to(self.root_device)
-            return
-        # FSDP2's CPU offload keeps parameters on the CPU; only buffers (rotary tables, ...) go to the device.
-        for module in self.model.modules():
-            buffers = buffer_dict(module)
-            for name, buffer in buffers.items():
-                if buffer is not None:
-                    buffers[name] = buffer.to(self.root_device)
+        place_on_device(self.model, self.root_device, cpu_offload=self.options.parallel.cpu_offload)
 
     @contextmanager
     @override

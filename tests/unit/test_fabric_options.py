@@ -92,3 +92,28 @@ def test_the_state_of_a_save_holds_one_model_and_no_entry_named_like_the_weights
         _split_state({"step": 1}, action="load")
     with pytest.raises(ValueError, match="'state_dict'"):
         _split_state({"model": model, "state_dict": {}}, action="save")
+
+
+def test_a_parameterless_module_in_the_state_is_stored_like_any_stateful_object() -> None:
+    """A torchmetrics-like module (no parameters) next to the model is not a second model."""
+    model, counter = torch.nn.Linear(2, 2), torch.nn.Module()
+    key, module, optimizers = _split_state({"model": model, "metric": counter, "step": 1}, action="save")
+    assert (key, module, optimizers) == ("model", model, {})
+
+
+def test_a_single_file_save_reaches_an_fsspec_url(tmp_path) -> None:
+    """The full-file save goes through Lightning's fsspec-aware writer (plain `torch.save` failed on URLs)."""
+    import fsspec
+
+    from lightning_tp import ParallelLayout
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    strategy = TensorParallelStrategy(save_distributed_checkpoint=False)
+    strategy._layout = ParallelLayout(tp_size=1)  # what setup_environment resolves; no process group is needed
+    model = build_causal_lm(tiny_config("llama"))
+    strategy.save_checkpoint("memory://lightning-tp-test/run/last.ckpt", {"model": model, "step": 3})
+    fs = fsspec.filesystem("memory")
+    with fs.open("/lightning-tp-test/run/last.ckpt", "rb") as f:
+        saved = torch.load(f, weights_only=True)
+    assert saved["step"] == 3 and set(saved["state_dict"]) == set(model.state_dict())
+    fs.rm("/lightning-tp-test", recursive=True)

@@ -246,3 +246,39 @@ def test_shard_files_unpickle_only_plain_data(tmp_path):
     assert not probe.exists()
     dcp.load(template, storage_reader=index_reader(plain), planner=safe_load_planner(weights_only=True, opt_in="-"))
     assert template["optimizer_0"]["param_groups"][0]["lr"] == 0.25
+
+
+def test_options_and_strategies_pickle_and_copy_with_a_plan() -> None:
+    """A dict `tp_plan` kept the strategy picklable before the pipeline moved it into `ParallelOptions`."""
+    import copy
+    import pickle
+
+    from lightning_tp import ParallelOptions
+    from lightning_tp.fabric import TensorParallelStrategy as FabricStrategy
+
+    plan = {"model.layers.*.mlp.down_proj": "rowwise"}
+    options = ParallelOptions(tp_plan=plan)
+    assert pickle.loads(pickle.dumps(options)) == options
+    for strategy in (TensorParallelStrategy(tp_plan=plan), FabricStrategy(tp_plan=plan)):
+        assert copy.deepcopy(strategy).options.parallel.tp_plan == plan
+
+
+def test_a_mesh_parallelize_does_not_know_is_refused_by_name() -> None:
+    """An axis named otherwise (torchtitan's `dp`) or a sub-mesh would leave ranks training apart, silently."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_tp.parallelize import layout_of
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        foreign = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(ValueError, match=r"axes are \('dp', 'tp'\).*knows only"):
+            layout_of(foreign)
+        ours = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        assert layout_of(ours).dp_shard_size == 2
+        with pytest.raises(ValueError, match="covers 2 ranks .* the world has 4"):
+            layout_of(ours["tp"])
+    finally:
+        dist.destroy_process_group()
