@@ -33,12 +33,11 @@ from lightning_tp import checkpoint_io
 from lightning_tp.checkpoint import MODEL_KEY
 from lightning_tp.compat import all_gather_ddp_if_available, distributed_is_initialized, sync_ddp_if_available
 from lightning_tp.grad import clip_grad_norm_
-from lightning_tp.integration import StrategyOptions, destroy_process_groups_at_exit
-from lightning_tp.layout import TP_AXIS, ParallelLayout
+from lightning_tp.integration import MeshMixin, StrategyOptions
 from lightning_tp.parallelize import ParallelOptions, apply_parallelisms
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 #: meta.pt's entry naming which state keys of ``fabric.save`` hold the model and the optimizers.
 FABRIC_KEY = "lightning_tp_fabric"
@@ -54,7 +53,7 @@ _TRAINER_ONLY = {
 _LOAD_OPT_IN = "pass `weights_only=False` to `fabric.load`"
 
 
-class TensorParallelStrategy(ModelParallelStrategy):
+class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     """Tensor parallelism (and FSDP2 over the remaining ranks) for Transformers models in Lightning Fabric.
 
     ``fabric.setup(model, optimizer)`` / ``fabric.setup_module(model)`` shard the model with its own TP plan (or
@@ -71,6 +70,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "tp"
+    _BUILT_IN = "`fabric.launch()`"
 
     def __init__(
         self,
@@ -123,56 +123,17 @@ class TensorParallelStrategy(ModelParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_frozen_weights=save_frozen_weights,
         )
-        self._layout: ParallelLayout | None = None
-        self._dp_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ layout and mesh
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """The resolved sizes of the mesh axes (from ``fabric.launch()`` on)."""
-        if self._layout is None:
-            raise RuntimeError("The parallel layout is resolved in `fabric.launch()`, once the world size is known.")
-        return self._layout
-
-    @property
-    @override
-    def device_mesh(self) -> DeviceMesh:
-        """The mesh with axes ``dp_replicate``, ``dp_shard``, ``tp``."""
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh is built in `fabric.launch()`, after the processes have started.")
-        return self._device_mesh
-
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        """The 1-D tensor-parallel sub-mesh of this rank."""
-        return self.device_mesh[TP_AXIS]
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The flattened 1-D data-parallel sub-mesh of this rank (``dp_replicate`` x ``dp_shard``)."""
-        if self._dp_mesh is None:
-            return self.device_mesh  # raises the clear error: nothing is built yet
-        return self._dp_mesh
 
     @override
     def setup_environment(self) -> None:
         # The configuration is checked before the process group starts: a mistake raises on every rank alike. Fabric's
         # connector refused the precisions TP does not support already.
-        self._layout = self.options.layout(self.world_size)
-        self.parallel_options().check_layout(self._layout, device=self.root_device)
+        layout = self.options.layout(self.world_size)
+        self.parallel_options().check_layout(layout, device=self.root_device)
         Strategy.setup_environment(self)  # the accelerator's device; not ModelParallelStrategy's mesh
-        owns_process_group = not distributed_is_initialized()
-        self._setup_distributed()
-        if owns_process_group:
-            destroy_process_groups_at_exit()
-        self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type, timeout=self._timeout)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank of a TP group must see the same batch: split the data over the data-parallel ranks only.
-        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
+        self._start_processes_and_mesh(layout)
 
     # ------------------------------------------------------------------ sharding
 
@@ -235,9 +196,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         before the strategy sees it): that default, or ``None``, means the data-parallel group here."""
         if group is not None and group is not torch.distributed.group.WORLD:
             return group
-        if self._device_mesh is None or not distributed_is_initialized():
-            return group
-        return self.dp_mesh.get_group()
+        return self._data_parallel_group() or group
 
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:

@@ -10,7 +10,7 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -18,8 +18,11 @@ from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized
 from lightning_tp.grad import clip_grad_norm_
-from lightning_tp.layout import ParallelLayout
+from lightning_tp.layout import TP_AXIS, ParallelLayout
 from lightning_tp.parallelize import ParallelOptions
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,65 @@ class StrategyOptions:
     def layout(self, world_size: int) -> ParallelLayout:
         return ParallelLayout.resolve(
             world_size, tp_size=self.tp_size, dp_shard_size=self.dp_shard_size, dp_replicate_size=self.dp_replicate_size
+        )
+
+
+class MeshMixin:
+    """The layout and the meshes of both strategies, resolved and built in their ``setup_environment`` (after the
+    configuration is checked, once the world size is known). ``_BUILT_IN`` names, in errors, where that happens."""
+
+    _BUILT_IN = "`setup_environment`"
+    _layout: ParallelLayout | None = None
+    _dp_mesh: DeviceMesh | None = None
+    _device_mesh: DeviceMesh | None
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The resolved sizes of the mesh axes."""
+        if self._layout is None:
+            raise RuntimeError(f"The parallel layout is resolved in {self._BUILT_IN}, once the world size is known.")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh with axes ``dp_replicate``, ``dp_shard``, ``tp``."""
+        if self._device_mesh is None:
+            raise RuntimeError(f"The device mesh is built in {self._BUILT_IN}, after the processes have started.")
+        return self._device_mesh
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D tensor-parallel sub-mesh of this rank."""
+        return self.device_mesh[TP_AXIS]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The flattened 1-D data-parallel sub-mesh of this rank (``dp_replicate`` x ``dp_shard``)."""
+        if self._dp_mesh is None:
+            return self.device_mesh  # raises the clear error: nothing is built yet
+        return self._dp_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of a TP group must see the same batch: split the data over the data-parallel ranks only.
+        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
+
+    def _data_parallel_group(self) -> Any | None:
+        """The group collectives default to (``None`` before the mesh exists or without a process group)."""
+        if self._device_mesh is None or not distributed_is_initialized():
+            return None
+        return self.dp_mesh.get_group()
+
+    def _start_processes_and_mesh(self, layout: ParallelLayout) -> None:
+        """The process group (destroyed at exit when this strategy created it) and the mesh of ``layout``."""
+        self._layout = layout
+        owns_process_group = not distributed_is_initialized()
+        self._setup_distributed()  # type: ignore[attr-defined]
+        if owns_process_group:
+            destroy_process_groups_at_exit()
+        self._device_mesh, self._dp_mesh = layout.build_device_mesh(
+            self.root_device.type,  # type: ignore[attr-defined]
+            timeout=self._timeout,  # type: ignore[attr-defined]
         )
 
 

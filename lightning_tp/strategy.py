@@ -31,14 +31,13 @@ from lightning_tp.compat import (
 )
 from lightning_tp.inference import gather_for_inference, mark_synced_generate, release_after_inference
 from lightning_tp.integration import (
+    MeshMixin,
     StrategyOptions,
     clip_with_dtensor_support,
-    destroy_process_groups_at_exit,
     drop_data_position,
     reduce_metrics_over,
     step_timeout_seconds,
 )
-from lightning_tp.layout import TP_AXIS, ParallelLayout
 from lightning_tp.monitor import ThroughputMonitor
 from lightning_tp.parallelize import SUPPORTED_PRECISIONS, ParallelOptions, apply_parallelisms, place_on_device
 from lightning_tp.preemption import (
@@ -51,13 +50,12 @@ from lightning_tp.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.distributed.device_mesh import DeviceMesh
 
 #: How to load a checkpoint that holds arbitrary objects, in the error that refuses it.
 _LOAD_OPT_IN = "pass `weights_only=False` to `trainer.fit`/`validate`/`test`/`predict` along with `ckpt_path`"
 
 
-class TensorParallelStrategy(ModelParallelStrategy):
+class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     """Tensor-parallel training of Transformers models (and any ``nn.Module`` given a plan) in the Lightning Trainer.
 
     Each Transformers model in the LightningModule is sharded with its own TP plan (``config.base_model_tp_plan``
@@ -114,6 +112,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "tp"
+    _BUILT_IN = "`setup_environment` (reach it from `configure_model` on)"
 
     def __init__(
         self,
@@ -164,44 +163,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
         self._step_timeout, self._adaptive_step_timeout = step_timeout_seconds(step_timeout, timeout=timeout)
         self._rng_to_restore: list[dict[str, Any]] | None = None
-        self._layout: ParallelLayout | None = None
-        self._dp_mesh: DeviceMesh | None = None
         self._parallel: ParallelOptions | None = None  # the options with the Trainer's precision, from setup on
 
     # ------------------------------------------------------------------ layout and mesh
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """The resolved sizes of the mesh axes (available from ``setup_environment`` on)."""
-        if self._layout is None:
-            raise RuntimeError(
-                "The parallel layout is resolved in `setup_environment`, once the world size is known: access "
-                "`strategy.layout` from `configure_model` or later."
-            )
-        return self._layout
-
-    @property
-    @override
-    def device_mesh(self) -> DeviceMesh:
-        """The mesh with axes ``dp_replicate``, ``dp_shard``, ``tp`` (and flattened ``dp``)."""
-        if self._device_mesh is None:
-            raise RuntimeError(
-                "The device mesh is built in `setup_environment`, after the processes have started: access "
-                "`strategy.device_mesh` (or `self.device_mesh` in the LightningModule) in `configure_model` or later."
-            )
-        return self._device_mesh
-
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        """The 1-D tensor-parallel sub-mesh of this rank."""
-        return self.device_mesh[TP_AXIS]
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The flattened 1-D data-parallel sub-mesh of this rank (``dp_replicate`` x ``dp_shard``)."""
-        if self._dp_mesh is None:
-            return self.device_mesh  # raises the clear error: nothing is built yet
-        return self._dp_mesh
 
     @override
     def setup_environment(self) -> None:
@@ -214,22 +178,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "not implemented for sharded gradients)."
             )
         self._parallel = ParallelOptions(**{**vars(self.options.parallel), "precision": precision})
-        self._layout = self.options.layout(self.world_size)
-        self._parallel.check_layout(self._layout, device=self.root_device)
-        owns_process_group = not distributed_is_initialized()
-        self._setup_distributed()
-        if owns_process_group:
-            destroy_process_groups_at_exit()
-        self._device_mesh, self._dp_mesh = self._layout.build_device_mesh(self.root_device.type, timeout=self._timeout)
+        layout = self.options.layout(self.world_size)
+        self._parallel.check_layout(layout, device=self.root_device)
+        self._start_processes_and_mesh(layout)
         # Users can read the mesh in `LightningModule.configure_model()`.
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, self._device_mesh)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank of a TP group must see the same batch: split the data over the data-parallel ranks only.
-        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
 
     # ------------------------------------------------------------------ applying the parallelism
 
@@ -438,11 +392,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
         super().on_train_batch_start(batch, batch_idx)
 
     # ------------------------------------------------------------------ collectives seen by the LightningModule
-
-    def _data_parallel_group(self) -> Any | None:
-        if self._device_mesh is None or not distributed_is_initialized():
-            return None
-        return self.dp_mesh.get_group()
 
     @override
     def reduce(
