@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import tempfile
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -228,56 +229,23 @@ def load_checkpoint(
 
     Only tensors and plain values are unpickled unless ``weights_only=False``: a checkpoint is untrusted input, and
     unpickling other objects runs code it names (``opt_in`` says how a user passes it). Every rank must call it."""
+    common = dict(modules=modules, optimizers=optimizers, weights_only=weights_only, strict=strict, opt_in=opt_in)
+    load_directory = partial(_load_distributed, model=model, **common)
+    load_file = partial(_load_file, optimizer_states_from_list=optimizer_states_from_list, **common)
     path = broadcast_from_main(path)
     if remote.is_url(path):
         # Checked on rank 0 before any collective of the load; every rank raises the same error.
         kind, data = decide_on_main(lambda: remote.resolve(str(path)), what=path)
         if kind == "directory":
-            return _load_distributed(
-                data,
-                model=model,
-                modules=modules,
-                optimizers=optimizers,
-                weights_only=weights_only,
-                strict=strict,
-                opt_in=opt_in,
-            )
+            return load_directory(data)
         # A full file: each rank reads its own local copy (torch.load memory-maps it, as for a local file).
         with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
             local = Path(tmp) / "checkpoint.ckpt"
             remote.download(str(path), local)
-            return _load_file(
-                local,
-                shown=str(path),
-                modules=modules,
-                optimizers=optimizers,
-                weights_only=weights_only,
-                strict=strict,
-                opt_in=opt_in,
-                optimizer_states_from_list=optimizer_states_from_list,
-            )
+            return load_file(local, shown=str(path))
     path = Path(path)
     check_checkpoint(path)  # on every rank, before any collective of the load: every rank raises the same error
-    if path.is_file():
-        return _load_file(
-            path,
-            shown=str(path),
-            modules=modules,
-            optimizers=optimizers,
-            weights_only=weights_only,
-            strict=strict,
-            opt_in=opt_in,
-            optimizer_states_from_list=optimizer_states_from_list,
-        )
-    return _load_distributed(
-        path,
-        model=model,
-        modules=modules,
-        optimizers=optimizers,
-        weights_only=weights_only,
-        strict=strict,
-        opt_in=opt_in,
-    )
+    return load_file(path, shown=str(path)) if path.is_file() else load_directory(path)
 
 
 def _load_file(
