@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_tp.checkpoint import install_distributed_save_pretrained
 from lightning_tp.compat import buffer_dict, distributed_is_initialized, flatten_mesh, parameter_dict
 from lightning_tp.discovery import modules_outside, transformers_models
 from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
@@ -449,8 +450,6 @@ def initialize_and_hook_adapters(root: nn.Module, *, materialized: set[int], dev
 
 
 def install_save_hooks(targets: Targets) -> None:
-    from lightning_tp.checkpoint import install_distributed_save_pretrained
-
     for target in targets.models:
         # A model Transformers sharded at load time saves itself on every rank (its own barrier included).
         if is_transformers_model(target.module) and target.presharded_mesh is None:
