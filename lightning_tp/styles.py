@@ -18,7 +18,8 @@ from typing import Literal
 #: outputs summed; ``embedding``: an embedding table split on the vocabulary or the hidden dim; ``replicated``: kept
 #: whole; ``module``: changes the module's forward only, its parameters are split by their own entries (or not at all);
 #: ``expert``: whole experts per rank (expert parallelism).
-Kind = Literal["column", "row", "embedding", "replicated", "module", "expert"]
+#: ``heads``: an attention module whose head counts become each rank's own (this package's style, for derived plans).
+Kind = Literal["column", "row", "embedding", "replicated", "module", "expert", "heads"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class StyleFacts:
     ``rewritable``: sequence parallelism's rewrite (and the dense-layer rewrite) replaces it with torch's style of the
     same kind, or keeps it as is (a norm).
     ``refused``: why this package refuses the style, and the fix; ``None``: applied.
+    ``registered``: a style name Transformers registers; ``False``: this package's own style, applied by it.
     """
 
     description: str
@@ -56,6 +58,7 @@ class StyleFacts:
     sums_gradients: bool = False
     rewritable: bool = False
     refused: str | None = None
+    registered: bool = True
 
     @property
     def supported(self) -> bool:
@@ -90,6 +93,10 @@ _EP = (
     "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not build; shard the "
     "experts with `moe_tp_experts` instead"
 )
+
+#: The attributes an attention module keeps its head counts in (families spell them differently): ``local_heads``
+#: divides each one the module has by the TP size.
+HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads")
 
 #: Every Transformers style name this package knows: applied ones and refused ones.
 STYLES: dict[str, StyleFacts] = {
@@ -150,6 +157,13 @@ STYLES: dict[str, StyleFacts] = {
         strided=True,
         output_sharded=True,
     ),
+    # This package's own: the head layout of an attention module whose code reshapes by its global head counts.
+    "local_heads": StyleFacts(
+        "attention module whose head-count attributes (num_heads, num_key_value_heads, ...) are divided by the TP "
+        "size, so that its reshapes fit the column-sharded q/k/v outputs (derived plans; parameters untouched)",
+        kind="heads",
+        registered=False,
+    ),
     # Refused.
     "ep_dispatch_experts": StyleFacts("expert-parallel token dispatch", kind="module", refused=_EP),
     "grouped_gemm": StyleFacts(
@@ -192,7 +206,8 @@ def style_names(**where: object) -> tuple[str, ...]:
     )
 
 
-#: Transformers style names applied with Transformers' own TP layers (or, for gradient sums, by this package).
+#: Style names applied with Transformers' own TP layers (or, for gradient sums and ``registered=False`` styles, by this
+#: package).
 SUPPORTED_STYLES: dict[str, str] = {name: fact.description for name, fact in STYLES.items() if fact.supported}
 
 #: Transformers style names this package refuses, with the reason and the fix.

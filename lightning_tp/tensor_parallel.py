@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_tp.compat import distributed_is_initialized, parameter_dict, transformers_apply_tensor_parallelism
 from lightning_tp.plan import ResolvedPlan
-from lightning_tp.styles import style_names
+from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"
@@ -52,12 +52,26 @@ def apply_tensor_parallel(
 
         parallelize_module(module, tp_mesh, plan.torch_styles)
     retie(module, plan.tied)
+    localize_heads(module, plan.local_heads, tp_size=tp_mesh.size())
     if device is not None and not on_meta(module):
         module.to(device)
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
     keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
+
+
+def localize_heads(module: nn.Module, names: list[str], *, tp_size: int) -> None:
+    """``local_heads``: each named attention module's head counts become the rank's own (its q/k/v projections are
+    column-sharded, so each rank computes ``count / tp_size`` whole heads; divisibility was checked with the plan)."""
+    modules = dict(module.named_modules())
+    for name in names:
+        attention = modules[name]
+        for attribute in HEAD_COUNT_ATTRIBUTES:
+            count = getattr(attention, attribute, None)
+            if isinstance(count, int) and not isinstance(count, bool):
+                assert count % tp_size == 0, (name, attribute, count, tp_size)
+                setattr(attention, attribute, count // tp_size)
 
 
 def transformers_tp_mesh(model: nn.Module) -> DeviceMesh:
