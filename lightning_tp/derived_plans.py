@@ -69,11 +69,8 @@ def _not_verified(reason: str) -> Callable[[object], str | None]:
 FUSED_QKV_LAYOUTS: dict[str, FusedLayout] = {
     # `.view(batch, seq, num_heads, 3 * head_dim).split(head_dim)` (multi-head attention).
     "gpt_bigcode": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _gpt_bigcode),
-    "gpt2": FusedLayout(
-        "[q | k | v] blocks in a Conv1D (weight stored [in, out])",
-        None,
-        _not_verified("GPT-2's Conv1D `c_attn` ([q | k | v] blocks, weight stored [in, out]) is not derived yet"),
-    ),
+    # `.split(split_size, dim=2)` into q, k, v: each rank takes its slice of each block.
+    "gpt2": FusedLayout("[q | k | v] blocks in a Conv1D (weight stored [in, out])", "conv1d_colwise_qkv", _never),
     "falcon": FusedLayout(
         "per head [q k v], or grouped [q.. k v] with new_decoder_architecture / multi_query",
         None,
@@ -102,14 +99,17 @@ def _how_to_write(model: nn.Module, example: str) -> str:
     )
 
 
-_CONV1D = (
-    "is a Conv1D (GPT-2 style, weight stored [in, out]): the column-/row-wise styles split an nn.Linear's weight "
-    "[out, in], so they would split the wrong dim; not derived yet"
-)
+#: The styles of GPT-2's Conv1D (weight stored [in, out]) for the column-/row-wise roles of a linear layer.
+_CONV1D_STYLES = {"colwise": "conv1d_colwise", "rowwise": "conv1d_rowwise"}
+
+
+def _conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D"
 
 
 def _linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear)
+    """A linear layer: ``nn.Linear``, or GPT-2's ``Conv1D`` (the same layer with its weight transposed)."""
+    return isinstance(module, nn.Linear) or _conv1d(module)
 
 
 def _norm(module: nn.Module) -> bool:
@@ -152,7 +152,7 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     layer = layers[0]
     prefix = f"{layers_name}.*."
-    modules = dict(layer.named_modules())
+    modules = _layer_modules(layer)
 
     def refuse(name: str, why: str) -> ValueError:
         full = f"{layers_name}.0.{name}"
@@ -160,10 +160,6 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
             f"{model_name} has no `base_model_tp_plan` and a plan could not be derived: {full} "
             f"({type(modules[name]).__name__}) {why}. " + _how_to_write(model, f"{{'{prefix}{name}': '<style>', ...}}")
         )
-
-    for name, m in modules.items():
-        if type(m).__name__ == "Conv1D":
-            raise refuse(name, _CONV1D)
 
     # Attention: the modules holding q/k/v (or a fused QKV) projections.
     attentions = {
@@ -195,7 +191,7 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
             why = (
                 "is a norm inside the attention (per-head norms see only the rank's heads)"
                 if _norm(m)
-                else "holds parameters but is not an nn.Linear"
+                else "holds parameters but is not an nn.Linear (nor a Conv1D)"
             )
             raise refuse(name, why)
     if fused:
@@ -229,6 +225,7 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
     if not any(isinstance(getattr(modules[attention], a, None), int) for a in HEAD_COUNT_ATTRIBUTES):
         raise refuse(attention, f"keeps its head count in none of {list(HEAD_COUNT_ATTRIBUTES)}")
     plan[prefix.rstrip(".") + (f".{attention}" if attention else "")] = "local_heads"
+    plan.update(_conv1d_roles(plan, layer, prefix))
 
     # The rest of the layer: the MLP's linear layers, norms.
     ups, downs = [], []
@@ -249,6 +246,7 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
         raise refuse(name, f"belongs to an MLP with up-projections {ups} and down-projections {downs}, not one MLP")
     plan.update({prefix + name: "colwise" for name in ups})
     plan[prefix + downs[0]] = "rowwise"
+    plan.update(_conv1d_roles(plan, layer, prefix))
 
     # Embeddings and lm_head.
     names = {id(m): name for name, m in model.named_modules()}
@@ -261,6 +259,31 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+def _conv1d_roles(plan: dict[str, str], layer: nn.Module, prefix: str) -> dict[str, str]:
+    """The column-/row-wise entries of ``layer`` that name a Conv1D, given its styles."""
+    modules = _layer_modules(layer)
+    return {
+        key: _CONV1D_STYLES[style]
+        for key, style in plan.items()
+        if key.startswith(prefix) and style in _CONV1D_STYLES and _conv1d(modules.get(key[len(prefix) :]))
+    }
+
+
 def _structure(layer: nn.Module) -> list[tuple[str, str]]:
     """The names and types of a layer's modules that hold parameters (equal lists: one derived rule fits both)."""
-    return [(name, type(m).__name__) for name, m in layer.named_modules() if list(m.parameters(recurse=False))]
+    return [(name, type(m).__name__) for name, m in _layer_modules(layer).items() if list(m.parameters(recurse=False))]
+
+
+def _layer_modules(layer: nn.Module) -> dict[str, nn.Module]:
+    """The layer's modules by name, a PEFT-wrapped layer seen as its base layer (its adapters left out): the plan
+    names the wrapper, and :func:`lightning_tp.lora.extend_plan_to_adapters` moves the style onto its parts."""
+    modules: dict[str, nn.Module] = {}
+    wrappers: list[str] = []
+    for name, m in layer.named_modules():
+        if any(name.startswith(f"{w}.") for w in wrappers):
+            continue
+        if hasattr(m, "get_base_layer") and hasattr(m, "base_layer"):
+            wrappers.append(name)
+            m = m.get_base_layer()
+        modules[name] = m
+    return modules

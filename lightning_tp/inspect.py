@@ -91,7 +91,8 @@ def inspect_model(
                 {a: (c, c // tp_size) for a, c in counts_of.items() if isinstance(c, int) and not isinstance(c, bool)},
             )
         )
-    styles = plan.transformers_styles
+    # Every style name, this package's own (GPT-2's Conv1D styles) too: the table knows what each splits.
+    styles = {name: style for name, style in plan.styles.items() if isinstance(style, str)}
     counts = {"params": 0, "trainable": 0}
     for name, param in model.named_parameters():
         shape = tuple(param.shape)

@@ -94,9 +94,16 @@ _EP = (
     "experts with `moe_tp_experts` instead"
 )
 
-#: The attributes an attention module keeps its head counts in (families spell them differently): ``local_heads``
-#: divides each one the module has by the TP size.
-HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads")
+#: The attributes an attention module keeps its head counts in (families spell them differently), and GPT-2's
+#: ``split_size`` (the width of its q, k, v blocks): ``local_heads`` divides each one the module has by the TP size.
+HEAD_COUNT_ATTRIBUTES = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_heads",
+    "split_size",
+)
 
 #: Every Transformers style name this package knows: applied ones and refused ones.
 STYLES: dict[str, StyleFacts] = {
@@ -162,6 +169,31 @@ STYLES: dict[str, StyleFacts] = {
         "attention module whose head-count attributes (num_heads, num_key_value_heads, ...) are divided by the TP "
         "size, so that its reshapes fit the column-sharded q/k/v outputs (derived plans; parameters untouched)",
         kind="heads",
+        registered=False,
+    ),
+    # This package's own: GPT-2's Conv1D, a linear layer whose weight is stored [in, out] (nn.Linear's transposed).
+    "conv1d_colwise": StyleFacts(
+        "Conv1D (weight [in, out]) sharded on the output dim, output stays sharded",
+        kind="column",
+        weight_dim=-1,
+        bias_split=True,
+        output_sharded=True,
+        registered=False,
+    ),
+    "conv1d_colwise_qkv": StyleFacts(
+        "Conv1D with q, k and v packed as [q | k | v] blocks on the output dim: each rank holds its slice of each "
+        "block ([q_r | k_r | v_r]), output stays sharded",
+        kind="column",
+        weight_dim=-1,
+        bias_split=True,
+        strided=True,
+        output_sharded=True,
+        registered=False,
+    ),
+    "conv1d_rowwise": StyleFacts(
+        "Conv1D (weight [in, out]) sharded on the input dim, output all-reduced, bias added once",
+        kind="row",
+        weight_dim=-2,
         registered=False,
     ),
     # Refused.

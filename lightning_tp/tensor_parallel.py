@@ -15,10 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_tp.compat import distributed_is_initialized, parameter_dict, transformers_apply_tensor_parallelism
+from lightning_tp.compat import (
+    distributed_is_initialized,
+    parameter_dict,
+    strided_shard,
+    transformers_apply_tensor_parallelism,
+)
 from lightning_tp.plan import ResolvedPlan
 from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, style_names
 
@@ -47,10 +52,11 @@ def apply_tensor_parallel(
     # Transformers' layers install forward hooks on the modules and shard each listed parameter. Sharding slices the
     # local copy (no communication), so the weights must be identical on every TP rank beforehand (same seed or file).
     apply_tensor_parallelism(module, tp_mesh, plan.transformers_styles)
-    if plan.torch_styles:
+    own = own_layer_styles(module, plan)
+    if plan.torch_styles or own:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(module, tp_mesh, plan.torch_styles)
+        parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
     retie(module, plan.tied)
     localize_heads(module, plan.local_heads, tp_size=tp_mesh.size())
     if device is not None and not on_meta(module):
@@ -59,6 +65,74 @@ def apply_tensor_parallel(
     keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
+
+
+class Conv1DParallel(ParallelStyle):
+    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight stored [in, out]) split column-wise (output features: weight
+    dim 1 and bias; ``split_factor`` > 1: packed blocks such as [q | k | v], each rank holding its slice of every block)
+    or row-wise (input features: weight dim 0, bias replicated and added once after the partial outputs are summed).
+    The forward runs on the local shards with plain tensors in and out, as Transformers' column-/row-wise layers do:
+    a column-wise input's gradient is summed over the TP group, a row-wise output is all-reduced."""
+
+    def __init__(self, *, column: bool, split_factor: int = 1):
+        super().__init__()
+        self.column = column
+        self.split_factor = split_factor
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.column:
+            packed = self.split_factor > 1
+            placements = {
+                "weight": strided_shard(1, self.split_factor) if packed else Shard(1),
+                "bias": strided_shard(0, self.split_factor) if packed else Shard(0),
+            }
+        else:
+            placements = {"weight": Shard(0), "bias": Replicate()}
+        for name, placement in placements.items():
+            param = parameter_dict(module).get(name)
+            if param is not None and not isinstance(param, DTensor):
+                parameter_dict(module)[name] = nn.Parameter(
+                    distribute_tensor(param, device_mesh, [placement], src_data_rank=None),
+                    requires_grad=param.requires_grad,
+                )
+        column = self.column
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight.to_local()
+            bias = module.bias.to_local() if module.bias is not None else None
+            shape = (*x.shape[:-1], weight.shape[1])
+            x = x.reshape(-1, x.shape[-1])
+            if column:
+                # The input is replicated; its gradient is this rank's part of the sum over the output slices.
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
+                    grad_placements=[Partial()]
+                )
+                out = x @ weight if bias is None else torch.addmm(bias, x, weight)
+                return out.view(shape)
+            partial = DTensor.from_local(x @ weight, device_mesh, [Partial()], run_check=False)
+            out = partial.redistribute(placements=[Replicate()]).to_local()
+            return (out if bias is None else out + bias).view(shape)
+
+        module.forward = forward
+        return module
+
+
+#: The package's own layer styles (``registered=False`` in the style table), as torch ``ParallelStyle``s.
+OWN_LAYER_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "conv1d_colwise": lambda: Conv1DParallel(column=True),
+    "conv1d_colwise_qkv": lambda: Conv1DParallel(column=True, split_factor=3),
+    "conv1d_rowwise": lambda: Conv1DParallel(column=False),
+}
+
+
+def own_layer_styles(module: nn.Module, plan: ResolvedPlan) -> dict[str, ParallelStyle]:
+    """The plan's module entries that name one of :data:`OWN_LAYER_STYLES`, as torch styles."""
+    modules = dict(module.named_modules())
+    return {
+        name: OWN_LAYER_STYLES[style]()
+        for name, style in plan.styles.items()
+        if isinstance(style, str) and style in OWN_LAYER_STYLES and name in modules
+    }
 
 
 def localize_heads(module: nn.Module, names: list[str], *, tp_size: int) -> None:

@@ -65,7 +65,7 @@ def tiny_config(kind: str, **overrides: Any):
 
 
 #: Families whose config has no `base_model_tp_plan`: their plan is derived from the module structure.
-DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode")
+DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2")
 
 
 def _derived_config(kind: str):
@@ -107,6 +107,19 @@ def _derived_config(kind: str):
             hidden_size=64,
             intermediate_size=128,
             max_position_embeddings=64,
+            **tokens,
+        )
+    if kind == "gpt2":  # Conv1D layers (weight [in, out]), c_attn packed as [q | k | v] blocks, tied
+        return AutoConfig.for_model(
+            "gpt2",
+            n_layer=2,
+            n_head=4,
+            n_embd=64,
+            n_inner=128,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
             **tokens,
         )
     # gpt_bigcode: fused c_attn laid out head by head (multi-head attention), tied

@@ -60,6 +60,15 @@ EXPECTED = {
         "model.embed_tokens": "embedding_rowwise",
         "lm_head": "colwise_gather_output",
     },
+    "gpt2": {
+        "transformer.h.*.attn.c_attn": "conv1d_colwise_qkv",
+        "transformer.h.*.attn.c_proj": "conv1d_rowwise",
+        "transformer.h.*.attn": "local_heads",
+        "transformer.h.*.mlp.c_fc": "conv1d_colwise",
+        "transformer.h.*.mlp.c_proj": "conv1d_rowwise",
+        "transformer.wte": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+    },
     # The fused c_attn is laid out head by head ([q k v] per head): a plain column split gives whole heads.
     "gpt_bigcode": {
         "transformer.h.*.attn.c_attn": "colwise",
@@ -83,7 +92,8 @@ def test_plan_is_derived_from_the_module_structure(kind):
     layers = [name for name in plan.local_heads]
     assert len(layers) == 2 and all(plan.styles[name] == "local_heads" for name in layers)
     assert "local_heads" not in plan.transformers_styles.values()
-    assert plan.transformers_styles[f"{next(iter(EXPECTED[kind])).replace('*', '1')}.weight"] == "colwise"
+    first, style = next(iter(EXPECTED[kind].items()))
+    assert plan.styles[f"{first.replace('*', '1')}.weight"] == style
     # A tied embedding and lm_head share one vocabulary split.
     assert plan.tied == (
         {
@@ -117,7 +127,6 @@ def test_tp_plan_overrides_a_derived_rule_and_keeps_the_others():
             dict(n_layer=1, n_head=4, n_embd=64, multi_query=True),
             ["transformer.h.0.attn.c_attn (Linear)", "multi_query=True"],
         ),
-        ("gpt2", dict(n_layer=1, n_head=4, n_embd=64), ["transformer.h.0.attn.c_attn (Conv1D)", "[in, out]"]),
         (
             "falcon",
             dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64),
@@ -148,7 +157,7 @@ def test_a_structure_not_understood_is_refused_naming_the_module_and_the_fix(mod
 
 def test_every_fused_layout_is_a_registered_style_or_refused_with_a_reason():
     for model_type, layout in FUSED_QKV_LAYOUTS.items():
-        assert layout.style in (None, "colwise"), model_type
+        assert layout.style in (None, "colwise", "conv1d_colwise_qkv"), model_type
         if layout.style is None:
             assert layout.refused(object()), model_type
 
@@ -175,12 +184,42 @@ def test_local_heads_divides_the_head_counts_of_the_named_modules_only():
 def test_inspector_says_the_plan_was_derived_and_shows_the_local_heads():
     report = inspect_model(meta_model("gpt_bigcode"), tp_size=2)
     assert report.valid and report.source == "derived"
-    assert ("transformer.h.0.attn", {"num_heads": (4, 2)}) in report.local_heads
+    assert ("transformer.h.0.attn", {"num_heads": (4, 2), "split_size": (64, 32)}) in report.local_heads
     text = format_report(report, tp_size=2, dp_shard_size=1)
     assert "Plan: derived from the module structure" in text
     assert "transformer.h.0.attn.c_attn.weight" in text and "[192, 64] -> [96, 64]" in text
     assert "num_heads 4 -> 2" in text
     own = format_report(inspect_model(meta_model("llama"), tp_size=2), tp_size=2, dp_shard_size=1)
     assert "Plan: the model's own" in own
-    refused = inspect_model(meta_model_of("gpt2", n_layer=1, n_head=4, n_embd=64), tp_size=2)
-    assert not refused.valid and "Conv1D" in refused.problems[0]
+    refused = inspect_model(meta_model_of("mpt", n_layers=1, n_heads=4, d_model=64), tp_size=2)
+    assert not refused.valid and "transformer.blocks.0.attn.Wqkv" in refused.problems[0]
+
+
+def test_gpt2_conv1d_layers_get_the_conv1d_styles_and_their_shapes():
+    """Conv1D stores its weight [in, out]: column-wise splits dim 1, row-wise dim 0; c_attn's [q | k | v] blocks are
+    split block by block, and the attention's `split_size` (one block's width) becomes the rank's."""
+    model = meta_model("gpt2")
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.styles["transformer.h.0.attn.c_attn.weight"] == "conv1d_colwise_qkv"
+    assert plan.styles["transformer.h.0.attn.c_proj.weight"] == "conv1d_rowwise"
+    assert plan.styles["transformer.h.0.mlp.c_fc.weight"] == "conv1d_colwise"
+    assert plan.styles["transformer.h.0.mlp.c_proj.weight"] == "conv1d_rowwise"
+    assert not {s for s in plan.transformers_styles.values() if s.startswith("conv1d")}
+    report = inspect_model(model, tp_size=2)
+    rows = {name: (shape, local) for name, _, shape, local in report.rows}
+    assert rows["transformer.h.0.attn.c_attn.weight"] == ((64, 192), (64, 96))
+    assert rows["transformer.h.0.attn.c_attn.bias"] == ((192,), (96,))
+    assert rows["transformer.h.0.mlp.c_proj.weight"] == ((128, 64), (64, 64))
+    assert "transformer.h.0.mlp.c_proj.bias" in dict(report.replicated)
+    heads = dict(report.local_heads)["transformer.h.0.attn"]
+    assert heads["num_heads"] == (4, 2) and heads["split_size"] == (64, 32)
+
+
+def test_lora_on_a_conv1d_layer_is_refused_by_name():
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_tp.lora import extend_plan_to_adapters
+
+    model = get_peft_model(meta_model("gpt2"), LoraConfig(r=2, target_modules=["c_attn"])).base_model.model
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn.*Conv1D"):
+        extend_plan_to_adapters(model, resolve_plan(model, "auto", tp_size=2))
