@@ -61,6 +61,23 @@ def _gpt_bigcode(config: object) -> str | None:
     return None
 
 
+def _falcon(config: object) -> str | None:
+    if getattr(config, "alibi", False):
+        return "ALiBi (`alibi=True`) biases are built for every head outside the attention, not split yet"
+    if getattr(config, "new_decoder_architecture", False) or getattr(config, "parallel_attn", False):
+        return (
+            "its parallel attention (`parallel_attn=True` or `new_decoder_architecture=True`) adds the attention "
+            "output into the MLP output in place (`mlp_output += attention_output`), which autograd forbids on the "
+            "row-wise layer's output; only `parallel_attn=False` is derived"
+        )
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return (
+            "multi-query attention (`multi_query=True`: [q heads.. | k | v], one K/V head for all) is not derived yet; "
+            "set `multi_query=False`"
+        )
+    return None
+
+
 def _not_verified(reason: str) -> Callable[[object], str | None]:
     return lambda config: reason
 
@@ -71,13 +88,8 @@ FUSED_QKV_LAYOUTS: dict[str, FusedLayout] = {
     "gpt_bigcode": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _gpt_bigcode),
     # `.split(split_size, dim=2)` into q, k, v: each rank takes its slice of each block.
     "gpt2": FusedLayout("[q | k | v] blocks in a Conv1D (weight stored [in, out])", "conv1d_colwise_qkv", _never),
-    "falcon": FusedLayout(
-        "per head [q k v], or grouped [q.. k v] with new_decoder_architecture / multi_query",
-        None,
-        _not_verified(
-            "Falcon's `query_key_value` layouts (multi-query, new decoder architecture) are not verified yet"
-        ),
-    ),
+    # `.view(batch, seq, num_heads, 3, head_dim)` (without multi_query / new_decoder_architecture).
+    "falcon": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _falcon),
     "bloom": FusedLayout(
         "per head [q k v], with ALiBi biases built for every head",
         None,

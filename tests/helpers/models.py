@@ -65,7 +65,7 @@ def tiny_config(kind: str, **overrides: Any):
 
 
 #: Families whose config has no `base_model_tp_plan`: their plan is derived from the module structure.
-DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2")
+DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2", "falcon")
 
 
 def _derived_config(kind: str):
@@ -107,6 +107,19 @@ def _derived_config(kind: str):
             hidden_size=64,
             intermediate_size=128,
             max_position_embeddings=64,
+            **tokens,
+        )
+    if kind == "falcon":  # fused query_key_value per head [q k v], rotary, sequential attention and MLP
+        return AutoConfig.for_model(
+            "falcon",
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=64,
+            multi_query=False,
+            parallel_attn=False,
+            max_position_embeddings=64,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
             **tokens,
         )
     if kind == "gpt2":  # Conv1D layers (weight [in, out]), c_attn packed as [q | k | v] blocks, tied

@@ -69,6 +69,16 @@ EXPECTED = {
         "transformer.wte": "embedding_rowwise",
         "lm_head": "colwise_gather_output",
     },
+    # query_key_value laid out head by head ([q k v] per head), as GPT-BigCode's c_attn.
+    "falcon": {
+        "transformer.h.*.self_attention.query_key_value": "colwise",
+        "transformer.h.*.self_attention.dense": "rowwise",
+        "transformer.h.*.self_attention": "local_heads",
+        "transformer.h.*.mlp.dense_h_to_4h": "colwise",
+        "transformer.h.*.mlp.dense_4h_to_h": "rowwise",
+        "transformer.word_embeddings": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+    },
     # The fused c_attn is laid out head by head ([q k v] per head): a plain column split gives whole heads.
     "gpt_bigcode": {
         "transformer.h.*.attn.c_attn": "colwise",
@@ -98,7 +108,7 @@ def test_plan_is_derived_from_the_module_structure(kind):
     assert plan.tied == (
         {
             "lm_head.weight": next(
-                k for k in plan.styles if k.endswith("wte.weight") or k.endswith("embed_tokens.weight")
+                k for k in plan.styles if k.endswith(("wte.weight", "embed_tokens.weight", "word_embeddings.weight"))
             )
         }
         if model.config.tie_word_embeddings
@@ -130,7 +140,17 @@ def test_tp_plan_overrides_a_derived_rule_and_keeps_the_others():
         (
             "falcon",
             dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64),
-            ["transformer.h.0.self_attention.query_key_value (FalconLinear)", "multi-query"],
+            ["transformer.h.0.self_attention.query_key_value (FalconLinear)", "mlp_output += attention_output"],
+        ),
+        (
+            "falcon",
+            dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, parallel_attn=False),
+            ["query_key_value", "multi-query attention"],
+        ),
+        (
+            "falcon",
+            dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, parallel_attn=False, alibi=True),
+            ["query_key_value", "ALiBi"],
         ),
         ("bloom", dict(n_layer=1, n_head=4, hidden_size=64), ["query_key_value", "ALiBi"]),
         ("mpt", dict(n_layers=1, n_heads=4, d_model=64), ["transformer.blocks.0.attn.Wqkv", "ALiBi"]),
