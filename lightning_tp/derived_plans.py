@@ -46,6 +46,8 @@ class FusedLayout:
     description: str
     style: str | None
     refused: Callable[[object], str | None]
+    #: The style of the attention module holding the projection.
+    attention_style: str = "local_heads"
 
 
 def _never(config: object) -> str | None:
@@ -90,11 +92,8 @@ FUSED_QKV_LAYOUTS: dict[str, FusedLayout] = {
     "gpt2": FusedLayout("[q | k | v] blocks in a Conv1D (weight stored [in, out])", "conv1d_colwise_qkv", _never),
     # `.view(batch, seq, num_heads, 3, head_dim)` (without multi_query / new_decoder_architecture).
     "falcon": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _falcon),
-    "bloom": FusedLayout(
-        "per head [q k v], with ALiBi biases built for every head",
-        None,
-        _not_verified("Bloom's ALiBi biases are built for every head outside the attention, not split yet"),
-    ),
+    # `.view(batch, seq, num_heads, 3, head_dim)`; ALiBi biases built for every head by the model, sliced per rank.
+    "bloom": FusedLayout("per head [q k v], ALiBi biases", "colwise", _never, attention_style="local_heads_alibi"),
     "mpt": FusedLayout(
         "[q | k | v] blocks, with ALiBi biases built for every head",
         None,
@@ -220,6 +219,7 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
         if reason is not None or layout.style is None:
             raise refuse(leaves[fused[0]], f"is a fused QKV projection: {reason}")
         plan[prefix + leaves[fused[0]]] = layout.style
+        attention_style = layout.attention_style
         projections = fused
     else:
         for names in (QUERY_NAMES, KEY_NAMES, VALUE_NAMES):
@@ -228,6 +228,7 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
                 raise refuse(attention, f"holds {separate} as q/k/v projections, not one each")
             plan[prefix + leaves[found[0]]] = "colwise"
         projections = separate
+        attention_style = "local_heads"
     outputs = [leaf for leaf in leaves if leaf not in projections]
     if len(outputs) != 1:
         raise refuse(
@@ -236,7 +237,7 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
     plan[prefix + leaves[outputs[0]]] = "rowwise"
     if not any(isinstance(getattr(modules[attention], a, None), int) for a in HEAD_COUNT_ATTRIBUTES):
         raise refuse(attention, f"keeps its head count in none of {list(HEAD_COUNT_ATTRIBUTES)}")
-    plan[prefix.rstrip(".") + (f".{attention}" if attention else "")] = "local_heads"
+    plan[prefix.rstrip(".") + (f".{attention}" if attention else "")] = attention_style
     plan.update(_conv1d_roles(plan, layer, prefix))
 
     # The rest of the layer: the MLP's linear layers, norms.

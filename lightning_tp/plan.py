@@ -59,6 +59,11 @@ class ResolvedPlan:
         }
 
     @property
+    def alibi_heads(self) -> list[str]:
+        """Attention modules whose ALiBi input is sliced to the rank's heads (``local_heads_alibi``)."""
+        return [name for name, style in self.styles.items() if style == "local_heads_alibi"]
+
+    @property
     def local_heads(self) -> list[str]:
         """Attention modules whose head counts become the rank's own (``local_heads``)."""
         return [name for name, style in self.styles.items() if isinstance(style, str) and style in _HEAD_STYLES]

@@ -171,6 +171,12 @@ STYLES: dict[str, StyleFacts] = {
         kind="heads",
         registered=False,
     ),
+    "local_heads_alibi": StyleFacts(
+        "local_heads, and the ALiBi biases given to its forward (`alibi`, [batch * heads, 1, keys], built for every "
+        "head) sliced to the rank's heads (Bloom)",
+        kind="heads",
+        registered=False,
+    ),
     # This package's own: GPT-2's Conv1D, a linear layer whose weight is stored [in, out] (nn.Linear's transposed).
     "conv1d_colwise": StyleFacts(
         "Conv1D (weight [in, out]) sharded on the output dim, output stays sharded",

@@ -59,6 +59,7 @@ def apply_tensor_parallel(
         parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
     retie(module, plan.tied)
     localize_heads(module, plan.local_heads, tp_size=tp_mesh.size())
+    slice_alibi_heads(module, plan.alibi_heads, tp_mesh=tp_mesh)
     if device is not None and not on_meta(module):
         module.to(device)
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
@@ -146,6 +147,27 @@ def localize_heads(module: nn.Module, names: list[str], *, tp_size: int) -> None
             if isinstance(count, int) and not isinstance(count, bool):
                 assert count % tp_size == 0, (name, attribute, count, tp_size)
                 setattr(attention, attribute, count // tp_size)
+
+
+def slice_alibi_heads(module: nn.Module, names: list[str], *, tp_mesh: DeviceMesh) -> None:
+    """``local_heads_alibi``: the ALiBi biases the model builds for every head (``alibi`` keyword,
+    [batch * heads, 1, keys], batch-major) sliced to this rank's heads (contiguous, as the column split gives them)
+    before each named attention module runs."""
+    rank, tp_size = tp_mesh.get_local_rank(), tp_mesh.size()
+    modules = dict(module.named_modules())
+
+    def hook(attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        alibi = kwargs.get("alibi")
+        if alibi is None:
+            return None
+        heads = attention.num_heads  # the rank's own, after `localize_heads`
+        batch = alibi.shape[0] // (heads * tp_size)
+        whole = alibi.view(batch, heads * tp_size, *alibi.shape[1:])
+        mine = whole[:, rank * heads : (rank + 1) * heads].reshape(batch * heads, *alibi.shape[1:])
+        return args, {**kwargs, "alibi": mine}
+
+    for name in names:
+        modules[name].register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def transformers_tp_mesh(model: nn.Module) -> DeviceMesh:

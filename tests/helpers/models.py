@@ -59,13 +59,13 @@ def tiny_config(kind: str, **overrides: Any):
         raise ValueError(kind)
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    # Attention sinks need eager attention; GPT-Neo has no SDPA path.
-    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gpt_neo") else "sdpa"
+    # Attention sinks need eager attention; GPT-Neo and Bloom have no SDPA path.
+    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gpt_neo", "bloom") else "sdpa"
     return cfg
 
 
 #: Families whose config has no `base_model_tp_plan`: their plan is derived from the module structure.
-DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2", "falcon")
+DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2", "falcon", "bloom")
 
 
 def _derived_config(kind: str):
@@ -121,6 +121,10 @@ def _derived_config(kind: str):
             hidden_dropout=0.0,
             attention_dropout=0.0,
             **tokens,
+        )
+    if kind == "bloom":  # fused query_key_value per head [q k v], ALiBi biases, biases everywhere
+        return AutoConfig.for_model(
+            "bloom", n_layer=2, n_head=4, hidden_size=64, hidden_dropout=0.0, attention_dropout=0.0, **tokens
         )
     if kind == "gpt2":  # Conv1D layers (weight [in, out]), c_attn packed as [q | k | v] blocks, tied
         return AutoConfig.for_model(

@@ -79,6 +79,16 @@ EXPECTED = {
         "transformer.word_embeddings": "embedding_rowwise",
         "lm_head": "colwise_gather_output",
     },
+    # Bloom: per head [q k v] too, and the ALiBi biases (built by the model for every head) sliced per rank.
+    "bloom": {
+        "transformer.h.*.self_attention.query_key_value": "colwise",
+        "transformer.h.*.self_attention.dense": "rowwise",
+        "transformer.h.*.self_attention": "local_heads_alibi",
+        "transformer.h.*.mlp.dense_h_to_4h": "colwise",
+        "transformer.h.*.mlp.dense_4h_to_h": "rowwise",
+        "transformer.word_embeddings": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+    },
     # The fused c_attn is laid out head by head ([q k v] per head): a plain column split gives whole heads.
     "gpt_bigcode": {
         "transformer.h.*.attn.c_attn": "colwise",
@@ -100,8 +110,9 @@ def test_plan_is_derived_from_the_module_structure(kind):
     plan = resolve_plan(model, "auto", tp_size=2)
     # Every layer's attention computes its own heads; Transformers gets only its registered styles.
     layers = [name for name in plan.local_heads]
-    assert len(layers) == 2 and all(plan.styles[name] == "local_heads" for name in layers)
-    assert "local_heads" not in plan.transformers_styles.values()
+    assert len(layers) == 2 and all(plan.styles[name].startswith("local_heads") for name in layers)
+    assert plan.alibi_heads == (layers if kind == "bloom" else [])
+    assert not {style for style in plan.transformers_styles.values() if style.startswith("local_heads")}
     first, style = next(iter(EXPECTED[kind].items()))
     assert plan.styles[f"{first.replace('*', '1')}.weight"] == style
     # A tied embedding and lm_head share one vocabulary split.
@@ -152,7 +163,6 @@ def test_tp_plan_overrides_a_derived_rule_and_keeps_the_others():
             dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, parallel_attn=False, alibi=True),
             ["query_key_value", "ALiBi"],
         ),
-        ("bloom", dict(n_layer=1, n_head=4, hidden_size=64), ["query_key_value", "ALiBi"]),
         ("mpt", dict(n_layers=1, n_heads=4, d_model=64), ["transformer.blocks.0.attn.Wqkv", "ALiBi"]),
         (
             "stablelm",
