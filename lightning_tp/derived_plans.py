@@ -80,8 +80,11 @@ def _falcon(config: object) -> str | None:
     return None
 
 
-def _not_verified(reason: str) -> Callable[[object], str | None]:
-    return lambda config: reason
+def _mpt(config: object) -> str | None:
+    attn = getattr(config, "attn_config", None)
+    if attn is not None and getattr(attn, "qk_ln", False):
+        return "its q/k LayerNorms (`attn_config.qk_ln=True`) normalise over every head, not split yet"
+    return None
 
 
 #: The fused-QKV head layouts, one fact per family (``config.model_type``).
@@ -94,10 +97,9 @@ FUSED_QKV_LAYOUTS: dict[str, FusedLayout] = {
     "falcon": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _falcon),
     # `.view(batch, seq, num_heads, 3, head_dim)`; ALiBi biases built for every head by the model, sliced per rank.
     "bloom": FusedLayout("per head [q k v], ALiBi biases", "colwise", _never, attention_style="local_heads_alibi"),
+    # `.chunk(3, dim=2)` into q, k, v blocks; ALiBi `position_bias` built for every head by the model.
     "mpt": FusedLayout(
-        "[q | k | v] blocks, with ALiBi biases built for every head",
-        None,
-        _not_verified("MPT's `Wqkv` ([q | k | v] blocks) and ALiBi biases are not split yet"),
+        "[q | k | v] blocks, ALiBi biases", "packed_colwise_qkv", _mpt, attention_style="local_heads_alibi"
     ),
 }
 

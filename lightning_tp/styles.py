@@ -172,8 +172,8 @@ STYLES: dict[str, StyleFacts] = {
         registered=False,
     ),
     "local_heads_alibi": StyleFacts(
-        "local_heads, and the ALiBi biases given to its forward (`alibi`, [batch * heads, 1, keys], built for every "
-        "head) sliced to the rank's heads (Bloom)",
+        "local_heads, and the ALiBi biases given to its forward (`alibi` [batch * heads, 1, keys] or `position_bias` "
+        "[heads, 1, keys], built for every head) sliced to the rank's heads (Bloom, MPT)",
         kind="heads",
         registered=False,
     ),
@@ -191,6 +191,16 @@ STYLES: dict[str, StyleFacts] = {
         "block ([q_r | k_r | v_r]), output stays sharded",
         kind="column",
         weight_dim=-1,
+        bias_split=True,
+        strided=True,
+        output_sharded=True,
+        registered=False,
+    ),
+    "packed_colwise_qkv": StyleFacts(
+        "linear with q, k and v packed as [q | k | v] blocks on the output dim: each rank holds its slice of each "
+        "block ([q_r | k_r | v_r]), output stays sharded (MPT's Wqkv)",
+        kind="column",
+        weight_dim=-2,
         bias_split=True,
         strided=True,
         output_sharded=True,

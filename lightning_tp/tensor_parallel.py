@@ -75,16 +75,22 @@ class Conv1DParallel(ParallelStyle):
     The forward runs on the local shards with plain tensors in and out, as Transformers' column-/row-wise layers do:
     a column-wise input's gradient is summed over the TP group, a row-wise output is all-reduced."""
 
+    #: The weight's output-feature dim: 1 for Conv1D ([in, out]); 0 for nn.Linear ([out, in], :class:`PackedLinear`).
+    out_dim = 1
+
     def __init__(self, *, column: bool, split_factor: int = 1):
         super().__init__()
         self.column = column
         self.split_factor = split_factor
 
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.column:
             packed = self.split_factor > 1
             placements = {
-                "weight": strided_shard(1, self.split_factor) if packed else Shard(1),
+                "weight": strided_shard(self.out_dim, self.split_factor) if packed else Shard(self.out_dim),
                 "bias": strided_shard(0, self.split_factor) if packed else Shard(0),
             }
         else:
@@ -96,21 +102,21 @@ class Conv1DParallel(ParallelStyle):
                     distribute_tensor(param, device_mesh, [placement], src_data_rank=None),
                     requires_grad=param.requires_grad,
                 )
-        column = self.column
+        column, matmul, out_dim = self.column, self._matmul, self.out_dim
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight.to_local()
             bias = module.bias.to_local() if module.bias is not None else None
-            shape = (*x.shape[:-1], weight.shape[1])
+            shape = (*x.shape[:-1], weight.shape[out_dim])
             x = x.reshape(-1, x.shape[-1])
             if column:
                 # The input is replicated; its gradient is this rank's part of the sum over the output slices.
                 x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
                     grad_placements=[Partial()]
                 )
-                out = x @ weight if bias is None else torch.addmm(bias, x, weight)
-                return out.view(shape)
-            partial = DTensor.from_local(x @ weight, device_mesh, [Partial()], run_check=False)
+                out = matmul(x, weight)
+                return (out if bias is None else out + bias).view(shape)
+            partial = DTensor.from_local(matmul(x, weight), device_mesh, [Partial()], run_check=False)
             out = partial.redistribute(placements=[Replicate()]).to_local()
             return (out if bias is None else out + bias).view(shape)
 
@@ -118,11 +124,22 @@ class Conv1DParallel(ParallelStyle):
         return module
 
 
+class PackedLinear(Conv1DParallel):
+    """An ``nn.Linear`` (weight [out, in]) whose output packs q, k and v as [q | k | v] blocks, split column-wise block
+    by block (MPT's ``Wqkv``)."""
+
+    out_dim = 0
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight.t()
+
+
 #: The package's own layer styles (``registered=False`` in the style table), as torch ``ParallelStyle``s.
 OWN_LAYER_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "conv1d_colwise": lambda: Conv1DParallel(column=True),
     "conv1d_colwise_qkv": lambda: Conv1DParallel(column=True, split_factor=3),
     "conv1d_rowwise": lambda: Conv1DParallel(column=False),
+    "packed_colwise_qkv": lambda: PackedLinear(column=True, split_factor=3),
 }
 
 
@@ -150,21 +167,24 @@ def localize_heads(module: nn.Module, names: list[str], *, tp_size: int) -> None
 
 
 def slice_alibi_heads(module: nn.Module, names: list[str], *, tp_mesh: DeviceMesh) -> None:
-    """``local_heads_alibi``: the ALiBi biases the model builds for every head (``alibi`` keyword,
-    [batch * heads, 1, keys], batch-major) sliced to this rank's heads (contiguous, as the column split gives them)
-    before each named attention module runs."""
+    """``local_heads_alibi``: the ALiBi biases the model builds for every head (Bloom's ``alibi`` keyword,
+    [batch * heads, 1, keys], batch-major; MPT's ``position_bias``, [heads, 1, keys]) sliced to this rank's heads
+    (contiguous, as the column split gives them) before each named attention module runs."""
     rank, tp_size = tp_mesh.get_local_rank(), tp_mesh.size()
     modules = dict(module.named_modules())
 
     def hook(attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        alibi = kwargs.get("alibi")
-        if alibi is None:
-            return None
-        heads = attention.num_heads  # the rank's own, after `localize_heads`
-        batch = alibi.shape[0] // (heads * tp_size)
-        whole = alibi.view(batch, heads * tp_size, *alibi.shape[1:])
-        mine = whole[:, rank * heads : (rank + 1) * heads].reshape(batch * heads, *alibi.shape[1:])
-        return args, {**kwargs, "alibi": mine}
+        heads = next(getattr(attention, a) for a in ("num_heads", "n_heads") if hasattr(attention, a))  # the rank's
+        if kwargs.get("alibi") is not None:  # Bloom: [batch * heads, 1, keys]
+            alibi = kwargs["alibi"]
+            batch = alibi.shape[0] // (heads * tp_size)
+            whole = alibi.view(batch, heads * tp_size, *alibi.shape[1:])
+            mine = whole[:, rank * heads : (rank + 1) * heads].reshape(batch * heads, *alibi.shape[1:])
+            return args, {**kwargs, "alibi": mine}
+        if kwargs.get("position_bias") is not None:  # MPT: [heads, 1, keys]
+            bias = kwargs["position_bias"]
+            return args, {**kwargs, "position_bias": bias[rank * heads : (rank + 1) * heads]}
+        return None
 
     for name in names:
         modules[name].register_forward_pre_hook(hook, with_kwargs=True)

@@ -188,6 +188,7 @@ CASES: dict[str, Case] = {
     "gpt2_derived": lm("gpt2", 4, optimizer="adamw", lr=1e-3),
     "falcon_derived": lm("falcon", 4),
     "bloom_derived": lm("bloom", 4),
+    "mpt_derived": lm("mpt", 4),
     # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
     "llama_alt_styles": lm(
         "llama",

@@ -59,13 +59,13 @@ def tiny_config(kind: str, **overrides: Any):
         raise ValueError(kind)
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    # Attention sinks need eager attention; GPT-Neo and Bloom have no SDPA path.
-    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gpt_neo", "bloom") else "sdpa"
+    # Attention sinks need eager attention; GPT-Neo, Bloom and MPT have no SDPA path.
+    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gpt_neo", "bloom", "mpt") else "sdpa"
     return cfg
 
 
 #: Families whose config has no `base_model_tp_plan`: their plan is derived from the module structure.
-DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2", "falcon", "bloom")
+DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2", "falcon", "bloom", "mpt")
 
 
 def _derived_config(kind: str):
@@ -125,6 +125,10 @@ def _derived_config(kind: str):
     if kind == "bloom":  # fused query_key_value per head [q k v], ALiBi biases, biases everywhere
         return AutoConfig.for_model(
             "bloom", n_layer=2, n_head=4, hidden_size=64, hidden_dropout=0.0, attention_dropout=0.0, **tokens
+        )
+    if kind == "mpt":  # Wqkv packed as [q | k | v] blocks, ALiBi position_bias, no biases
+        return AutoConfig.for_model(
+            "mpt", n_layers=2, n_heads=4, d_model=64, expansion_ratio=2, max_seq_len=64, resid_pdrop=0.0, **tokens
         )
     if kind == "gpt2":  # Conv1D layers (weight [in, out]), c_attn packed as [q | k | v] blocks, tied
         return AutoConfig.for_model(

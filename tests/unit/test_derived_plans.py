@@ -89,6 +89,16 @@ EXPECTED = {
         "transformer.word_embeddings": "embedding_rowwise",
         "lm_head": "colwise_gather_output",
     },
+    # MPT: [q | k | v] blocks in an nn.Linear, split block by block; its ALiBi position_bias sliced per rank.
+    "mpt": {
+        "transformer.blocks.*.attn.Wqkv": "packed_colwise_qkv",
+        "transformer.blocks.*.attn.out_proj": "rowwise",
+        "transformer.blocks.*.attn": "local_heads_alibi",
+        "transformer.blocks.*.ffn.up_proj": "colwise",
+        "transformer.blocks.*.ffn.down_proj": "rowwise",
+        "transformer.wte": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+    },
     # The fused c_attn is laid out head by head ([q k v] per head): a plain column split gives whole heads.
     "gpt_bigcode": {
         "transformer.h.*.attn.c_attn": "colwise",
@@ -111,7 +121,7 @@ def test_plan_is_derived_from_the_module_structure(kind):
     # Every layer's attention computes its own heads; Transformers gets only its registered styles.
     layers = [name for name in plan.local_heads]
     assert len(layers) == 2 and all(plan.styles[name].startswith("local_heads") for name in layers)
-    assert plan.alibi_heads == (layers if kind == "bloom" else [])
+    assert plan.alibi_heads == (layers if kind in ("bloom", "mpt") else [])
     assert not {style for style in plan.transformers_styles.values() if style.startswith("local_heads")}
     first, style = next(iter(EXPECTED[kind].items()))
     assert plan.styles[f"{first.replace('*', '1')}.weight"] == style
@@ -163,7 +173,6 @@ def test_tp_plan_overrides_a_derived_rule_and_keeps_the_others():
             dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, parallel_attn=False, alibi=True),
             ["query_key_value", "ALiBi"],
         ),
-        ("mpt", dict(n_layers=1, n_heads=4, d_model=64), ["transformer.blocks.0.attn.Wqkv", "ALiBi"]),
         (
             "stablelm",
             dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, qk_layernorm=True),
@@ -185,11 +194,12 @@ def test_a_structure_not_understood_is_refused_naming_the_module_and_the_fix(mod
     assert resolve_plan(model, {"lm_head": "replicate"}, tp_size=2).styles["lm_head"] == "replicate"
 
 
-def test_every_fused_layout_is_a_registered_style_or_refused_with_a_reason():
+def test_every_fused_layout_is_a_style_of_the_table():
+    from lightning_tp.styles import STYLES
+
     for model_type, layout in FUSED_QKV_LAYOUTS.items():
-        assert layout.style in (None, "colwise", "conv1d_colwise_qkv"), model_type
-        if layout.style is None:
-            assert layout.refused(object()), model_type
+        assert layout.style in ("colwise", "conv1d_colwise_qkv", "packed_colwise_qkv"), model_type
+        assert STYLES[layout.style].output_sharded and STYLES[layout.attention_style].kind == "heads", model_type
 
 
 def test_heads_not_divisible_by_the_tp_size_are_refused():
@@ -221,8 +231,8 @@ def test_inspector_says_the_plan_was_derived_and_shows_the_local_heads():
     assert "num_heads 4 -> 2" in text
     own = format_report(inspect_model(meta_model("llama"), tp_size=2), tp_size=2, dp_shard_size=1)
     assert "Plan: the model's own" in own
-    refused = inspect_model(meta_model_of("mpt", n_layers=1, n_heads=4, d_model=64), tp_size=2)
-    assert not refused.valid and "transformer.blocks.0.attn.Wqkv" in refused.problems[0]
+    refused = inspect_model(meta_model("gpt_bigcode", multi_query=True), tp_size=2)
+    assert not refused.valid and "transformer.h.0.attn.c_attn" in refused.problems[0]
 
 
 def test_gpt2_conv1d_layers_get_the_conv1d_styles_and_their_shapes():
