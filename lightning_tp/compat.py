@@ -121,6 +121,14 @@ def compute_local_shape_and_global_offset(
     return compute(shape, mesh, placements)
 
 
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """The placement of a tensor packed from ``split_factor`` blocks on ``dim``, each rank holding its slice of every
+    block (torch's ``_StridedShard``, private; Transformers' ``packed_colwise`` uses it too)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
 def assert_async(condition: torch.Tensor, message: str) -> None:
     """A device-side assert (no host sync on GPU), as torch's own losses check their targets; no public spelling."""
     torch._assert_async(condition, message)

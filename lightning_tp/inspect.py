@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tp.plan import ResolvedPlan, key_regex, model_plan, resolve_plan
-from lightning_tp.styles import facts, style_names
+from lightning_tp.plan import ResolvedPlan, key_regex, model_plan, plan_source, resolve_plan
+from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, facts, style_names
 
 #: Styles that split an embedding's vocabulary (dim 0): a vocabulary the TP size does not divide gives uneven shards.
 _VOCABULARY_STYLES = style_names(kind="embedding", weight_dim=0)
@@ -30,6 +30,11 @@ class Report:
     unmatched: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Where the plan comes from: ``"model"`` (its config's ``base_model_tp_plan``), ``"derived"`` (from its module
+    #: structure), ``"none"``; ``" + tp_plan"`` when overrides were given.
+    source: str = "none"
+    #: Attention modules given ``local_heads``: (name, {attribute: (whole count, per-rank count)}).
+    local_heads: list[tuple[str, dict[str, tuple[int, int]]]] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -59,6 +64,8 @@ def inspect_model(
 ) -> Report:
     """The report for a (meta) model: no process group needed."""
     report = Report()
+    source = plan_source(model)[1]
+    report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
     try:
         plan = resolve_plan(model, tp_plan, tp_size=tp_size)
     except ValueError as err:
@@ -75,7 +82,17 @@ def inspect_model(
     report.problems += _uneven_splits(model, plan, tp_size)
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
-    styles = plan.transformers_styles
+    modules = dict(model.named_modules())
+    for name in plan.local_heads:
+        counts_of = {a: getattr(modules[name], a, None) for a in HEAD_COUNT_ATTRIBUTES}
+        report.local_heads.append(
+            (
+                name,
+                {a: (c, c // tp_size) for a, c in counts_of.items() if isinstance(c, int) and not isinstance(c, bool)},
+            )
+        )
+    # Every style name, this package's own (GPT-2's Conv1D styles) too: the table knows what each splits.
+    styles = {name: style for name, style in plan.styles.items() if isinstance(style, str)}
     counts = {"params": 0, "trainable": 0}
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -136,9 +153,25 @@ def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targe
 
 
 def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:
-    lines = [f"Layout: tp={tp_size} x dp_shard={dp_shard_size}", "", "Sharded parameters (per-rank shape):"]
+    sources = {
+        "model": "the model's own (its config's `base_model_tp_plan`)",
+        "derived": "derived from the module structure (its config has no `base_model_tp_plan`; "
+        "lightning_tp.derived_plans)",
+        "none": "none of its own",
+    }
+    base, _, extra = report.source.partition(" + ")
+    lines = [
+        f"Layout: tp={tp_size} x dp_shard={dp_shard_size}",
+        f"Plan: {sources.get(base, base)}" + (", overridden by `tp_plan`" if extra else ""),
+        "",
+        "Sharded parameters (per-rank shape):",
+    ]
     for name, style, shape, local in report.rows:
         lines.append(f"  {name:<60} {style:<24} {list(shape)} -> {list(local)}")
+    if report.local_heads:
+        lines += ["", "Attention modules computing their rank's heads (local_heads; head counts whole -> per rank):"]
+        for name, counts in report.local_heads:
+            lines.append(f"  {name:<60} " + ", ".join(f"{a} {c} -> {p}" for a, (c, p) in counts.items()))
     lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
     lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
     if len(report.replicated) > 40:

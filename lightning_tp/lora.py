@@ -111,6 +111,12 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
                 f"tp_plan[{name!r}] is a torch ParallelStyle on a LoRA-wrapped layer: its adapters cannot follow it. "
                 "Use a Transformers style name for LoRA targets, or leave this layer out of `target_modules`."
             )
+        own = facts(style)
+        if own is not None and not own.registered and own.kind in ("column", "row"):
+            raise ValueError(
+                f"tp_plan[{name!r}] = {style!r} on a LoRA-wrapped layer: adapters do not follow this package's own "
+                "layer styles (GPT-2's Conv1D) yet. Leave this layer out of `target_modules`, or use tp_size=1."
+            )
         if not isinstance(wrapper.get_base_layer(), nn.Linear):
             continue  # embeddings keep their adapters whole
         fact = facts(style)

@@ -16,12 +16,17 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_tp.styles import REFUSED_STYLES, SUPPORTED_STYLES, facts, style_names
+from lightning_tp.derived_plans import derive_plan
+from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, REFUSED_STYLES, SUPPORTED_STYLES, facts, style_names
 
 Style = str | ParallelStyle
 
 #: Styles whose gradient sum over the TP group this package applies itself (not Transformers' hook layer).
 _SUMMED_HERE = style_names(sums_gradients=True)
+#: This package's own styles (Transformers does not register them).
+_OWN_STYLES = style_names(registered=False)
+#: Styles that give an attention module its rank's head counts.
+_HEAD_STYLES = style_names(kind="heads")
 
 #: Output projections whose width counts attention heads (query) and KV heads (key/value).
 _QUERY_PROJECTIONS = ("q_proj", "query", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
@@ -48,8 +53,20 @@ class ResolvedPlan:
     def transformers_styles(self) -> dict[str, str]:
         """The entries applied with Transformers' layers."""
         return {
-            name: style for name, style in self.styles.items() if isinstance(style, str) and style not in _SUMMED_HERE
+            name: style
+            for name, style in self.styles.items()
+            if isinstance(style, str) and style not in _SUMMED_HERE and style not in _OWN_STYLES
         }
+
+    @property
+    def alibi_heads(self) -> list[str]:
+        """Attention modules whose ALiBi input is sliced to the rank's heads (``local_heads_alibi``)."""
+        return [name for name, style in self.styles.items() if style == "local_heads_alibi"]
+
+    @property
+    def local_heads(self) -> list[str]:
+        """Attention modules whose head counts become the rank's own (``local_heads``)."""
+        return [name for name, style in self.styles.items() if isinstance(style, str) and style in _HEAD_STYLES]
 
     @property
     def torch_styles(self) -> dict[str, ParallelStyle]:
@@ -102,10 +119,29 @@ def _match(name: str, patterns: list[tuple[str, re.Pattern[str], Style, bool]]) 
 
 def model_plan(module: nn.Module) -> dict[str, Style]:
     """The module's own plan: a Transformers model's ``tp_plan`` (config ``base_model_tp_plan`` plus class rules such
-    as ``lm_head``), or nothing for any other module."""
-    if is_transformers_model(module):
-        return dict(getattr(module, "tp_plan", None) or {})
-    return {}
+    as ``lm_head``), or, when its config has none, the plan derived from its decoder structure
+    (:mod:`lightning_tp.derived_plans`; empty when the structure is not recognised), or nothing for any other module."""
+    return plan_source(module)[0]
+
+
+def plan_source(module: nn.Module) -> tuple[dict[str, Style], str, str | None]:
+    """The module's own plan, where it comes from (``"model"``, ``"derived"``, or ``"none"``) and, when there is none,
+    why (the structure a derived plan could not understand, and how to write the plan)."""
+    if not is_transformers_model(module):
+        return {}, "none", None
+    own = dict(getattr(module, "tp_plan", None) or {})
+    if set(own) - {_output_embedding_name(module)}:
+        return own, "model", None
+    try:
+        return derive_plan(module), "derived", None
+    except ValueError as err:
+        # A class rule for lm_head alone (no `base_model_tp_plan`) is kept as it was before plans were derived.
+        return (own, "model", None) if own else ({}, "none", str(err))
+
+
+def _output_embedding_name(model: nn.Module) -> str | None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, m in model.named_modules() if m is out), None) if out is not None else None
 
 
 def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_size: int) -> ResolvedPlan:
@@ -125,10 +161,11 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
         if tp_plan != "auto":
             raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')
         overrides: dict[str, Style] = {}
-        plan = model_plan(module)
+        plan, _, no_plan_reason = plan_source(module)
     elif isinstance(tp_plan, Mapping):
         overrides = dict(tp_plan)
-        plan = {**model_plan(module), **overrides} if overrides else {}
+        own, _, no_plan_reason = plan_source(module) if overrides else ({}, "none", None)
+        plan = {**own, **overrides}
     else:
         raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
 
@@ -148,6 +185,8 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
         )
 
     if not plan:
+        if no_plan_reason is not None and not overrides:
+            raise ValueError(no_plan_reason)
         if is_transformers_model(module):
             raise ValueError(
                 f"{model_name} has no tensor-parallel plan (its config has no `base_model_tp_plan`) and `tp_plan` "
@@ -183,8 +222,8 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
             own = _match(full, patterns)
             style = own if own is not None else module_style
             param_styles[full] = style
-            # torch ParallelStyles shard their module's parameters themselves.
-            if isinstance(style, str) and full in unique_params:
+            # torch ParallelStyles shard their module's parameters themselves; `local_heads` names a module only.
+            if isinstance(style, str) and full in unique_params and style not in _HEAD_STYLES:
                 resolved.styles[full] = style
         if module_style is not None:
             resolved.styles[module_name] = module_style
@@ -195,9 +234,33 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
         if style in _SUMMED_HERE and name in module_names and _sees_sharded_features(name, resolved.styles)
     ]
     resolved.tied = _tied_aliases(module, param_styles)
+    _check_local_heads(module, resolved.local_heads, tp_size)
     if is_transformers_model(module):
         _check_heads(module, resolved.styles, tp_size)
     return resolved
+
+
+def _check_local_heads(module: nn.Module, names: list[str], tp_size: int) -> None:
+    """A ``local_heads`` module must keep head counts in attributes, each divisible by the TP size."""
+    modules = dict(module.named_modules())
+    for name in names:
+        counts = {
+            a: getattr(modules[name], a)
+            for a in HEAD_COUNT_ATTRIBUTES
+            if isinstance(getattr(modules[name], a, None), int)
+        }
+        if not counts:
+            raise ValueError(
+                f"tp_plan[{name!r}] = 'local_heads', but {type(modules[name]).__name__} keeps no head count in any "
+                f"of {list(HEAD_COUNT_ATTRIBUTES)}: give that style to the attention module whose code reshapes by "
+                "its head count."
+            )
+        uneven = {a: c for a, c in counts.items() if c % tp_size}
+        if uneven:
+            raise ValueError(
+                f"{name} ({type(modules[name]).__name__}) has head counts {uneven} not divisible by tp_size={tp_size}: "
+                "its heads cannot be split evenly over the TP ranks. Use a tp_size that divides them."
+            )
 
 
 def _sees_sharded_features(norm: str, styles: Mapping[str, Style]) -> bool:

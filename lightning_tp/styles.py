@@ -18,7 +18,8 @@ from typing import Literal
 #: outputs summed; ``embedding``: an embedding table split on the vocabulary or the hidden dim; ``replicated``: kept
 #: whole; ``module``: changes the module's forward only, its parameters are split by their own entries (or not at all);
 #: ``expert``: whole experts per rank (expert parallelism).
-Kind = Literal["column", "row", "embedding", "replicated", "module", "expert"]
+#: ``heads``: an attention module whose head counts become each rank's own (this package's style, for derived plans).
+Kind = Literal["column", "row", "embedding", "replicated", "module", "expert", "heads"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class StyleFacts:
     ``rewritable``: sequence parallelism's rewrite (and the dense-layer rewrite) replaces it with torch's style of the
     same kind, or keeps it as is (a norm).
     ``refused``: why this package refuses the style, and the fix; ``None``: applied.
+    ``registered``: a style name Transformers registers; ``False``: this package's own style, applied by it.
     """
 
     description: str
@@ -56,6 +58,7 @@ class StyleFacts:
     sums_gradients: bool = False
     rewritable: bool = False
     refused: str | None = None
+    registered: bool = True
 
     @property
     def supported(self) -> bool:
@@ -89,6 +92,17 @@ _MOE = (
 _EP = (
     "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not build; shard the "
     "experts with `moe_tp_experts` instead"
+)
+
+#: The attributes an attention module keeps its head counts in (families spell them differently), and GPT-2's
+#: ``split_size`` (the width of its q, k, v blocks): ``local_heads`` divides each one the module has by the TP size.
+HEAD_COUNT_ATTRIBUTES = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_heads",
+    "split_size",
 )
 
 #: Every Transformers style name this package knows: applied ones and refused ones.
@@ -150,6 +164,54 @@ STYLES: dict[str, StyleFacts] = {
         strided=True,
         output_sharded=True,
     ),
+    # This package's own: the head layout of an attention module whose code reshapes by its global head counts.
+    "local_heads": StyleFacts(
+        "attention module whose head-count attributes (num_heads, num_key_value_heads, ...) are divided by the TP "
+        "size, so that its reshapes fit the column-sharded q/k/v outputs (derived plans; parameters untouched)",
+        kind="heads",
+        registered=False,
+    ),
+    "local_heads_alibi": StyleFacts(
+        "local_heads, and the ALiBi biases given to its forward (`alibi` [batch * heads, 1, keys] or `position_bias` "
+        "[heads, 1, keys], built for every head) sliced to the rank's heads (Bloom, MPT)",
+        kind="heads",
+        registered=False,
+    ),
+    # This package's own: GPT-2's Conv1D, a linear layer whose weight is stored [in, out] (nn.Linear's transposed).
+    "conv1d_colwise": StyleFacts(
+        "Conv1D (weight [in, out]) sharded on the output dim, output stays sharded",
+        kind="column",
+        weight_dim=-1,
+        bias_split=True,
+        output_sharded=True,
+        registered=False,
+    ),
+    "conv1d_colwise_qkv": StyleFacts(
+        "Conv1D with q, k and v packed as [q | k | v] blocks on the output dim: each rank holds its slice of each "
+        "block ([q_r | k_r | v_r]), output stays sharded",
+        kind="column",
+        weight_dim=-1,
+        bias_split=True,
+        strided=True,
+        output_sharded=True,
+        registered=False,
+    ),
+    "packed_colwise_qkv": StyleFacts(
+        "linear with q, k and v packed as [q | k | v] blocks on the output dim: each rank holds its slice of each "
+        "block ([q_r | k_r | v_r]), output stays sharded (MPT's Wqkv)",
+        kind="column",
+        weight_dim=-2,
+        bias_split=True,
+        strided=True,
+        output_sharded=True,
+        registered=False,
+    ),
+    "conv1d_rowwise": StyleFacts(
+        "Conv1D (weight [in, out]) sharded on the input dim, output all-reduced, bias added once",
+        kind="row",
+        weight_dim=-2,
+        registered=False,
+    ),
     # Refused.
     "ep_dispatch_experts": StyleFacts("expert-parallel token dispatch", kind="module", refused=_EP),
     "grouped_gemm": StyleFacts(
@@ -192,7 +254,8 @@ def style_names(**where: object) -> tuple[str, ...]:
     )
 
 
-#: Transformers style names applied with Transformers' own TP layers (or, for gradient sums, by this package).
+#: Style names applied with Transformers' own TP layers (or, for gradient sums and ``registered=False`` styles, by this
+#: package).
 SUPPORTED_STYLES: dict[str, str] = {name: fact.description for name, fact in STYLES.items() if fact.supported}
 
 #: Transformers style names this package refuses, with the reason and the fix.

@@ -15,12 +15,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_tp.compat import distributed_is_initialized, parameter_dict, transformers_apply_tensor_parallelism
+from lightning_tp.compat import (
+    distributed_is_initialized,
+    parameter_dict,
+    strided_shard,
+    transformers_apply_tensor_parallelism,
+)
 from lightning_tp.plan import ResolvedPlan
-from lightning_tp.styles import style_names
+from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"
@@ -47,17 +52,142 @@ def apply_tensor_parallel(
     # Transformers' layers install forward hooks on the modules and shard each listed parameter. Sharding slices the
     # local copy (no communication), so the weights must be identical on every TP rank beforehand (same seed or file).
     apply_tensor_parallelism(module, tp_mesh, plan.transformers_styles)
-    if plan.torch_styles:
+    own = own_layer_styles(module, plan)
+    if plan.torch_styles or own:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(module, tp_mesh, plan.torch_styles)
+        parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
     retie(module, plan.tied)
+    localize_heads(module, plan.local_heads, tp_size=tp_mesh.size())
+    slice_alibi_heads(module, plan.alibi_heads, tp_mesh=tp_mesh)
     if device is not None and not on_meta(module):
         module.to(device)
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
     keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
+
+
+class Conv1DParallel(ParallelStyle):
+    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight stored [in, out]) split column-wise (output features: weight
+    dim 1 and bias; ``split_factor`` > 1: packed blocks such as [q | k | v], each rank holding its slice of every block)
+    or row-wise (input features: weight dim 0, bias replicated and added once after the partial outputs are summed).
+    The forward runs on the local shards with plain tensors in and out, as Transformers' column-/row-wise layers do:
+    a column-wise input's gradient is summed over the TP group, a row-wise output is all-reduced."""
+
+    #: The weight's output-feature dim: 1 for Conv1D ([in, out]); 0 for nn.Linear ([out, in], :class:`PackedLinear`).
+    out_dim = 1
+
+    def __init__(self, *, column: bool, split_factor: int = 1):
+        super().__init__()
+        self.column = column
+        self.split_factor = split_factor
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.column:
+            packed = self.split_factor > 1
+            placements = {
+                "weight": strided_shard(self.out_dim, self.split_factor) if packed else Shard(self.out_dim),
+                "bias": strided_shard(0, self.split_factor) if packed else Shard(0),
+            }
+        else:
+            placements = {"weight": Shard(0), "bias": Replicate()}
+        for name, placement in placements.items():
+            param = parameter_dict(module).get(name)
+            if param is not None and not isinstance(param, DTensor):
+                parameter_dict(module)[name] = nn.Parameter(
+                    distribute_tensor(param, device_mesh, [placement], src_data_rank=None),
+                    requires_grad=param.requires_grad,
+                )
+        column, matmul, out_dim = self.column, self._matmul, self.out_dim
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight.to_local()
+            bias = module.bias.to_local() if module.bias is not None else None
+            shape = (*x.shape[:-1], weight.shape[out_dim])
+            x = x.reshape(-1, x.shape[-1])
+            if column:
+                # The input is replicated; its gradient is this rank's part of the sum over the output slices.
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
+                    grad_placements=[Partial()]
+                )
+                out = matmul(x, weight)
+                return (out if bias is None else out + bias).view(shape)
+            partial = DTensor.from_local(matmul(x, weight), device_mesh, [Partial()], run_check=False)
+            out = partial.redistribute(placements=[Replicate()]).to_local()
+            return (out if bias is None else out + bias).view(shape)
+
+        module.forward = forward
+        return module
+
+
+class PackedLinear(Conv1DParallel):
+    """An ``nn.Linear`` (weight [out, in]) whose output packs q, k and v as [q | k | v] blocks, split column-wise block
+    by block (MPT's ``Wqkv``)."""
+
+    out_dim = 0
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight.t()
+
+
+#: The package's own layer styles (``registered=False`` in the style table), as torch ``ParallelStyle``s.
+OWN_LAYER_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "conv1d_colwise": lambda: Conv1DParallel(column=True),
+    "conv1d_colwise_qkv": lambda: Conv1DParallel(column=True, split_factor=3),
+    "conv1d_rowwise": lambda: Conv1DParallel(column=False),
+    "packed_colwise_qkv": lambda: PackedLinear(column=True, split_factor=3),
+}
+
+
+def own_layer_styles(module: nn.Module, plan: ResolvedPlan) -> dict[str, ParallelStyle]:
+    """The plan's module entries that name one of :data:`OWN_LAYER_STYLES`, as torch styles."""
+    modules = dict(module.named_modules())
+    return {
+        name: OWN_LAYER_STYLES[style]()
+        for name, style in plan.styles.items()
+        if isinstance(style, str) and style in OWN_LAYER_STYLES and name in modules
+    }
+
+
+def localize_heads(module: nn.Module, names: list[str], *, tp_size: int) -> None:
+    """``local_heads``: each named attention module's head counts become the rank's own (its q/k/v projections are
+    column-sharded, so each rank computes ``count / tp_size`` whole heads; divisibility was checked with the plan)."""
+    modules = dict(module.named_modules())
+    for name in names:
+        attention = modules[name]
+        for attribute in HEAD_COUNT_ATTRIBUTES:
+            count = getattr(attention, attribute, None)
+            if isinstance(count, int) and not isinstance(count, bool):
+                assert count % tp_size == 0, (name, attribute, count, tp_size)
+                setattr(attention, attribute, count // tp_size)
+
+
+def slice_alibi_heads(module: nn.Module, names: list[str], *, tp_mesh: DeviceMesh) -> None:
+    """``local_heads_alibi``: the ALiBi biases the model builds for every head (Bloom's ``alibi`` keyword,
+    [batch * heads, 1, keys], batch-major; MPT's ``position_bias``, [heads, 1, keys]) sliced to this rank's heads
+    (contiguous, as the column split gives them) before each named attention module runs."""
+    rank, tp_size = tp_mesh.get_local_rank(), tp_mesh.size()
+    modules = dict(module.named_modules())
+
+    def hook(attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        heads = next(getattr(attention, a) for a in ("num_heads", "n_heads") if hasattr(attention, a))  # the rank's
+        if kwargs.get("alibi") is not None:  # Bloom: [batch * heads, 1, keys]
+            alibi = kwargs["alibi"]
+            batch = alibi.shape[0] // (heads * tp_size)
+            whole = alibi.view(batch, heads * tp_size, *alibi.shape[1:])
+            mine = whole[:, rank * heads : (rank + 1) * heads].reshape(batch * heads, *alibi.shape[1:])
+            return args, {**kwargs, "alibi": mine}
+        if kwargs.get("position_bias") is not None:  # MPT: [heads, 1, keys]
+            bias = kwargs["position_bias"]
+            return args, {**kwargs, "position_bias": bias[rank * heads : (rank + 1) * heads]}
+        return None
+
+    for name in names:
+        modules[name].register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def transformers_tp_mesh(model: nn.Module) -> DeviceMesh:

@@ -180,6 +180,15 @@ CASES: dict[str, Case] = {
     "qwen3_moe_sgd": lm("qwen3_moe", 5),
     "phi3_sgd": lm("phi3", 5),
     "granite_swa_sgd": lm("granite_swa", 5),
+    # Plans derived from the module structure (no `base_model_tp_plan` in the config).
+    "gpt_neo_derived": lm("gpt_neo", 4),
+    "opt_derived": lm("opt", 4),
+    "stablelm_derived": lm("stablelm", 4, optimizer="adamw", lr=1e-3),
+    "gpt_bigcode_derived": lm("gpt_bigcode", 4),
+    "gpt2_derived": lm("gpt2", 4, optimizer="adamw", lr=1e-3),
+    "falcon_derived": lm("falcon", 4),
+    "bloom_derived": lm("bloom", 4),
+    "mpt_derived": lm("mpt", 4),
     # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
     "llama_alt_styles": lm(
         "llama",
@@ -379,6 +388,12 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
         "model.layers.*.mlp.nope",
     ),
     "no_plan_plain_module": (_mlp, {}, "holds no Transformers"),
+    # No `base_model_tp_plan` and a structure the derivation does not understand: refused naming the module.
+    "derived_plan_refused": (
+        partial(build_causal_lm, tiny_config("gpt_bigcode", multi_query=True)),
+        {},
+        "transformer.h.0.attn.c_attn (Linear) is a fused QKV projection: multi-query attention",
+    ),
     "sequence_parallel_plain_module": (_mlp, {"tp_plan": MLP_PLAN, "sequence_parallel": True}, "is not one"),
     "dora": (partial(_lora, "qwen3", use_dora=True), {}, "use `use_dora=True`, which is not supported"),
     # Under FSDP2 alone (tp_size=1 on 2 ranks), `self.model.norm(x)` called from training_step outside the model's
@@ -401,6 +416,7 @@ ERROR_MODULE_KWARGS: dict[str, dict[str, Any]] = {"direct_call_inside_unit": {"c
 
 TWO_D_CASES = [
     "qwen3_sgd",
+    "opt_derived",
     "tied_sgd",
     "qwen3_adamw_foreach_clip",
     "llama_accumulate",

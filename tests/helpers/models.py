@@ -53,12 +53,110 @@ def tiny_config(kind: str, **overrides: Any):
         cfg = GraniteSWAConfig(
             **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1}
         )
+    elif kind in DERIVED_KINDS:
+        cfg = _derived_config(kind)
     else:
         raise ValueError(kind)
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    cfg._attn_implementation = "eager" if kind == "granite_swa" else "sdpa"  # sinks need eager attention
+    # Attention sinks need eager attention; GPT-Neo, Bloom and MPT have no SDPA path.
+    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gpt_neo", "bloom", "mpt") else "sdpa"
     return cfg
+
+
+#: Families whose config has no `base_model_tp_plan`: their plan is derived from the module structure.
+DERIVED_KINDS = ("gpt_neo", "opt", "stablelm", "gpt_bigcode", "gpt2", "falcon", "bloom", "mpt")
+
+
+def _derived_config(kind: str):
+    """Tiny configs of the derived-plan families, dropout off (parity compares exact computations)."""
+    from transformers import AutoConfig
+
+    tokens = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    if kind == "gpt_neo":  # separate q/k/v under attn.attention, global and local attention layers, tied
+        return AutoConfig.for_model(
+            "gpt_neo",
+            num_layers=2,
+            attention_types=[[["global", "local"], 1]],
+            num_heads=4,
+            hidden_size=64,
+            intermediate_size=128,
+            window_size=8,
+            max_position_embeddings=64,
+            **tokens,
+        )
+    if kind == "opt":  # q/k/v/out_proj with biases, fc1/fc2 directly in the layer, learned positions, tied
+        return AutoConfig.for_model(
+            "opt",
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=64,
+            ffn_dim=128,
+            word_embed_proj_dim=64,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **tokens,
+        )
+    if kind == "stablelm":  # GQA with partial rotary, gated MLP, LayerNorm, untied
+        return AutoConfig.for_model(
+            "stablelm",
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=64,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            **tokens,
+        )
+    if kind == "falcon":  # fused query_key_value per head [q k v], rotary, sequential attention and MLP
+        return AutoConfig.for_model(
+            "falcon",
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=64,
+            multi_query=False,
+            parallel_attn=False,
+            max_position_embeddings=64,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **tokens,
+        )
+    if kind == "bloom":  # fused query_key_value per head [q k v], ALiBi biases, biases everywhere
+        return AutoConfig.for_model(
+            "bloom", n_layer=2, n_head=4, hidden_size=64, hidden_dropout=0.0, attention_dropout=0.0, **tokens
+        )
+    if kind == "mpt":  # Wqkv packed as [q | k | v] blocks, ALiBi position_bias, no biases
+        return AutoConfig.for_model(
+            "mpt", n_layers=2, n_heads=4, d_model=64, expansion_ratio=2, max_seq_len=64, resid_pdrop=0.0, **tokens
+        )
+    if kind == "gpt2":  # Conv1D layers (weight [in, out]), c_attn packed as [q | k | v] blocks, tied
+        return AutoConfig.for_model(
+            "gpt2",
+            n_layer=2,
+            n_head=4,
+            n_embd=64,
+            n_inner=128,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **tokens,
+        )
+    # gpt_bigcode: fused c_attn laid out head by head (multi-head attention), tied
+    return AutoConfig.for_model(
+        "gpt_bigcode",
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        n_inner=128,
+        n_positions=64,
+        multi_query=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **tokens,
+    )
 
 
 def tied_embeddings(model: nn.Module) -> bool | None:
