@@ -55,7 +55,8 @@ RNG_KEY = "lightning_tp_rng"
 MODEL_KEY = "state_dict"
 
 
-def _is_main() -> bool:
+def is_main() -> bool:
+    """Whether this process is rank 0 (or the only one)."""
     return not distributed_is_initialized() or dist.get_rank() == 0
 
 
@@ -583,10 +584,10 @@ def install_publishing_save_pretrained(
         state = kwargs.pop("state_dict", None)
         if state is not None and given_state == "call_through":
             return original(save_directory, *args, state_dict=state, **kwargs)
-        is_main = kwargs.pop("is_main_process", None)
-        is_main = _is_main() if is_main is None else is_main
+        main = kwargs.pop("is_main_process", None)
+        main = is_main() if main is None else main
         if state is None:
-            state = gather(is_main)
+            state = gather(main)
         for key, value in (defaults or {}).items():
             kwargs.setdefault(key, value)
 

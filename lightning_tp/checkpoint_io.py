@@ -33,6 +33,7 @@ from lightning_tp.checkpoint import (
     frozen_parameter_names,
     gather_rng_states,
     index_reader,
+    is_main,
     load_torch_file,
     match_model_state,
     partial_path,
@@ -54,10 +55,6 @@ T = TypeVar("T")
 _SHARED_ERRORS = (IncompleteCheckpointError, UntrustedCheckpointError, FileNotFoundError, ValueError)
 
 
-def _is_main() -> bool:
-    return not distributed_is_initialized() or dist.get_rank() == 0
-
-
 def broadcast_from_main(obj: T) -> T:
     """Rank 0's ``obj`` on every rank (the identity without a process group)."""
     if not distributed_is_initialized() or dist.get_world_size() == 1:
@@ -71,7 +68,7 @@ def decide_on_main(decide: Callable[[], T], *, what: str | Path) -> T:
     """``decide()`` on rank 0 (one look at the file system or store, not one per rank), its result or its error on
     every rank: a failure on rank 0 alone must not leave the others in the next collective."""
     outcome: dict[str, Any] | None = None
-    if _is_main():
+    if is_main():
         try:
             outcome = {"value": decide()}
         except _SHARED_ERRORS as err:
@@ -149,13 +146,13 @@ def _save_local(
     staged = partial_path(path)
     # The rank-0 steps run through `run_on_main_and_share_failure`: a failure there raises on every rank, and the
     # exchange it ends with keeps the ranks in step (nobody writes into a stale staging directory).
-    run_on_main_and_share_failure(lambda: clear_partial(path), is_main=_is_main())
+    run_on_main_and_share_failure(lambda: clear_partial(path), is_main=is_main())
     if distributed:
         save(tensors, checkpoint_id=staged)  # every rank writes its shards; DCP shares failures itself
-        run_on_main_and_share_failure(lambda: torch.save(checkpoint, staged / META_FILENAME), is_main=_is_main())
+        run_on_main_and_share_failure(lambda: torch.save(checkpoint, staged / META_FILENAME), is_main=is_main())
     else:
-        run_on_main_and_share_failure(lambda: write_file(checkpoint, staged), is_main=_is_main())
-    run_on_main_and_share_failure(lambda: publish(path), is_main=_is_main())
+        run_on_main_and_share_failure(lambda: write_file(checkpoint, staged), is_main=is_main())
+    run_on_main_and_share_failure(lambda: publish(path), is_main=is_main())
 
 
 def _save_to_url(
@@ -177,18 +174,18 @@ def _save_to_url(
     data = plan["data"]
     if distributed:
         save(tensors, storage_writer=remote.dcp_writer(data))  # every rank writes its shards
-        run_on_main_and_share_failure(lambda: remote.write_meta(data, checkpoint), is_main=_is_main())
-        run_on_main_and_share_failure(lambda: remote.commit(url, data), is_main=_is_main())
+        run_on_main_and_share_failure(lambda: remote.write_meta(data, checkpoint), is_main=is_main())
+        run_on_main_and_share_failure(lambda: remote.commit(url, data), is_main=is_main())
         return
-    run_on_main_and_share_failure(lambda: write_file(checkpoint, data), is_main=_is_main())
-    run_on_main_and_share_failure(lambda: remote.publish_file(data, url), is_main=_is_main())
+    run_on_main_and_share_failure(lambda: write_file(checkpoint, data), is_main=is_main())
+    run_on_main_and_share_failure(lambda: remote.publish_file(data, url), is_main=is_main())
 
 
 def remove_checkpoint(path: str | Path) -> None:
     """Remove a checkpoint this package wrote (``ModelCheckpoint`` keeping its top k): only what a save wrote (a
     link, not its target; at a URL, what its commit marker lists); anything else is kept, with a warning. Rank 0
     only; never raises (no collective follows that would let the others learn of it)."""
-    if not _is_main():
+    if not is_main():
         return
     if not remote.is_url(path):
         try:

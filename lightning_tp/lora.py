@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from lightning_tp.checkpoint import (
-    _is_main,
     install_publishing_save_pretrained,
+    is_main,
     publish_directory,
     run_on_main_and_share_failure,
 )
@@ -279,7 +279,7 @@ def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dic
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
-    keep = _is_main()
+    keep = is_main()
     base = peft_model.get_base_model()
     layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
     check_mergeable(layers)
@@ -319,11 +319,11 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     Call it on every rank: they gather one tensor at a time; rank 0 merges and writes, and a failure there raises on
     every rank."""
     layers, full, aliases = _gather_base_state(peft_model)
-    is_main = _is_main()
+    main = is_main()
 
     def write() -> None:
         state = _merge(layers, full, aliases)
         with publish_directory(directory) as tmp:
             peft_model.get_base_model().save_pretrained(tmp, state_dict=state, is_main_process=True, **save_kwargs)
 
-    run_on_main_and_share_failure(write, is_main=is_main)
+    run_on_main_and_share_failure(write, is_main=main)
