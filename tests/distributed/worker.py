@@ -30,7 +30,7 @@ from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
 from tests.helpers.models import PROBE, ParityModule, lm_batches, quiet_trainer, tied_embeddings
 from tests.helpers.scenarios import Scenarios
-from tests.helpers.tripwire import worker_setup
+from tests.helpers.tripwire import tripwire_timeout, worker_setup
 
 SCENARIOS = Scenarios("tests/distributed/worker.py")
 
@@ -295,11 +295,17 @@ def run_sequence_parallel_odd_on_one_group(ctx: Context) -> dict:
 
 @SCENARIOS.register("group_timeouts")
 def run_group_timeouts(ctx: Context) -> dict:
-    """The timeout of each group of a mesh built for a 7 s strategy timeout (process group already initialised)."""
+    """The timeout of each group of a mesh built for a 7 s strategy timeout."""
     layout = ctx.layout
     from datetime import timedelta
 
     from lightning_tp import ParallelLayout
+
+    if not dist.is_initialized():  # selected alone (`-k`), no Trainer scenario has started the process group
+        from lightning_tp.integration import destroy_process_groups_at_exit
+
+        dist.init_process_group("gloo", timeout=tripwire_timeout())
+        destroy_process_groups_at_exit()  # as the strategy does for a group it created
 
     sizes = ParallelLayout.resolve(dist.get_world_size(), tp_size=layout["tp_size"])
     mesh, dp_mesh = sizes.build_device_mesh("cpu", timeout=timedelta(seconds=7))
