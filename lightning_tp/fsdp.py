@@ -132,7 +132,7 @@ def _refuse_calls_outside_units(root: nn.Module, units: list[nn.Module]) -> None
                 continue
             owner = _owning_unit(unit, module)
             # First of the module's pre-hooks: it reads the parameters as FSDP2 left them, before TP's parameter
-            # views (tensor_parallel._run_on_parameter_views, a pre-hook too) put local tensors in their place.
+            # views (hooks.run_on_parameter_views, a pre-hook too) put local tensors in their place.
             module.register_forward_pre_hook(
                 _refuse_sharded(names.get(id(module), "?"), names.get(id(owner), "?"), type(module).__name__),
                 prepend=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -112,7 +113,7 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
                 "Use a Transformers style name for LoRA targets, or leave this layer out of `target_modules`."
             )
         own = facts(style)
-        if own is not None and not own.registered and own.kind in ("column", "row"):
+        if own is not None and not own.registered and own.kind in ("column", "row") and own.lora_half is None:
             raise ValueError(
                 f"tp_plan[{name!r}] = {style!r} on a LoRA-wrapped layer: adapters do not follow this package's own "
                 "layer styles (GPT-2's Conv1D) yet. Leave this layer out of `target_modules`, or use tp_size=1."
@@ -134,7 +135,7 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
             prefix = f"{name}.{half}.{adapter}"
             styles.update({f"{prefix}.{p}": style for p, _ in layer.named_parameters(recurse=False)})
             styles[prefix] = style
-    return ResolvedPlan(styles=styles, grad_allreduce=plan.grad_allreduce, tied=plan.tied)
+    return replace(plan, styles=styles)
 
 
 def peft_models(root: nn.Module) -> list[nn.Module]:

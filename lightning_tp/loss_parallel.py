@@ -18,6 +18,7 @@ issues three), none in the backward, and no DTensor dispatch.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -280,7 +281,7 @@ def loss_parallel_plan(model: nn.Module, plan: ResolvedPlan) -> ResolvedPlan:
     head = output_head(model, styles)
     styles.pop(f"{head}.weight", None)
     styles[head] = lm_head_style()
-    return ResolvedPlan(styles=styles, grad_allreduce=list(plan.grad_allreduce), tied=plan.tied)
+    return replace(plan, styles=styles, grad_allreduce=list(plan.grad_allreduce))
 
 
 def output_head(model: nn.Module, styles: Mapping[str, Any]) -> str:

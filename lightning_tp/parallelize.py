@@ -289,6 +289,13 @@ def resolve_targets(
                     "time with its own plan. Load it without `distributed_config` to apply them."
                 )
         plan = resolve_plan(module, "auto" if presharded_mesh is not None else options.tp_plan, tp_size=layout.tp_size)
+        if presharded_mesh is not None and plan.kv_replicated:
+            heads, kv_heads = next(iter(plan.kv_replicated.values()))
+            raise ValueError(
+                f"{type(module).__name__} was sharded by Transformers at load time, which cannot split its "
+                f"{kv_heads} KV heads over tp_size={layout.tp_size}. Load it without `distributed_config`: the "
+                "strategy then replicates the KV heads (each rank computes those of its query heads)."
+            )
         if has_peft(module):
             # PEFT was applied to the whole model: shard each adapter with its base layer, and refuse what cannot be
             # sharded, before anything moves.

@@ -17,7 +17,14 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_tp.derived_plans import derive_plan
-from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, REFUSED_STYLES, SUPPORTED_STYLES, facts, style_names
+from lightning_tp.styles import (
+    HEAD_COUNT_ATTRIBUTES,
+    KV_HEAD_COUNT_ATTRIBUTES,
+    REFUSED_STYLES,
+    SUPPORTED_STYLES,
+    facts,
+    style_names,
+)
 
 Style = str | ParallelStyle
 
@@ -29,8 +36,12 @@ _OWN_STYLES = style_names(registered=False)
 _HEAD_STYLES = style_names(kind="heads")
 
 #: Output projections whose width counts attention heads (query) and KV heads (key/value).
-_QUERY_PROJECTIONS = ("q_proj", "query", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
-_KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value", "qkv_proj", "query_key_value")
+_FUSED_PROJECTIONS = ("qkv_proj", "query_key_value", "c_attn", "Wqkv")
+_QUERY_PROJECTIONS = ("q_proj", "query", *_FUSED_PROJECTIONS)
+_SEPARATE_KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value")
+_KV_PROJECTIONS = (*_SEPARATE_KV_PROJECTIONS, "qkv_proj", "query_key_value")
+#: The attribute attention modules keep their query-heads-per-KV-head ratio in (``repeat_kv``, SDPA's GQA).
+_GROUPS_ATTRIBUTE = "num_key_value_groups"
 #: Styles whose output holds each rank's slice of the features (heads): a head count must divide by the TP size.
 _COLUMN_STYLES = style_names(output_sharded=True)
 
@@ -48,6 +59,15 @@ class ResolvedPlan:
     styles: dict[str, Style] = field(default_factory=dict)
     grad_allreduce: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    #: Attention modules whose K/V projections replicate KV heads (``colwise_kv_heads``): name -> (query heads, KV
+    #: heads) of the whole model.
+    kv_replicated: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def kv_heads_of(self, name: str) -> tuple[int, int]:
+        """The (query heads, KV heads) of the attention module holding ``name`` (a K/V projection or its adapter)."""
+        owners = [a for a in self.kv_replicated if name.startswith(f"{a}.")]
+        assert owners, f"{name} is under no KV-replicated attention module"
+        return self.kv_replicated[max(owners, key=len)]
 
     @property
     def transformers_styles(self) -> dict[str, str]:
@@ -234,20 +254,24 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
         if style in _SUMMED_HERE and name in module_names and _sees_sharded_features(name, resolved.styles)
     ]
     resolved.tied = _tied_aliases(module, param_styles)
-    _check_local_heads(module, resolved.local_heads, tp_size)
     if is_transformers_model(module):
-        _check_heads(module, resolved.styles, tp_size)
+        resolved.kv_replicated = _replicate_kv_heads(module, resolved.styles, tp_size)
+    _check_local_heads(module, resolved.local_heads, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
 
 
-def _check_local_heads(module: nn.Module, names: list[str], tp_size: int) -> None:
-    """A ``local_heads`` module must keep head counts in attributes, each divisible by the TP size."""
+def _check_local_heads(
+    module: nn.Module, names: list[str], tp_size: int, *, kv_replicated: Mapping[str, tuple[int, int]]
+) -> None:
+    """A ``local_heads`` module must keep head counts in attributes, each divisible by the TP size (its KV head
+    counts excepted when its KV heads are replicated)."""
     modules = dict(module.named_modules())
     for name in names:
         counts = {
             a: getattr(modules[name], a)
             for a in HEAD_COUNT_ATTRIBUTES
             if isinstance(getattr(modules[name], a, None), int)
+            and not (name in kv_replicated and a in KV_HEAD_COUNT_ATTRIBUTES)
         }
         if not counts:
             raise ValueError(
@@ -308,31 +332,88 @@ def _weight_layout(style: Style | None, name: str, ndim: int) -> str:
     return f"custom {type(style).__name__}"
 
 
-def _check_heads(model: nn.Module, styles: Mapping[str, Style], tp_size: int) -> None:
-    """Transformers loads a model whose heads do not divide by the TP size and fails mid-forward; fail here instead."""
+def _replicate_kv_heads(model: nn.Module, styles: dict[str, Style], tp_size: int) -> dict[str, tuple[int, int]]:
+    """Check that the TP size divides the heads the plan splits; where it divides the query heads but not the KV
+    heads, give the K/V projections ``colwise_kv_heads`` (in ``styles``, in place) and return their attention modules
+    with the model's (query heads, KV heads) (:mod:`lightning_tp.kv_heads`). Transformers would load such a model and
+    fail in the first forward; this fails here, naming the sizes that work, when replication cannot help."""
     if tp_size == 1:
-        return
+        return {}
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not isinstance(heads, int):
-        return
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return {}
+    model_name = type(model).__name__
 
-    def shards(projections: tuple[str, ...]) -> bool:
-        return any(name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES for name, style in styles.items())
+    def sharded(projections: tuple[str, ...]) -> list[str]:
+        return [
+            name for name, style in styles.items() if name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES
+        ]
 
-    shards_queries = shards(_QUERY_PROJECTIONS)
-    shards_kv = shards(_KV_PROJECTIONS)
-    problems = []
-    if shards_queries and heads % tp_size:
-        problems.append(f"num_attention_heads={heads}")
-    if shards_kv and isinstance(kv_heads, int) and kv_heads % tp_size:
-        problems.append(f"num_key_value_heads={kv_heads}")
-    if problems:
-        counts = [heads] + ([kv_heads] if shards_kv and isinstance(kv_heads, int) else [])
-        good = [d for d in range(1, max(counts) + 1) if all(c % d == 0 for c in counts)]
+    if sharded(_QUERY_PROJECTIONS) and heads % tp_size:
+        good = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ValueError(
-            f"{type(model).__name__}: {' and '.join(problems)} not divisible by tp_size={tp_size}, so the attention "
-            f"heads cannot be split evenly over the TP ranks (Transformers would load it and fail in the first "
-            f"forward). Use a tp_size that divides every sharded head count: one of {good}."
+            f"{model_name}: num_attention_heads={heads} not divisible by tp_size={tp_size}, so the attention heads "
+            f"cannot be split evenly over the TP ranks (Transformers would load it and fail in the first forward). "
+            f"Use a tp_size that divides the query heads: one of {good}."
         )
+    if not sharded(_KV_PROJECTIONS) or kv_heads % tp_size == 0:
+        return {}
+    both = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
+    fused = sharded(_FUSED_PROJECTIONS)
+    if fused or heads % kv_heads:
+        why = (
+            f"{fused[0]} packs the KV heads with the query heads, and KV-head replication needs separate K/V "
+            "projections"
+            if fused
+            else f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+        raise ValueError(
+            f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and the KV heads "
+            f"cannot be replicated: {why}. Use a tp_size that divides both head counts: one of {both}."
+        )
+    modules = dict(model.named_modules())
+    replicated: dict[str, tuple[int, int]] = {}
+    for name in sharded(_SEPARATE_KV_PROJECTIONS):
+        if name not in modules:
+            continue  # a parameter entry: rewritten with its module below
+        projection = modules[name]
+        base = projection.get_base_layer() if hasattr(projection, "get_base_layer") else projection
+        weight = getattr(base, "weight", None)
+        if styles[name] != "colwise" or not isinstance(base, nn.Linear) or weight.shape[0] % kv_heads:
+            raise ValueError(
+                f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and "
+                f"{name} ({type(base).__name__}, style {styles[name]!r}) is not an nn.Linear with 'colwise' whose "
+                f"output holds {kv_heads} KV heads, so its KV heads cannot be replicated. Use a tp_size that divides "
+                f"both head counts: one of {both}, or give {name} your own style in `tp_plan`."
+            )
+        for key in [name, *(f"{name}.{p}" for p in ("weight", "bias"))]:
+            if styles.get(key) == "colwise":
+                styles[key] = "colwise_kv_heads"
+        attention = name.rpartition(".")[0]
+        owner = modules[attention]
+        tells_groups = isinstance(getattr(owner, _GROUPS_ATTRIBUTE, None), int) or (
+            styles.get(attention) in _HEAD_STYLES
+            and any(isinstance(getattr(owner, a, None), int) for a in KV_HEAD_COUNT_ATTRIBUTES)
+        )
+        if not tells_groups:
+            raise ValueError(
+                f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and its attention "
+                f"module {attention} ({type(owner).__name__}) keeps no `{_GROUPS_ATTRIBUTE}` to be told each rank's "
+                f"grouping, so its KV heads cannot be replicated. Use a tp_size that divides both head counts: one "
+                f"of {both}."
+            )
+        replicated[attention] = (heads, kv_heads)
+    for attention in replicated:
+        # The attention is told one grouping for both K and V: a gathered or whole sibling would give it all heads.
+        for leaf in _SEPARATE_KV_PROJECTIONS:
+            sibling = f"{attention}.{leaf}"
+            if sibling in modules and styles.get(sibling) != "colwise_kv_heads":
+                raise ValueError(
+                    f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}: the KV heads "
+                    f"of {attention} are replicated for its other K/V projection, but {sibling} has style "
+                    f"{styles.get(sibling)!r}. Give its K and V projections the same style ('colwise'), or use a "
+                    f"tp_size that divides both head counts: one of {both}."
+                )
+    return replicated

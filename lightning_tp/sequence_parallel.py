@@ -24,6 +24,7 @@ With loss parallelism ``lm_head`` keeps its output sharded on the vocabulary and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -225,7 +226,7 @@ def sequence_parallel_plan(
         )
     grad_allreduce += norms
     styles[norms[0]] = GatherOutput(split)
-    return ResolvedPlan(styles=styles, grad_allreduce=grad_allreduce, tied=plan.tied)
+    return replace(plan, styles=styles, grad_allreduce=grad_allreduce)
 
 
 def _outside_regions(model: nn.Module, styles: dict[str, Any], layer: str) -> str | None:

@@ -104,6 +104,9 @@ HEAD_COUNT_ATTRIBUTES = (
     "n_heads",
     "split_size",
 )
+#: The head-count attributes that count KV heads (grouped-query attention): with KV-head replication they become the
+#: rank's KV heads, not ``count / tp_size``.
+KV_HEAD_COUNT_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
 
 #: Every Transformers style name this package knows: applied ones and refused ones.
 STYLES: dict[str, StyleFacts] = {
@@ -175,6 +178,19 @@ STYLES: dict[str, StyleFacts] = {
         "local_heads, and the ALiBi biases given to its forward (`alibi` [batch * heads, 1, keys] or `position_bias` "
         "[heads, 1, keys], built for every head) sliced to the rank's heads (Bloom, MPT)",
         kind="heads",
+        registered=False,
+    ),
+    # This package's own: KV-head replication (lightning_tp.kv_heads), given by the plan check to the K/V projections
+    # of a model whose KV heads the TP size does not divide, in place of their `colwise`.
+    "colwise_kv_heads": StyleFacts(
+        "K or V projection stored as colwise; each rank gathers it and computes the KV heads its query heads read "
+        "(KV-head replication: TP sizes that divide the query heads but not the KV heads)",
+        kind="column",
+        weight_dim=-2,
+        bias_split=True,
+        output_sharded=True,
+        lora_half="lora_B",
+        rewritable=True,
         registered=False,
     ),
     # This package's own: GPT-2's Conv1D, a linear layer whose weight is stored [in, out] (nn.Linear's transposed).

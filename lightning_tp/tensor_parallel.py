@@ -9,6 +9,7 @@ tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fa
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,8 +25,10 @@ from lightning_tp.compat import (
     strided_shard,
     transformers_apply_tensor_parallelism,
 )
+from lightning_tp.hooks import on_hidden_states, run_on_parameter_views
+from lightning_tp.kv_heads import ColwiseKVHeads, kv_head_layout, localize_kv_groups
 from lightning_tp.plan import ResolvedPlan
-from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, style_names
+from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"
@@ -58,7 +61,7 @@ def apply_tensor_parallel(
 
         parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
     retie(module, plan.tied)
-    localize_heads(module, plan.local_heads, tp_size=tp_mesh.size())
+    localize_heads(module, plan, tp_size=tp_mesh.size(), rank=tp_mesh.get_local_rank())
     slice_alibi_heads(module, plan.alibi_heads, tp_mesh=tp_mesh)
     if device is not None and not on_meta(module):
         module.to(device)
@@ -134,12 +137,14 @@ class PackedLinear(Conv1DParallel):
         return x @ weight.t()
 
 
-#: The package's own layer styles (``registered=False`` in the style table), as torch ``ParallelStyle``s.
-OWN_LAYER_STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    "conv1d_colwise": lambda: Conv1DParallel(column=True),
-    "conv1d_colwise_qkv": lambda: Conv1DParallel(column=True, split_factor=3),
-    "conv1d_rowwise": lambda: Conv1DParallel(column=False),
-    "packed_colwise_qkv": lambda: PackedLinear(column=True, split_factor=3),
+#: The package's own layer styles (``registered=False`` in the style table), as torch ``ParallelStyle``s, each built
+#: from its module's name and the plan.
+OWN_LAYER_STYLES: dict[str, Callable[[str, ResolvedPlan], ParallelStyle]] = {
+    "conv1d_colwise": lambda name, plan: Conv1DParallel(column=True),
+    "conv1d_colwise_qkv": lambda name, plan: Conv1DParallel(column=True, split_factor=3),
+    "conv1d_rowwise": lambda name, plan: Conv1DParallel(column=False),
+    "packed_colwise_qkv": lambda name, plan: PackedLinear(column=True, split_factor=3),
+    "colwise_kv_heads": lambda name, plan: ColwiseKVHeads(plan.kv_heads_of(name)),
 }
 
 
@@ -147,23 +152,31 @@ def own_layer_styles(module: nn.Module, plan: ResolvedPlan) -> dict[str, Paralle
     """The plan's module entries that name one of :data:`OWN_LAYER_STYLES`, as torch styles."""
     modules = dict(module.named_modules())
     return {
-        name: OWN_LAYER_STYLES[style]()
+        name: OWN_LAYER_STYLES[style](name, plan)
         for name, style in plan.styles.items()
         if isinstance(style, str) and style in OWN_LAYER_STYLES and name in modules
     }
 
 
-def localize_heads(module: nn.Module, names: list[str], *, tp_size: int) -> None:
+def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank: int) -> None:
     """``local_heads``: each named attention module's head counts become the rank's own (its q/k/v projections are
-    column-sharded, so each rank computes ``count / tp_size`` whole heads; divisibility was checked with the plan)."""
+    column-sharded, so each rank computes ``count / tp_size`` whole heads; divisibility was checked with the plan).
+    An attention module whose KV heads are replicated gets its rank's KV heads and grouping instead
+    (:func:`lightning_tp.kv_heads.localize_kv_groups`)."""
     modules = dict(module.named_modules())
-    for name in names:
+    for name in plan.local_heads:
         attention = modules[name]
         for attribute in HEAD_COUNT_ATTRIBUTES:
             count = getattr(attention, attribute, None)
+            if name in plan.kv_replicated and attribute in KV_HEAD_COUNT_ATTRIBUTES:
+                continue
             if isinstance(count, int) and not isinstance(count, bool):
                 assert count % tp_size == 0, (name, attribute, count, tp_size)
                 setattr(attention, attribute, count // tp_size)
+    for name, (query_heads, kv_heads) in plan.kv_replicated.items():
+        layout = kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=rank)
+        attributes = KV_HEAD_COUNT_ATTRIBUTES if name in plan.local_heads else ()
+        localize_kv_groups(modules[name], layout, count_attributes=attributes)
 
 
 def slice_alibi_heads(module: nn.Module, names: list[str], *, tp_mesh: DeviceMesh) -> None:
@@ -348,9 +361,9 @@ def replicate_unsharded_parameters(
             if isinstance(submodule, (nn.ParameterDict, nn.ParameterList)) and name:
                 # A parameter container has no forward: its owner (e.g. PEFT's LoRA embedding) reads it in its own.
                 owner = modules[name.rpartition(".")[0]]
-                _run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
+                run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
             else:
-                _run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
+                run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
 
 
 class _GradInParameterLayout(torch.autograd.Function):
@@ -383,7 +396,7 @@ def keep_gradient_layout(module: nn.Module, plan: ResolvedPlan) -> None:
     modules = dict(module.named_modules())
     for name, style in plan.styles.items():
         if style in _GRADIENT_LAYOUT_STYLES and isinstance(modules.get(name), nn.Embedding):
-            _run_on_parameter_views(modules[name], {"weight": _in_parameter_layout})
+            run_on_parameter_views(modules[name], {"weight": _in_parameter_layout})
 
 
 def _in_parameter_layout(param: torch.Tensor) -> torch.Tensor:
@@ -402,40 +415,6 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
         return local
 
     return view
-
-
-def _run_on_parameter_views(
-    module: nn.Module, views: dict[str, Callable[[torch.Tensor], torch.Tensor]], *, holder: nn.Module | None = None
-) -> None:
-    """During each call of ``module``, replace the named parameters of ``holder`` (default: ``module``) by
-    ``view(parameter)``, and put them back afterwards, also when the forward raises.
-
-    A forward pre-hook swaps, a forward hook with ``always_call=True`` restores (torch runs it on error too; not
-    under ``torch.compile``, which does not catch errors inside a module). The restore is prepended so that it runs
-    before any other forward hook, as if it ended the forward itself: FSDP2's hook after it may then reshard the
-    parameters it put in place (FSDP2's own pre-hook is prepended and runs before the swap). A stack keeps nested
-    calls of the same module apart."""
-    holder = module if holder is None else holder
-    pending: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
-
-    def swap(_module: nn.Module, _args: Any) -> None:
-        params = parameter_dict(holder)  # looked up at each call, as the forward read its parameters
-        swapped = {}
-        for name, view in views.items():
-            param = params[name]
-            if param is None:
-                continue
-            swapped[name] = param
-            params[name] = view(param)
-        pending.append((params, swapped))
-
-    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
-        if pending:  # empty when a pre-hook before `swap` raised
-            params, swapped = pending.pop()
-            params.update(swapped)
-
-    module.register_forward_pre_hook(swap)
-    module.register_forward_hook(restore, prepend=True, always_call=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -503,20 +482,7 @@ def rewrite_dense_layers(model: nn.Module, plan: ResolvedPlan, *, blocks: set[ty
         return plan
     for layer in layers:
         rewrite_layer_styles(styles, layer, rowwise=RowwiseParallel, region=ReplicateRegionInput)
-    return ResolvedPlan(styles=styles, grad_allreduce=list(plan.grad_allreduce), tied=plan.tied)
-
-
-def on_hidden_states(fn: Callable[[Any], Any]) -> Callable[..., tuple[tuple, dict]]:
-    """A forward pre-hook (``with_kwargs=True``) that passes the module's ``hidden_states`` through ``fn``."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args:
-            return (fn(args[0]), *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-        raise ValueError(f"{type(module).__name__} was called without `hidden_states`; its TP region needs them.")
-
-    return hook
+    return replace(plan, styles=styles, grad_allreduce=list(plan.grad_allreduce))
 
 
 class ReplicateRegionInput(ParallelStyle):

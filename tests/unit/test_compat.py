@@ -10,8 +10,8 @@ from torch import nn
 
 from lightning_tp import compat
 from lightning_tp.checkpoint import install_distributed_save_pretrained
+from lightning_tp.hooks import run_on_parameter_views
 from lightning_tp.lora import install_distributed_save
-from lightning_tp.tensor_parallel import _run_on_parameter_views
 from tests.helpers.models import build_causal_lm, tiny_config
 
 
@@ -40,7 +40,7 @@ class _Fails(nn.Module):
 def test_parameter_views_are_swapped_in_forward_and_restored_on_error():
     module = _Fails()
     param = module.weight
-    _run_on_parameter_views(module, {"weight": lambda p: p * 2})
+    run_on_parameter_views(module, {"weight": lambda p: p * 2})
     out = module(torch.ones(3))
     assert torch.equal(out, torch.full((3,), 2.0)) and module.seen[-1] is not param
     assert module.weight is param and isinstance(module.weight, nn.Parameter)
@@ -57,7 +57,7 @@ def test_parameter_views_of_a_holder_survive_a_failing_pre_hook():
     owner.forward = lambda: owner.holder["a"] + 0  # a container has no forward: its owner reads it
     param = holder["a"]
     owner.register_forward_pre_hook(lambda m, args: (_ for _ in ()).throw(ValueError("before")))
-    _run_on_parameter_views(owner, {"a": lambda p: p * 3}, holder=holder)
+    run_on_parameter_views(owner, {"a": lambda p: p * 3}, holder=holder)
     with pytest.raises(ValueError, match="before"):
         owner()
     assert holder["a"] is param

@@ -215,7 +215,7 @@ def test_local_heads_on_a_module_without_head_counts_is_refused():
 def test_local_heads_divides_the_head_counts_of_the_named_modules_only():
     model = meta_model("stablelm")
     plan = resolve_plan(model, "auto", tp_size=2)
-    localize_heads(model, plan.local_heads, tp_size=2)
+    localize_heads(model, plan, tp_size=2, rank=0)
     attention = model.model.layers[1].self_attn
     assert (attention.num_heads, attention.num_key_value_heads, attention.head_dim) == (2, 1, 16)
     assert model.config.num_attention_heads == 4  # the config (what is saved) keeps the whole model's counts

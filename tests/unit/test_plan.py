@@ -86,20 +86,49 @@ def test_plan_must_be_auto_or_dict():
 
 
 @pytest.mark.parametrize(
-    ("overrides", "tp_size", "message"),
+    ("kind", "overrides", "tp_plan", "tp_size", "message"),
     [
-        ({"num_key_value_heads": 1}, 2, r"num_key_value_heads=1 not divisible by tp_size=2.*one of \[1\]"),
-        ({}, 4, r"num_key_value_heads=2 not divisible by tp_size=4.*one of \[1, 2\]"),
         (
+            "llama",
             {"num_attention_heads": 6, "num_key_value_heads": 6},
+            "auto",
             4,
-            r"num_attention_heads=6 and num_key_value_heads=6.*\[1, 2, 3, 6\]",
+            r"num_attention_heads=6 not.*\[1, 2, 3, 6\]",
+        ),
+        # A fused QKV projection sharded column-wise cannot hand each rank other KV heads than its slice.
+        (
+            "phi3",
+            {"num_key_value_heads": 1},
+            {"model.layers.*.self_attn.qkv_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
+            2,
+            r"qkv_proj packs the KV heads with the query heads.*one of \[1\]",
+        ),
+        # Only nn.Linear K/V projections with 'colwise' are replicated.
+        (
+            "llama",
+            {"num_key_value_heads": 1},
+            {"model.layers.*.self_attn.k_proj": "packed_colwise"},
+            2,
+            r"k_proj \(Linear, style 'packed_colwise'\) is not an nn.Linear with 'colwise'",
         ),
     ],
 )
-def test_heads_not_divisible_by_tp_size(overrides, tp_size, message):
+def test_heads_not_divisible_by_tp_size(kind, overrides, tp_plan, tp_size, message):
     with pytest.raises(ValueError, match=message):
-        resolve_plan(meta_model("llama", **overrides), "auto", tp_size=tp_size)
+        resolve_plan(meta_model(kind, **overrides), tp_plan, tp_size=tp_size)
+
+
+@pytest.mark.parametrize(("kv_heads", "tp_size"), [(1, 2), (2, 4), (1, 4)])
+def test_kv_heads_the_tp_size_does_not_divide_are_replicated(kv_heads, tp_size):
+    plan = resolve_plan(meta_model("qwen3", num_key_value_heads=kv_heads), "auto", tp_size=tp_size)
+    attention = "model.layers.1.self_attn"
+    assert plan.kv_replicated == {f"model.layers.{i}.self_attn": (4, kv_heads) for i in range(2)}
+    assert plan.styles[f"{attention}.k_proj"] == plan.styles[f"{attention}.v_proj.weight"] == "colwise_kv_heads"
+    assert plan.styles[f"{attention}.q_proj"] == "colwise"
+    assert plan.kv_heads_of(f"{attention}.k_proj") == (4, kv_heads)
+    # k_norm normalises the rank's KV heads: its gradient is still summed over the TP group.
+    assert f"{attention}.k_norm" in plan.grad_allreduce
+    assert resolve_plan(meta_model("qwen3", num_key_value_heads=2), "auto", tp_size=2).kv_replicated == {}
 
 
 def test_heads_are_not_checked_when_attention_stays_whole():
