@@ -236,6 +236,25 @@ def two_d(ctx: Context) -> dict[str, Any]:
     return results
 
 
+@SCENARIOS.register("tp4")
+def tp4(ctx: Context) -> dict[str, Any]:
+    """KV-head replication: TP 4 over the tiny Qwen3's 4 query and 2 KV heads. Trains (checkpoint at the end of epoch
+    0, save_pretrained at the end), then resumes that checkpoint on 2-D (dp 2 x tp 2, KV heads split as usual)."""
+    out = ctx.out
+    module = ResumeModule(stateful_data=False)
+    fit(module, tp_size=4, callbacks=[SaveAt(epochs={0: out / "tp4_epoch0"})])
+    module.model.save_pretrained(out / "tp4_pretrained")
+    results = {"uninterrupted": module.losses, "tp4_logits": probe_logits(module.model)}
+    results["tp4_kv_heads"] = [
+        (m.num_key_value_groups, tuple(m.k_proj.weight.to_local().shape))
+        for m in module.model.modules()
+        if type(m).__name__.endswith("Attention")
+    ][:1]
+    results["resumed_2d"] = resumed_losses(out / "tp4_epoch0", tp_size=2, stateful_data=False)
+    results["dp_rank_2d"] = dist.get_rank() // 2
+    return results
+
+
 def main() -> None:
     worker_setup()  # a hang fails within the short timeout, with every stack
     parser = argparse.ArgumentParser()

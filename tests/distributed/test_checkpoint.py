@@ -1,5 +1,6 @@
 """Checkpoints: exact resume (mid-epoch, with dropout; single-file), resume on other layouts
-(1 -> TP 2, TP 2 -> 1, TP 2 -> 2-D), a save killed midway, a truncated checkpoint, and export round trips.
+(1 -> TP 2, TP 2 -> 1, TP 2 -> 2-D, TP 4 with replicated KV heads -> 2-D and -> 1), a save killed midway, a
+truncated checkpoint, and export round trips.
 
 Four launches in all: TP 2 (most cases), a TP 2 run killed during a save, one process and 4 processes resuming from
 what the killed run left. The TP 2 launch runs only the scenarios of the selected tests (their
@@ -154,17 +155,55 @@ def test_tp2_checkpoint_resumes_on_one_process(crashed: Path, single: dict[str, 
     _assert_close(result["resumed"], single["resumed"], ACROSS)
 
 
-def test_tp2_checkpoint_resumes_on_2d_and_truncated_fails_on_every_rank(
-    crashed: Path, truncated: Path, single: dict[str, Any]
-) -> None:
+@pytest.fixture(scope="module")
+def four(crashed: Path, truncated: Path) -> list[dict[str, Any]]:
+    """One 4-process launch: the killed run's checkpoint resumed on 2-D (and its truncated copy), then a TP 4 run
+    with replicated KV heads (its checkpoint resumed on 2-D)."""
     torchrun(
-        WORKER, 4, str(crashed), "2d", "--label", "2d", "--from", str(crashed / "last"), "--truncated", str(truncated)
+        WORKER,
+        4,
+        str(crashed),
+        "2d",
+        "tp4",
+        "--label",
+        "2d",
+        "--from",
+        str(crashed / "last"),
+        "--truncated",
+        str(truncated),
     )
-    ranks = _load(crashed, "2d", 4)
-    # Each data-parallel rank trains on half of each global batch: their mean is the global loss.
-    by_dp = {r["dp_rank"]: r["resumed"] for r in ranks}
-    mean = {step: sum(losses[step] for losses in by_dp.values()) / len(by_dp) for step in by_dp[0]}
-    _assert_close(mean, single["resumed"], ACROSS)
+    return _load(crashed, "2d", 4)
+
+
+def _dp_mean(ranks: list[dict[str, Any]], key: str, dp_key: str) -> dict[int, float]:
+    """Each data-parallel rank trains on half of each global batch: their mean is the global loss."""
+    by_dp = {r[dp_key]: r[key] for r in ranks}
+    return {step: sum(losses[step] for losses in by_dp.values()) / len(by_dp) for step in by_dp[0]}
+
+
+def test_tp4_with_replicated_kv_heads_trains_resumes_on_2d_and_one_process_and_exports(
+    four: list[dict[str, Any]], crashed: Path, single: dict[str, Any]
+) -> None:
+    """TP 4 over 2 KV heads (each rank computes the KV head its query head reads): the same losses as one process;
+    its checkpoint resumes on dp 2 x tp 2 and on one process, and its save_pretrained reloads with its logits."""
+    from transformers import AutoModelForCausalLM
+
+    # 1 query head per rank reading 1 KV head (grouping 1); each rank stores 1/4 of k_proj's 2 x 16 rows.
+    assert four[1]["tp4_kv_heads"] == [(1, (8, 64))]
+    _assert_close(four[0]["uninterrupted"], single["uninterrupted"], ACROSS)
+    _assert_close(_dp_mean(four, "resumed_2d", "dp_rank_2d"), single["resumed"], ACROSS)
+    torchrun(WORKER, 1, str(crashed), "one", "--label", "one_from_tp4", "--from", str(crashed / "tp4_epoch0"))
+    (result,) = _load(crashed, "one_from_tp4", 1)
+    _assert_close(result["resumed"], single["resumed"], ACROSS)
+    model = AutoModelForCausalLM.from_pretrained(crashed / "tp4_pretrained")
+    torch.testing.assert_close(probe_logits(model), four[0]["tp4_logits"], atol=1e-5, rtol=0)
+
+
+def test_tp2_checkpoint_resumes_on_2d_and_truncated_fails_on_every_rank(
+    four: list[dict[str, Any]], single: dict[str, Any]
+) -> None:
+    ranks = four
+    _assert_close(_dp_mean(ranks, "resumed", "dp_rank"), single["resumed"], ACROSS)
     for result in ranks:
         assert result["truncated"]["type"] == IncompleteCheckpointError.__name__, result["truncated"]
         assert "holds" in result["truncated"]["message"] and ".distcp" in result["truncated"]["message"]

@@ -7,7 +7,15 @@ from functools import partial
 import pytest
 import torch
 
-from tests.helpers.cases import BF16_CASES, CASES, ERROR_CASES, FSDP_ONLY_CASES, TP_PARITY_CASES, TWO_D_CASES
+from tests.helpers.cases import (
+    BF16_CASES,
+    CASES,
+    ERROR_CASES,
+    FSDP_ONLY_CASES,
+    TP4_CASES,
+    TP_PARITY_CASES,
+    TWO_D_CASES,
+)
 from tests.helpers.models import (
     ParityModule,
     build_causal_lm,
@@ -62,7 +70,7 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    [name for name in TWO_D_CASES if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES],
+    [name for name in TWO_D_CASES if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES | TP4_CASES],
 )
 @pytest.mark.scenarios("2d", "{name}")
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
@@ -70,6 +78,14 @@ def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None
     _assert_parity(_result(two_d_results, name), _reference(name), name)
     samplers = [r[name]["sampler"] for r in two_d_results]
     assert samplers == [{"num_replicas": 2, "rank": rank // 2} for rank in range(4)]
+
+
+@pytest.mark.parametrize("name", sorted(TP4_CASES))
+@pytest.mark.scenarios("2d", "{name}")
+def test_tp4_matches_single_process(two_d_results: list[dict], name: str) -> None:
+    """TP 4 over the tiny Qwen3's 2 KV heads: each rank computes the one KV head its query head reads."""
+    _assert_parity(_result(two_d_results, name), _reference(name), name)
+    assert [r[name]["sampler"] for r in two_d_results] == [{"num_replicas": 1, "rank": 0}] * 4
 
 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])

@@ -124,12 +124,12 @@ def _meta_mlp() -> MLP:
         return MLP()
 
 
-def _lora(kind: str, **lora_kwargs: Any) -> Any:
+def _lora(kind: str, config_overrides: dict[str, Any] | None = None, **lora_kwargs: Any) -> Any:
     """The tiny model with LoRA applied the PEFT way; non-zero B (``init_lora_weights=False``) so adapters matter."""
     from peft import LoraConfig, get_peft_model
 
     config = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False, **lora_kwargs}
-    return get_peft_model(build_causal_lm(tiny_config(kind)), LoraConfig(**config))
+    return get_peft_model(build_causal_lm(tiny_config(kind, **(config_overrides or {}))), LoraConfig(**config))
 
 
 def _lora_from_adapter(kind: str) -> Any:
@@ -168,9 +168,10 @@ def lora_case(kind: str, steps: int = 3, **lora_kwargs: Any) -> Case:
     return Case(partial(_lora, kind, **lora_kwargs), partial(lm_batches, steps), optimizer="adamw", lr=1e-2)
 
 
-def lm(kind: str, steps: int = 5, **kwargs: Any) -> Case:
-    """A causal-LM case: the tiny model of ``kind`` (seeded), trained on ``steps`` fixed batches."""
-    return Case(partial(build_causal_lm, tiny_config(kind)), partial(lm_batches, steps), **kwargs)
+def lm(kind: str, steps: int = 5, *, config: dict[str, Any] | None = None, **kwargs: Any) -> Case:
+    """A causal-LM case: the tiny model of ``kind`` (seeded, its config changed by ``config``), trained on ``steps``
+    fixed batches."""
+    return Case(partial(build_causal_lm, tiny_config(kind, **(config or {}))), partial(lm_batches, steps), **kwargs)
 
 
 CASES: dict[str, Case] = {
@@ -189,6 +190,33 @@ CASES: dict[str, Case] = {
     "falcon_derived": lm("falcon", 4),
     "bloom_derived": lm("bloom", 4),
     "mpt_derived": lm("mpt", 4),
+    # KV-head replication: TP 2 over 1 KV head (Qwen3's k_norm sums its gradient), over 3 KV heads for 6 query heads
+    # (rank 0 reads KV heads 0, 0, 1: expanded to one per query head), on a derived plan (local_heads), with sequence
+    # and loss parallelism, with LoRA on k_proj/v_proj; TP 4 over 2 KV heads (4-process launch).
+    "qwen3_kv1": lm("qwen3", 4, config={"num_key_value_heads": 1}),
+    "llama_kv3_of_6": lm("llama", 4, config={"num_attention_heads": 6, "num_key_value_heads": 3}),
+    "stablelm_kv1_derived": lm("stablelm", 4, config={"num_key_value_heads": 1}),
+    "qwen3_kv1_sp_lp": lm(
+        "qwen3",
+        3,
+        config={"num_key_value_heads": 1},
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        clip=0.5,
+        strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
+    "qwen3_kv1_lora": Case(
+        partial(_lora, "qwen3", {"num_key_value_heads": 1}), partial(lm_batches, 3), optimizer="adamw", lr=1e-2
+    ),
+    "qwen3_tp4": lm("qwen3", 3, strategy_kwargs={"tp_size": 4}),
+    "qwen3_lora_tp4": Case(
+        partial(_lora, "qwen3"),
+        partial(lm_batches, 3),
+        optimizer="adamw",
+        lr=1e-2,
+        strategy_kwargs={"tp_size": 4},
+    ),
     # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
     "llama_alt_styles": lm(
         "llama",
@@ -376,7 +404,12 @@ CASES: dict[str, Case] = {
 
 #: Cases that must fail, with the strategy kwargs / model that trigger it and a fragment the message must contain.
 ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
-    "kv_heads": (partial(build_causal_lm, tiny_config("llama", num_key_value_heads=1)), {}, "num_key_value_heads=1"),
+    # 3 query heads cannot be split over 2 ranks (fewer KV heads than ranks can: they are replicated).
+    "query_heads": (
+        partial(build_causal_lm, tiny_config("llama", num_attention_heads=3, num_key_value_heads=1)),
+        {},
+        "num_attention_heads=3 not divisible by tp_size=2",
+    ),
     "world_not_divisible": (
         partial(build_causal_lm, tiny_config("qwen3")),
         {"tp_size": 4},
@@ -443,6 +476,10 @@ TWO_D_CASES = [
     "mlp_fsdp_only",
     "llama_rank_seeded",
     "sp_odd_on_one_group",
+    # KV-head replication in 2-D, and TP 4 over all 4 ranks (more TP ranks than KV heads).
+    "qwen3_kv1",
+    "qwen3_tp4",
+    "qwen3_lora_tp4",
 ]
 #: Cases that only make sense with data parallelism.
 DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
@@ -450,7 +487,9 @@ DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf
 BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
 #: Cases with tp_size=1 (FSDP2 alone over every rank): run in both launches, checked on their own.
 FSDP_ONLY_CASES = {"mlp_fsdp_only"}
-TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES]
+#: Cases with tp_size=4: TP over all 4 ranks of the 2-D launch, checked on their own.
+TP4_CASES = {"qwen3_tp4", "qwen3_lora_tp4"}
+TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES | TP4_CASES]
 TP_CASES = [
     *TP_PARITY_CASES,
     *FSDP_ONLY_CASES,
