@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tp.kv_heads import describe_layouts, kv_head_layout
 from lightning_tp.plan import ResolvedPlan, key_regex, model_plan, plan_source, resolve_plan
 from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, facts, style_names
 
@@ -35,6 +36,8 @@ class Report:
     source: str = "none"
     #: Attention modules given ``local_heads``: (name, {attribute: (whole count, per-rank count)}).
     local_heads: list[tuple[str, dict[str, tuple[int, int]]]] = field(default_factory=list)
+    #: KV-head replication: the attention modules, what each rank computes, and the gathered K/V weight bytes.
+    kv_replication: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -91,6 +94,7 @@ def inspect_model(
                 {a: (c, c // tp_size) for a, c in counts_of.items() if isinstance(c, int) and not isinstance(c, bool)},
             )
         )
+    report.kv_replication = _kv_replication(model, plan, tp_size)
     # Every style name, this package's own (GPT-2's Conv1D styles) too: the table knows what each splits.
     styles = {name: style for name, style in plan.styles.items() if isinstance(style, str)}
     counts = {"params": 0, "trainable": 0}
@@ -114,6 +118,33 @@ def inspect_model(
             "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
         }
     return report
+
+
+def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
+    """What KV-head replication does on each rank, and what it costs (see :mod:`lightning_tp.kv_heads`)."""
+    if not plan.kv_replicated:
+        return []
+    (query_heads, kv_heads), *_ = plan.kv_replicated.values()
+    params = dict(model.named_parameters())
+    kv_weights = [
+        params[name]
+        for name, style in plan.styles.items()
+        if style == "colwise_kv_heads" and name in params and name.endswith(".weight")
+    ]
+    layers = len(plan.kv_replicated)
+    gathered = sum(w.numel() for w in kv_weights) // layers  # one layer's K and V (and adapters') weights, whole
+    most = max(kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=r).local_kv_heads for r in range(tp_size))
+    size = kv_weights[0].element_size() if kv_weights else 4
+    lines = [
+        f"num_key_value_heads={kv_heads} is not divisible by tp_size={tp_size}: the KV heads are replicated in "
+        f"{layers} attention modules ({next(iter(plan.kv_replicated))}, ...). K/V weights stay split like "
+        f"'colwise' (1/{tp_size} per rank); each rank computes the KV heads its query heads read:",
+        *(f"  {line}" for line in describe_layouts(query_heads, kv_heads, tp_size=tp_size)),
+        f"Cost per attention module and step: its K/V weights gathered for the forward ({gathered:,} values, "
+        f"{gathered * size / 2**20:.2f} MiB at {size} bytes each) and their gradient reduce-scattered; K/V "
+        f"activations of up to {most} head(s) per rank instead of {kv_heads / tp_size:g}.",
+    ]
+    return lines
 
 
 def _permissive_plan(model: nn.Module, tp_size: int) -> ResolvedPlan:
@@ -172,6 +203,8 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:
         lines += ["", "Attention modules computing their rank's heads (local_heads; head counts whole -> per rank):"]
         for name, counts in report.local_heads:
             lines.append(f"  {name:<60} " + ", ".join(f"{a} {c} -> {p}" for a, (c, p) in counts.items()))
+    if report.kv_replication:
+        lines += ["", *report.kv_replication]
     lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
     lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
     if len(report.replicated) > 40:

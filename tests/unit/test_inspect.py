@@ -7,7 +7,12 @@ from tests.helpers.models import build_causal_lm, tiny_config
 @pytest.fixture(scope="module")
 def config_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("configs")
-    for name, config in {"qwen3": tiny_config("qwen3"), "kv1": tiny_config("llama", num_key_value_heads=1)}.items():
+    configs = {
+        "qwen3": tiny_config("qwen3"),
+        "kv1": tiny_config("llama", num_key_value_heads=1),
+        "heads3": tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48),
+    }
+    for name, config in configs.items():
         config.save_pretrained(root / name)
     return root
 
@@ -38,9 +43,19 @@ def test_valid_layout_exit_code_and_report(config_dirs, capsys):
 
 
 def test_invalid_layout_names_the_problem_and_the_sizes_that_work(config_dirs, capsys):
-    assert main([str(config_dirs / "kv1"), "--tp-size", "2"]) == 1
+    assert main([str(config_dirs / "heads3"), "--tp-size", "2"]) == 1
     out = capsys.readouterr().out
-    assert "num_key_value_heads=1 not divisible by tp_size=2" in out and "one of [1]" in out
+    assert "num_attention_heads=3 not divisible by tp_size=2" in out and "one of [1, 3]" in out
+
+
+def test_replicated_kv_heads_are_explained_per_rank(config_dirs, capsys):
+    assert main([str(config_dirs / "kv1"), "--tp-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "num_key_value_heads=1 is not divisible by tp_size=4: the KV heads are replicated in 2" in out
+    assert "rank 3: query heads 3 read KV heads 0" in out
+    assert "model.layers.0.self_attn.k_proj.weight" in out and "colwise_kv_heads" in out
+    assert "[16, 64] -> [4, 64]" in out  # stored split like colwise
+    assert "K/V activations of up to 1 head(s) per rank" in out and "The layout is valid." in out
 
 
 def test_memory_per_rank_divides_and_lora_counts_trainable_only(config_dirs):
