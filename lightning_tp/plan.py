@@ -54,11 +54,15 @@ class ResolvedPlan:
     parameters listed before their module as Transformers' ``apply_tensor_parallelism`` expects.
     ``grad_allreduce`` lists modules whose replicated parameters get their gradient summed over the TP group.
     ``tied`` maps each tied parameter alias to the name that holds the parameter.
+    ``head_styles`` maps each attention module given a ``heads`` style (``local_heads``...) to it: kept apart from
+    ``styles`` because it changes the module's head counts only, so the module may take a layer style too (the
+    region input of the dense-layer rewrite or of sequence parallelism).
     """
 
     styles: dict[str, Style] = field(default_factory=dict)
     grad_allreduce: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    head_styles: dict[str, str] = field(default_factory=dict)
     #: Attention modules whose K/V projections replicate KV heads (``colwise_kv_heads``): name -> (query heads, KV
     #: heads) of the whole model.
     kv_replicated: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -81,12 +85,12 @@ class ResolvedPlan:
     @property
     def alibi_heads(self) -> list[str]:
         """Attention modules whose ALiBi input is sliced to the rank's heads (``local_heads_alibi``)."""
-        return [name for name, style in self.styles.items() if style == "local_heads_alibi"]
+        return [name for name, style in self.head_styles.items() if style == "local_heads_alibi"]
 
     @property
     def local_heads(self) -> list[str]:
         """Attention modules whose head counts become the rank's own (``local_heads``)."""
-        return [name for name, style in self.styles.items() if isinstance(style, str) and style in _HEAD_STYLES]
+        return list(self.head_styles)
 
     @property
     def torch_styles(self) -> dict[str, ParallelStyle]:
@@ -245,7 +249,9 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
             # torch ParallelStyles shard their module's parameters themselves; `local_heads` names a module only.
             if isinstance(style, str) and full in unique_params and style not in _HEAD_STYLES:
                 resolved.styles[full] = style
-        if module_style is not None:
+        if isinstance(module_style, str) and module_style in _HEAD_STYLES:
+            resolved.head_styles[module_name] = module_style
+        elif module_style is not None:
             resolved.styles[module_name] = module_style
 
     resolved.grad_allreduce = [
@@ -255,7 +261,7 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     ]
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
-        resolved.kv_replicated = _replicate_kv_heads(module, resolved.styles, tp_size)
+        resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
     _check_local_heads(module, resolved.local_heads, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
 
@@ -332,11 +338,13 @@ def _weight_layout(style: Style | None, name: str, ndim: int) -> str:
     return f"custom {type(style).__name__}"
 
 
-def _replicate_kv_heads(model: nn.Module, styles: dict[str, Style], tp_size: int) -> dict[str, tuple[int, int]]:
+def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> dict[str, tuple[int, int]]:
     """Check that the TP size divides the heads the plan splits; where it divides the query heads but not the KV
-    heads, give the K/V projections ``colwise_kv_heads`` (in ``styles``, in place) and return their attention modules
-    with the model's (query heads, KV heads) (:mod:`lightning_tp.kv_heads`). Transformers would load such a model and
-    fail in the first forward; this fails here, naming the sizes that work, when replication cannot help."""
+    heads, give the K/V projections ``colwise_kv_heads`` (in ``plan.styles``, in place) and return their attention
+    modules with the model's (query heads, KV heads) (:mod:`lightning_tp.kv_heads`). Transformers would load such a
+    model and fail in the first forward; this fails here, naming the sizes that work, when replication cannot
+    help."""
+    styles = plan.styles
     if tp_size == 1:
         return {}
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -394,7 +402,7 @@ def _replicate_kv_heads(model: nn.Module, styles: dict[str, Style], tp_size: int
         attention = name.rpartition(".")[0]
         owner = modules[attention]
         tells_groups = isinstance(getattr(owner, _GROUPS_ATTRIBUTE, None), int) or (
-            styles.get(attention) in _HEAD_STYLES
+            attention in plan.head_styles
             and any(isinstance(getattr(owner, a, None), int) for a in KV_HEAD_COUNT_ATTRIBUTES)
         )
         if not tells_groups:

@@ -237,15 +237,21 @@ def _outside_regions(model: nn.Module, styles: dict[str, Any], layer: str) -> st
         path = f"{layer}.{name}"
         if path in regions or "norm" in type(child).__name__.lower() or not any(True for _ in child.parameters()):
             continue
+        inside = [r for r in regions if r.startswith(f"{path}.")]
+        if inside and all(any(p.startswith(f"{r}.") for r in inside) for p, _ in child.named_parameters(prefix=path)):
+            continue  # a wrapper around a region (GPT-Neo's `attn` around `attn.attention`), nothing else in it
         return f"{path!r} ({type(child).__name__}) would run on sequence shards; only norms can"
     return None
 
 
 def _norms_after_layers(model: nn.Module, layers: list[str], styles: dict[str, Any]) -> list[str]:
-    """Modules with parameters that run on the last layer's output shards: the final norm."""
-    base = layers[-1].rsplit(".", 2)[0]  # "model.layers.N" -> "model"
+    """Modules with parameters that run on the last layer's output shards: the final norm, among the modules
+    registered after the list of layers (Bloom's embedding norm, registered before it, runs before the layers)."""
+    base, list_name, _ = layers[-1].rsplit(".", 2)  # "model.layers.N" -> "model", "layers"
     found = []
-    for name, module in model.get_submodule(base).named_children():
+    children = list(model.get_submodule(base).named_children())
+    after = [i for i, (name, _) in enumerate(children) if name == list_name][0] + 1
+    for name, module in children[after:]:
         path = f"{base}.{name}"
         if path in styles or isinstance(module, nn.ModuleList) or isinstance(module, nn.Embedding):
             continue

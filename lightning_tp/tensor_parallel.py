@@ -443,6 +443,13 @@ def region_problem(styles: Mapping[str, Any], layer: str) -> str | None:
             return f"{key!r} has style {style!r}. Drop `sequence_parallel` for this model, or override that entry"
     if not any(style == "rowwise" for style in inside.values()):
         return f"decoder layer {layer!r} has no row-wise projection"
+    direct = [key for key, style in inside.items() if style == "rowwise" and key.rpartition(".")[0] == layer]
+    if direct:
+        # The region's input is the parent's `hidden_states`: here the whole layer, norms and residuals included.
+        return (
+            f"{direct[0]!r} sits directly in decoder layer {layer!r}, with no attention or MLP module around it to "
+            "take the region's input. Drop `sequence_parallel` for this model"
+        )
     return None
 
 

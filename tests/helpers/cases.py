@@ -190,6 +190,10 @@ CASES: dict[str, Case] = {
     "falcon_derived": lm("falcon", 4),
     "bloom_derived": lm("bloom", 4),
     "mpt_derived": lm("mpt", 4),
+    # Sequence and loss parallelism on derived plans: Bloom (ALiBi sliced per rank, an embedding norm before the
+    # layers), GPT-Neo (its attention region inside a wrapper module).
+    "bloom_derived_sp_lp": lm("bloom", 3, strategy_kwargs={"sequence_parallel": True, "loss_parallel": True}),
+    "gpt_neo_derived_sp_lp": lm("gpt_neo", 3, strategy_kwargs={"sequence_parallel": True, "loss_parallel": True}),
     # KV-head replication: TP 2 over 1 KV head (Qwen3's k_norm sums its gradient), over 3 KV heads for 6 query heads
     # (rank 0 reads KV heads 0, 0, 1: expanded to one per query head), on a derived plan (local_heads), with sequence
     # and loss parallelism, with LoRA on k_proj/v_proj; TP 4 over 2 KV heads (4-process launch).
@@ -476,6 +480,8 @@ TWO_D_CASES = [
     "mlp_fsdp_only",
     "llama_rank_seeded",
     "sp_odd_on_one_group",
+    # A derived plan in 2-D with the dense-layer rewrite (OPT keeps Transformers' layers).
+    "bloom_derived",
     # KV-head replication in 2-D, and TP 4 over all 4 ranks (more TP ranks than KV heads).
     "qwen3_kv1",
     "qwen3_tp4",

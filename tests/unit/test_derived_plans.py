@@ -120,7 +120,8 @@ def test_plan_is_derived_from_the_module_structure(kind):
     plan = resolve_plan(model, "auto", tp_size=2)
     # Every layer's attention computes its own heads; Transformers gets only its registered styles.
     layers = [name for name in plan.local_heads]
-    assert len(layers) == 2 and all(plan.styles[name].startswith("local_heads") for name in layers)
+    assert len(layers) == 2 and all(plan.head_styles[name].startswith("local_heads") for name in layers)
+    assert not set(layers) & set(plan.styles)  # a head style is kept apart: the module may take a layer style too
     assert plan.alibi_heads == (layers if kind in ("bloom", "mpt") else [])
     assert not {style for style in plan.transformers_styles.values() if style.startswith("local_heads")}
     first, style = next(iter(EXPECTED[kind].items()))
@@ -147,7 +148,7 @@ def test_tp_plan_overrides_a_derived_rule_and_keeps_the_others():
     plan = resolve_plan(meta_model("opt"), {"model.decoder.layers.*.fc1": "colwise_rep"}, tp_size=2)
     assert plan.styles["model.decoder.layers.0.fc1"] == "colwise_rep"
     assert plan.styles["model.decoder.layers.0.fc2"] == "rowwise"
-    assert plan.styles["model.decoder.layers.0.self_attn"] == "local_heads"
+    assert plan.head_styles["model.decoder.layers.0.self_attn"] == "local_heads"
 
 
 @pytest.mark.parametrize(
@@ -263,3 +264,26 @@ def test_lora_on_a_conv1d_layer_is_refused_by_name():
     model = get_peft_model(meta_model("gpt2"), LoraConfig(r=2, target_modules=["c_attn"])).base_model.model
     with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn.*Conv1D"):
         extend_plan_to_adapters(model, resolve_plan(model, "auto", tp_size=2))
+
+
+def test_sequence_parallel_rewrites_derived_plans_and_keeps_their_head_styles():
+    from lightning_tp.derived_plans import decoder_layer_list
+    from lightning_tp.sequence_parallel import GatherSequence, sequence_parallel_plan
+
+    def rewrite(kind):
+        model = meta_model(kind)
+        plan = resolve_plan(model, "auto", tp_size=2)
+        blocks = {type(decoder_layer_list(model)[1][0])}
+        return plan, sequence_parallel_plan(model, plan, blocks=blocks)
+
+    plan, sp = rewrite("bloom")
+    assert isinstance(sp.styles["transformer.h.0.self_attention"], GatherSequence)
+    assert sp.head_styles == plan.head_styles
+    assert sp.alibi_heads == [f"transformer.h.{i}.self_attention" for i in (0, 1)]
+    assert "transformer.ln_f" in sp.grad_allreduce and "transformer.word_embeddings_layernorm" not in sp.grad_allreduce
+    _, neo = rewrite("gpt_neo")  # the region `attn.attention` sits in a wrapper `attn` holding nothing else
+    assert isinstance(neo.styles["transformer.h.0.attn.attention"], GatherSequence)
+    with pytest.raises(ValueError, match="'model.decoder.layers.0.fc2' sits directly in decoder layer"):
+        rewrite("opt")
+    with pytest.raises(ValueError, match="has style 'conv1d_colwise_qkv'"):
+        rewrite("gpt2")

@@ -82,4 +82,3 @@ def test_attention_modules_get_their_ranks_grouping(rank):
     attention = derived.model.layers[0].self_attn
     assert (attention.num_heads, attention.num_key_value_heads, attention.num_key_value_groups) == (1, 1, 1)
     assert derived.config.num_key_value_heads == 1  # the config (what is saved) keeps the whole model's counts
-
