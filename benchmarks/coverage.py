@@ -77,7 +77,8 @@ TINY: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     (("num_experts_per_tok", "num_experts_per_token", "moe_topk"), 2),
     (("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
-    (("vocab_size",), VOCAB),
+    (("n_group", "num_expert_group", "topk_group", "moe_num_groups"), 1),  # grouped routing: one group of experts
+    (("vocab_size", "vocab_size_per_layer_input"), VOCAB),
     (("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length"), 64),
     (("pad_token_id",), 0),
     (("bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"), 1),
@@ -86,15 +87,18 @@ TINY: tuple[tuple[tuple[str, ...], Any], ...] = (
 )
 #: KV-head attribute names (set per case).
 KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
-#: Attribute names holding dropout probabilities: set to 0 (parity compares exact computations).
-DROPOUT = re.compile(r"dropout|pdrop|layerdrop|drop_path")
+#: Attribute names holding dropout probabilities or noise scales (a router's jitter): set to 0 (parity compares exact
+#: computations, and random draws in training would differ between the sharded and the whole model).
+DROPOUT = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter")
 
 #: The documented per-family exceptions to the generic overrides (keep it small): family -> (overrides, why).
 EXCEPTIONS: dict[str, tuple[dict[str, Any], str]] = {}
 
 #: Class-name fragments of recurrent / state-space / convolutional sequence mixers: a model holding one is skipped
 #: (not an attention decoder this plan format describes).
-RECURRENT = re.compile(r"Mamba|Mixer|RWKV|Rwkv|xLSTM|Recurrent|GatedDeltaNet|LinearAttention|ShortConv|Lightning")
+RECURRENT = re.compile(
+    r"Mamba|Mixer|RWKV|Rwkv|xLSTM|Recurrent|DeltaNet|DeltaAttention|LinearAttention|ShortConv|Lightning"
+)
 
 
 class Skip(Exception):
@@ -185,9 +189,9 @@ def tiny_config(family: str, *, kv_heads: int = 2):
         raise Skip(f"default config fails to build: {_first_line(err)}") from err
     if getattr(default, "is_encoder_decoder", False):
         raise Skip("encoder-decoder")
-    kwargs = tiny_kwargs(cls, default, kv_heads=kv_heads)
-    kwargs.update(EXCEPTIONS.get(family, ({}, ""))[0])
     try:
+        kwargs = tiny_kwargs(cls, default, kv_heads=kv_heads)
+        kwargs.update(EXCEPTIONS.get(family, ({}, ""))[0])
         return cls(**kwargs)
     except Exception as err:  # noqa: BLE001
         raise Skip(f"tiny config fails to build: {_first_line(err)}") from err
@@ -375,14 +379,32 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+#: Leaf names of the projections that hold the query heads (alone or fused with K/V).
+QUERY_PROJECTIONS = ("q_proj", "query", "q_b_proj", "q_a_proj", *FUSED_QKV)
+
+
+def _is_split(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return isinstance(param, DTensor) and any(not isinstance(p, Replicate) for p in param.placements)
+
+
 def parity(model: torch.nn.Module, reference: torch.nn.Module, losses: list[float], ref_losses: list[float]) -> dict:
     """Largest loss gap over the steps and largest parameter gap after them (a collective: every rank calls it)."""
     ref = dict(reference.named_parameters())
     weights = {n: _full(p.detach()) for n, p in model.named_parameters()}  # same order on every rank
-    common = [n for n in ref if n in weights]
+    gaps = {n: (weights[n] - ref[n].detach()).abs().max().item() for n in ref if n in weights}
+    worst = max(gaps, key=gaps.get) if gaps else None
+    split = [n for n, p in model.named_parameters() if _is_split(p)]
+    total = sum(w.numel() for w in weights.values())
     return {
+        # What the plan split: the share of parameter elements, and whether the attention's query heads are split
+        # (a plan may split the MLP alone).
+        "split_fraction": sum(weights[n].numel() for n in split) / total if total else 0.0,
+        "attention_split": any(n.rsplit(".", 2)[-2] in QUERY_PROJECTIONS for n in split if "." in n),
         "loss_gap": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-        "param_gap": max((weights[n] - ref[n].detach()).abs().max().item() for n in common) if common else None,
+        "param_gap": gaps[worst] if worst else None,
+        "worst_param": worst,
         "names_match": sorted(weights) == sorted(ref),
         "losses": losses,
         "ref_losses": ref_losses,
@@ -446,18 +468,27 @@ def plan_column(case: Mapping[str, Any]) -> str:
 
 
 def reason_key(detail: str | None) -> str:
-    """A refusal or skip reason with the names of the family taken out, for counting like reasons together."""
+    """A refusal or skip reason with the names of the family taken out (model classes, module paths, plan keys,
+    numbers), for counting like reasons together."""
     text = (detail or "").split(". ")[0]
     text = re.sub(r"^\w+(ForCausalLM|LMHeadModel|ForConditionalGeneration|Decoder|Model)\b", "<model>", text)
+    text = text.replace("has no `base_model_tp_plan` and a plan could not be derived", "no plan, none derived")
     text = re.sub(r"'[\w.*]+': ", "", text)  # plan keys
-    text = re.sub(r"decoder layer [\w.]+", "decoder layer <name>", text)
-    text = re.sub(r"\(\w+(MambaMixer|Mixer|Block|Layer|DecoderLayer|Attention|Net|Conv\w*)\b.*?\)", "(...)", text)
+    text = re.sub(r"\w+(\.[\w*]+)+", "<module>", text)  # module paths
+    text = re.sub(r" \(\w+\)", "", text)  # the class of a module named just before
+    text = re.sub(r"^(recurrent/state-space layers) .*", r"\1", text)
     text = re.sub(r"\d+(\.\d+)?", "N", text)
-    return text[:150]
+    return text[:110]
 
 
 def _gap(value: float | None) -> str:
     return "" if value is None else f"{value:.1e}"
+
+
+def _split_cell(case: Mapping[str, Any]) -> str:
+    if "split_fraction" not in case:
+        return ""
+    return f"{case['split_fraction']:.0%}" + ("" if case.get("attention_split") else ", attention whole")
 
 
 def _case_cell(case: Mapping[str, Any] | None) -> str:
@@ -491,6 +522,7 @@ def summary(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             Counter(reason_key(c["detail"]) for c in tp2.values() if c.get("status") == "skipped").most_common()
         ),
         "kv_replication": dict(Counter(c.get("status") for c in kv.values()).most_common()),
+        "trained_with_attention_whole": sorted(f for f, c in ran.items() if not c.get("attention_split", True)),
         "worst_gaps": {f: {"loss_gap": ran[f]["loss_gap"], "param_gap": ran[f].get("param_gap")} for f in worst},
     }
 
@@ -508,7 +540,9 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         f"gaps: largest |loss difference| over the steps / largest |parameter difference| after them; parity: both "
         f"<= {PARITY_TOL:g}. Max TP: the largest TP size <= {MAX_TP} its published default config allows (query "
         "heads and every dim its plan splits; without KV replication the KV heads too). 'TP 2 > KV heads': the same "
-        "run with 1 KV head (regenerate with `--cases kv_replication --merge`).",
+        "run with 1 KV head (regenerate with `--cases kv_replication --merge`); it trains where the plan gathers K/V "
+        "or leaves the attention whole. 'split at TP 2': the share of parameter elements the plan splits, and "
+        "'attention whole' where it splits no query projection (the MLP or experts alone).",
         "",
         "| count | |",
         "| --- | --- |",
@@ -518,12 +552,14 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
     for key in ("refused_by_reason", "skipped_by_reason"):
         for reason, count in stats[key].items():
             lines.append(f"| {key.split('_')[0]}: {reason.replace('|', '/')} | {count} |")
+    whole = ", ".join(stats["trained_with_attention_whole"])
+    lines.append(f"| trained with the attention whole | {len(stats['trained_with_attention_whole'])}: {whole} |")
     worst = ", ".join(f"{f} ({_gap(g['loss_gap'])} / {_gap(g['param_gap'])})" for f, g in stats["worst_gaps"].items())
     lines += [f"| worst gaps (loss / param) | {worst} |", ""]
     lines += [
         "| family | model class | plan source | max TP with KV replication | max TP without | TP 2 (gaps loss / param) "
-        "| TP 2 > KV heads |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| split at TP 2 | TP 2 > KV heads |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for family, row in rows.items():
         tp2 = row.get("cases", {}).get("tp2", {})
@@ -534,6 +570,7 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
             str(row.get("max_tp_kv_replication") or ""),
             str(row.get("max_tp_no_kv_replication") or ""),
             _case_cell(tp2) if tp2.get("status") in ("parity", "not at parity", "error") else tp2.get("status", ""),
+            _split_cell(tp2),
             _case_cell(row.get("cases", {}).get("kv_replication")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -562,7 +599,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge", action="store_true", help="keep the rows and cases of --out-json not run now")
     parser.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     parser.add_argument("--family-timeout", type=float, default=300.0, help="stacks dumped and exit past this")
+    parser.add_argument("--table-only", action="store_true", help="rewrite --out-md from --out-json, run nothing")
     args = parser.parse_args(argv)
+    if args.table_only:
+        data = json.loads(args.out_json.read_text())
+        write_table(data["families"], md=args.out_md, js=args.out_json, meta=data["meta"])
+        return
 
     import warnings
 
