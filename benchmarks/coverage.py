@@ -39,7 +39,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +53,15 @@ VOCAB = 128
 MAX_TP = 64
 #: Loss and parameter gaps under which a family counts as at parity (fp32, 3 SGD steps).
 PARITY_TOL = 1e-4
-CASES = ("tp2", "kv_replication")
+#: ``uneven_vocab``: TP 2 with a vocabulary of 127, which the "uneven vocab" TP sizes assume splits at parity.
+CASES = ("tp2", "kv_replication", "uneven_vocab")
 #: KV heads of the tiny config per case (4 query heads; TP 2 throughout).
-CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1}
+CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1, "uneven_vocab": 2}
+#: The vocabulary of a case that splits it unevenly (the others: ``VOCAB``).
+CASE_VOCAB = {"uneven_vocab": 127}
 
+#: Vocabulary sizes (a per-layer input embedding's too), set per case.
+VOCAB_NAMES = ("vocab_size", "vocab_size_per_layer_input")
 #: Generic tiny-config overrides: each group of synonymous attribute names gets the value where the config class
 #: has the attribute (in its ``__init__`` signature or its defaults). Nothing here names a family.
 TINY: tuple[tuple[tuple[str, ...], Any], ...] = (
@@ -78,7 +83,7 @@ TINY: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("num_experts_per_tok", "num_experts_per_token", "moe_topk"), 2),
     (("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
     (("n_group", "num_expert_group", "topk_group", "moe_num_groups"), 1),  # grouped routing: one group of experts
-    (("vocab_size", "vocab_size_per_layer_input"), VOCAB),
+    (VOCAB_NAMES, VOCAB),
     (("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length"), 64),
     (("pad_token_id",), 0),
     (("bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"), 1),
@@ -140,7 +145,7 @@ def _accepted_names(cls, default) -> set[str]:
     return names
 
 
-def tiny_kwargs(cls, default, *, kv_heads: int) -> dict[str, Any]:
+def tiny_kwargs(cls, default, *, kv_heads: int, vocab: int = VOCAB) -> dict[str, Any]:
     """The generic overrides ``cls`` accepts, sub-configs (``text_config``, ``vision_config``, ...) made tiny alike."""
     names = _accepted_names(cls, default)
     values = default.to_dict() if default is not None else {}
@@ -156,6 +161,9 @@ def tiny_kwargs(cls, default, *, kv_heads: int) -> dict[str, Any]:
             kwargs[name] = None
     if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:  # MLA's head_dim is its rotary part
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+    for name in VOCAB_NAMES:
+        if name in kwargs:
+            kwargs[name] = vocab
     # Latent attention expands K/V per query head from its latent: its KV-head count is the query heads'.
     latent = "kv_lora_rank" in names
     for name in KV_HEAD_NAMES:
@@ -175,11 +183,11 @@ def tiny_kwargs(cls, default, *, kv_heads: int) -> dict[str, Any]:
         sub = getattr(default, name, None) if default is not None else None
         if sub is None or not hasattr(sub, "to_dict"):
             continue
-        kwargs[name] = type(sub)(**tiny_kwargs(type(sub), sub, kv_heads=kv_heads))
+        kwargs[name] = type(sub)(**tiny_kwargs(type(sub), sub, kv_heads=kv_heads, vocab=vocab))
     return kwargs
 
 
-def tiny_config(family: str, *, kv_heads: int = 2):
+def tiny_config(family: str, *, kv_heads: int = 2, vocab: int = VOCAB):
     """A tiny config of ``family``: the generic overrides (:data:`TINY`), then the family's :data:`EXCEPTIONS`.
     Raises :class:`Skip` for an encoder-decoder or a config that cannot be built."""
     cls = config_class(family)
@@ -190,7 +198,7 @@ def tiny_config(family: str, *, kv_heads: int = 2):
     if getattr(default, "is_encoder_decoder", False):
         raise Skip("encoder-decoder")
     try:
-        kwargs = tiny_kwargs(cls, default, kv_heads=kv_heads)
+        kwargs = tiny_kwargs(cls, default, kv_heads=kv_heads, vocab=vocab)
         kwargs.update(EXCEPTIONS.get(family, ({}, ""))[0])
         return cls(**kwargs)
     except Exception as err:  # noqa: BLE001
@@ -250,7 +258,8 @@ def head_counts(config) -> tuple[int | None, int | None]:
 
 def sharded_sizes(model: torch.nn.Module) -> dict[str, Any]:
     """The sizes the model's plan splits, found from its styles: ``{"other": {size: example}, "kv": {...},
-    "fused_qkv": bool, "source": ...}``. Raises ``ValueError`` when the plan is refused or missing."""
+    "vocab": {...}, "fused_qkv": bool, "source": ...}`` (``vocab``: the split dims of the embeddings and
+    ``lm_head``). Raises ``ValueError`` when the plan is refused or missing."""
     from lightning_tp.plan import plan_source, resolve_plan
     from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, facts
 
@@ -260,7 +269,10 @@ def sharded_sizes(model: torch.nn.Module) -> dict[str, Any]:
     modules = dict(model.named_modules())
     other: dict[int, str] = {}
     kv: dict[int, str] = {}
+    vocab: dict[int, str] = {}
     fused = False
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_name = next((n for n, m in modules.items() if m is output), None) if output is not None else None
     for name, style in plan.styles.items():
         fact = facts(style)
         if fact is None:
@@ -273,24 +285,28 @@ def sharded_sizes(model: torch.nn.Module) -> dict[str, Any]:
             size = int(params[name].shape[dim])
             if leaf in FUSED_QKV:
                 fused = True
-            (kv if leaf in KV_PROJECTIONS else other).setdefault(size, name)
+            on_vocab = fact.kind == "embedding" or (output_name is not None and leaf == output_name.rsplit(".")[-1])
+            (kv if leaf in KV_PROJECTIONS else vocab if on_vocab else other).setdefault(size, name)
         elif name in modules and fact.kind == "heads":
             for attr in HEAD_COUNT_ATTRIBUTES:
                 count = getattr(modules[name], attr, None)
                 if isinstance(count, int):
                     bucket = kv if "key_value" in attr or "kv" in attr else other
                     bucket.setdefault(count, f"{name}.{attr}")
-    return {"source": source, "other": other, "kv": kv, "fused_qkv": fused}
+    return {"source": source, "other": other, "kv": kv, "vocab": vocab, "fused_qkv": fused}
 
 
-def largest_tp(heads: int | None, kv_heads: int | None, sizes: Mapping[str, Any], *, replicate_kv: bool) -> int | None:
+def largest_tp(
+    heads: int | None, kv_heads: int | None, sizes: Mapping[str, Any], *, replicate_kv: bool, even_vocab: bool = True
+) -> int | None:
     """The largest ``t <= MAX_TP`` that divides the query heads and every size the plan splits; without KV
     replication (or with a fused QKV projection) ``t`` must also divide the KV heads and the K/V projections' sizes,
-    with it the KV heads and ``t`` must divide one another (each KV head replicated on ``t / kv`` ranks)."""
+    with it the KV heads and ``t`` must divide one another (each KV head replicated on ``t / kv`` ranks).
+    ``even_vocab=False`` leaves the vocabulary out (case ``uneven_vocab`` checks that an uneven split trains)."""
     if not heads:
         return None  # no attention heads to split: not a layout this benchmark sizes
     needed = [heads]
-    needed += list(sizes.get("other", {}))
+    needed += list(sizes.get("other", {})) + (list(sizes.get("vocab", {})) if even_vocab else [])
     strict_kv = not replicate_kv or sizes.get("fused_qkv", False)
     if strict_kv:
         needed += list(sizes.get("kv", {})) + ([kv_heads] if kv_heads else [])
@@ -331,6 +347,8 @@ def default_tp(family: str) -> dict[str, Any]:
     row["default_note"] = note
     row["max_tp_kv_replication"] = largest_tp(heads, kv, sizes, replicate_kv=True)
     row["max_tp_no_kv_replication"] = largest_tp(heads, kv, sizes, replicate_kv=False)
+    row["max_tp_kv_replication_uneven_vocab"] = largest_tp(heads, kv, sizes, replicate_kv=True, even_vocab=False)
+    row["max_tp_no_kv_replication_uneven_vocab"] = largest_tp(heads, kv, sizes, replicate_kv=False, even_vocab=False)
     return row
 
 
@@ -411,19 +429,18 @@ def parity(model: torch.nn.Module, reference: torch.nn.Module, losses: list[floa
     }
 
 
-def run_case(family: str, case: str, *, tp_size: int) -> dict[str, Any]:
-    """One family, one case. Decided alike on every rank up to ``parallelize`` (pure, seeded): skips and refusals
-    raise before any collective."""
-    import lightning_tp
+def prepare_case(family: str, case: str, *, tp_size: int, result: dict[str, Any]) -> tuple | None:
+    """The pure part of a case (no collective): the tiny model, its copy trained whole, the batches and the reference
+    losses; ``None`` when the case ends here (``result`` then says why: skipped or n/a)."""
     from lightning_tp.plan import plan_source
 
-    result: dict[str, Any] = {"status": None, "detail": None}
     try:
-        config = tiny_config(family, kv_heads=CASE_KV_HEADS[case])
+        config = tiny_config(family, kv_heads=CASE_KV_HEADS[case], vocab=CASE_VOCAB.get(case, VOCAB))
         heads, kv = head_counts(config)
         result.update(tiny_heads=heads, tiny_kv_heads=kv)
         if case == "kv_replication" and not (kv is not None and kv < tp_size and heads and heads % tp_size == 0):
-            return {**result, "status": "n/a", "detail": f"tiny config has {kv} KV heads for {heads} query heads"}
+            result.update(status="n/a", detail=f"tiny config has {kv} KV heads for {heads} query heads")
+            return None
         try:
             model = build_model(config)
         except Exception as err:  # noqa: BLE001
@@ -440,7 +457,28 @@ def run_case(family: str, case: str, *, tp_size: int) -> dict[str, Any]:
         except Exception as err:  # noqa: BLE001
             raise Skip(f"fails on one process: {_first_line(err)}") from err
     except Skip as err:
-        return {**result, "status": "skipped", "detail": str(err)}
+        result.update(status="skipped", detail=str(err))
+        return None
+    return model, reference, batches, ref_losses
+
+
+def run_case(family: str, case: str, *, tp_size: int, all_ready: Callable[[bool], bool]) -> dict[str, Any]:
+    """One family, one case. The pure part runs alike on every rank (seeded); ``all_ready`` (a collective: whether
+    every rank got through it) gates the sharded part, so a rank that failed alone never leaves the others waiting in
+    ``parallelize``'s collectives. Refusals raise in ``parallelize`` before any collective, on every rank alike."""
+    import lightning_tp
+
+    result: dict[str, Any] = {"status": None, "detail": None}
+    prepared = None
+    try:
+        prepared = prepare_case(family, case, tp_size=tp_size, result=result)
+    except Exception as err:  # noqa: BLE001
+        result.update(status="error", detail=f"before sharding: {_first_line(err)}")
+    if not all_ready(prepared is not None):
+        if prepared is not None:
+            result.update(status="error", detail="another rank failed before sharding")
+        return result
+    model, reference, batches, ref_losses = prepared
     try:
         lightning_tp.parallelize(model, tp_size=tp_size)
     except ValueError as err:  # the package's refusals, raised on every rank before any collective
@@ -485,6 +523,30 @@ def _gap(value: float | None) -> str:
     return "" if value is None else f"{value:.1e}"
 
 
+def _by_reason(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The families refused, failing or not at parity at TP 2, grouped by reason (the worst parameter for a gap)."""
+    groups: dict[str, list[str]] = {}
+    for family, row in rows.items():
+        case = row.get("cases", {}).get("tp2", {})
+        status = case.get("status")
+        if status == "not at parity":
+            worst = re.sub(r"[.]\d+[.]", ".N.", str(case.get("worst_param")))
+            reason = f"not at parity, worst parameter {worst}"
+        elif status in ("refused", "error"):
+            reason = f"{status}: {reason_key(case.get('detail'))}"
+        else:
+            continue
+        groups.setdefault(reason, []).append(family)
+    return dict(sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+
+
+def _tp_cell(row: Mapping[str, Any], key: str) -> str:
+    even, uneven = row.get(key), row.get(f"{key}_uneven_vocab")
+    if even is None:
+        return ""
+    return f"{even} ({uneven} uneven vocab)" if uneven not in (None, even) else str(even)
+
+
 def _split_cell(case: Mapping[str, Any]) -> str:
     if "split_fraction" not in case:
         return ""
@@ -522,6 +584,9 @@ def summary(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             Counter(reason_key(c["detail"]) for c in tp2.values() if c.get("status") == "skipped").most_common()
         ),
         "kv_replication": dict(Counter(c.get("status") for c in kv.values()).most_common()),
+        "uneven_vocab": dict(
+            Counter(r.get("cases", {}).get("uneven_vocab", {}).get("status") for r in rows.values()).most_common()
+        ),
         "trained_with_attention_whole": sorted(f for f, c in ran.items() if not c.get("attention_split", True)),
         "worst_gaps": {f: {"loss_gap": ran[f]["loss_gap"], "param_gap": ran[f].get("param_gap")} for f in worst},
     }
@@ -539,7 +604,10 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         f"{VOCAB}), {STEPS} SGD steps (fp32, eager attention) sharded at TP 2 against the same model trained whole; "
         f"gaps: largest |loss difference| over the steps / largest |parameter difference| after them; parity: both "
         f"<= {PARITY_TOL:g}. Max TP: the largest TP size <= {MAX_TP} its published default config allows (query "
-        "heads and every dim its plan splits; without KV replication the KV heads too). 'TP 2 > KV heads': the same "
+        "heads and every dim its plan splits, the vocabulary included; in parentheses where an uneven vocabulary "
+        "split, which case `uneven_vocab` (vocabulary 127 at TP 2) checks, allows more; without KV "
+        "replication the "
+        "KV heads too). 'TP 2 > KV heads': the same "
         "run with 1 KV head (regenerate with `--cases kv_replication --merge`); it trains where the plan gathers K/V "
         "or leaves the attention whole. 'split at TP 2': the share of parameter elements the plan splits, and "
         "'attention whole' where it splits no query projection (the MLP or experts alone).",
@@ -547,7 +615,7 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         "| count | |",
         "| --- | --- |",
     ]
-    for key in ("status", "plan_source_of_trained", "plan_source_of_refused", "kv_replication"):
+    for key in ("status", "plan_source_of_trained", "plan_source_of_refused", "kv_replication", "uneven_vocab"):
         lines.append(f"| {key.replace('_', ' ')} | {', '.join(f'{k}: {v}' for k, v in stats[key].items())} |")
     for key in ("refused_by_reason", "skipped_by_reason"):
         for reason, count in stats[key].items():
@@ -556,6 +624,10 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
     lines.append(f"| trained with the attention whole | {len(stats['trained_with_attention_whole'])}: {whole} |")
     worst = ", ".join(f"{f} ({_gap(g['loss_gap'])} / {_gap(g['param_gap'])})" for f, g in stats["worst_gaps"].items())
     lines += [f"| worst gaps (loss / param) | {worst} |", ""]
+    lines += ["## Not trained at parity at TP 2, by reason", "", "| reason | families |", "| --- | --- |"]
+    for reason, names in _by_reason(rows).items():
+        lines.append(f"| {reason.replace('|', '/')} | {', '.join(names)} |")
+    lines += ["", "## Families", ""]
     lines += [
         "| family | model class | plan source | max TP with KV replication | max TP without | TP 2 (gaps loss / param) "
         "| split at TP 2 | TP 2 > KV heads |",
@@ -567,8 +639,8 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
             family,
             str(tp2.get("model_class") or row.get("model_class", "")),
             plan_column(tp2)[:140].replace("|", "\\|"),
-            str(row.get("max_tp_kv_replication") or ""),
-            str(row.get("max_tp_no_kv_replication") or ""),
+            _tp_cell(row, "max_tp_kv_replication"),
+            _tp_cell(row, "max_tp_no_kv_replication"),
             _case_cell(tp2) if tp2.get("status") in ("parity", "not at parity", "error") else tp2.get("status", ""),
             _split_cell(tp2),
             _case_cell(row.get("cases", {}).get("kv_replication")),
@@ -588,6 +660,15 @@ def _agree(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def _all_ready(ready: bool) -> bool:
+    """Whether every rank is ``ready`` (a collective)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ready)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -650,7 +731,7 @@ def main(argv: list[str] | None = None) -> None:
         row.update(model_class=model_class_name(family), **defaults[family])
         for case in cases:
             try:
-                result = run_case(family, case, tp_size=world)
+                result = run_case(family, case, tp_size=world, all_ready=_all_ready)
             except Exception as err:  # noqa: BLE001 - one family's failure must not end the loop
                 result = {"status": "error", "detail": _first_line(err), "trace": traceback.format_exc()[-2000:]}
             statuses = _agree((result["status"], result.get("detail")))

@@ -41,7 +41,9 @@ def test_largest_tp_from_heads_and_split_sizes():
     assert coverage.largest_tp(12, 4, sizes, replicate_kv=False) == 4
     fused = {**sizes, "fused_qkv": True}  # a fused QKV projection: its KV part cannot be replicated alone
     assert coverage.largest_tp(12, 4, fused, replicate_kv=True) == 4
-    assert coverage.largest_tp(12, 12, {"other": {50257: "lm_head.weight"}}, replicate_kv=True) == 1  # odd vocab
+    odd_vocab = {"vocab": {50257: "lm_head.weight"}, "other": {3072: "mlp.c_fc.weight"}}
+    assert coverage.largest_tp(12, 12, odd_vocab, replicate_kv=True) == 1
+    assert coverage.largest_tp(12, 12, odd_vocab, replicate_kv=True, even_vocab=False) == 12
     assert coverage.largest_tp(128, 128, {}, replicate_kv=False) == coverage.MAX_TP
     assert coverage.largest_tp(12, 3, {}, replicate_kv=True) == 12
     assert coverage.largest_tp(None, None, {}, replicate_kv=True) is None
@@ -58,6 +60,8 @@ def test_largest_tp_from_heads_and_split_sizes():
 def test_default_tp_of_published_configs(family, with_kv, without_kv):
     row = coverage.default_tp(family)
     assert (row["max_tp_kv_replication"], row["max_tp_no_kv_replication"]) == (with_kv, without_kv), row
+    if family == "gpt2":  # 12 heads, 3072 MLP features: 12 once the vocabulary may split unevenly
+        assert row["max_tp_kv_replication_uneven_vocab"] == 12
 
 
 def test_write_table(tmp_path):
@@ -88,3 +92,5 @@ def test_write_table(tmp_path):
     assert "| bart |  | skipped: encoder-decoder |" in text
     assert "refused: a \\| b" in text  # a pipe in a message does not break the row
     assert "| llama | LlamaForCausalLM | model | 32 | 32 | parity (1.0e-07 / ) |" in text
+    assert "| not at parity, worst parameter None | phi |" in text  # the work items, by reason
+    assert "| refused: <model> has no plan | bert |" in text
