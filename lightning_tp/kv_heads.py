@@ -33,9 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_tp.compat import parameter_dict
 from lightning_tp.hooks import on_hidden_states, run_on_parameter_views
-
-#: The attribute attention modules keep their query-heads-per-KV-head ratio in (``repeat_kv``, SDPA's GQA).
-GROUPS_ATTRIBUTE = "num_key_value_groups"
+from lightning_tp.styles import KV_GROUPS_ATTRIBUTE
 
 
 @dataclass(frozen=True)
@@ -143,11 +141,13 @@ class ColwiseKVHeads(ParallelStyle):
         run_on_parameter_views(module, {name: rank_rows for name in ("weight", "bias") if params.get(name) is not None})
         module.register_forward_pre_hook(on_hidden_states(replicated_input), with_kwargs=True)
         if layout.expand is not None:
-            index = torch.tensor(layout.expand)
+            indices: dict[torch.device, torch.Tensor] = {}  # one copy per device, made once (no copy per step)
 
             def expand(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+                if output.device not in indices:
+                    indices[output.device] = torch.tensor(layout.expand, device=output.device)
                 heads = output.unflatten(-1, (layout.count, -1))
-                return heads.index_select(-2, index.to(output.device)).flatten(-2)
+                return heads.index_select(-2, indices[output.device]).flatten(-2)
 
             module.register_forward_hook(expand)
         return module
@@ -156,8 +156,8 @@ class ColwiseKVHeads(ParallelStyle):
 def localize_kv_groups(attention: nn.Module, layout: KVHeadLayout, *, count_attributes: tuple[str, ...] = ()) -> None:
     """Give ``attention`` its rank's grouping: ``num_key_value_groups`` where it keeps one, and the KV head counts
     named in ``count_attributes`` (a ``local_heads`` module's) where it keeps them."""
-    if isinstance(getattr(attention, GROUPS_ATTRIBUTE, None), int):
-        setattr(attention, GROUPS_ATTRIBUTE, layout.groups)
+    if isinstance(getattr(attention, KV_GROUPS_ATTRIBUTE, None), int):
+        setattr(attention, KV_GROUPS_ATTRIBUTE, layout.groups)
     for attribute in count_attributes:
         if isinstance(getattr(attention, attribute, None), int):
             setattr(attention, attribute, layout.local_kv_heads)

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_tp.derived_plans import derive_plan
 from lightning_tp.styles import (
     HEAD_COUNT_ATTRIBUTES,
+    KV_GROUPS_ATTRIBUTE,
     KV_HEAD_COUNT_ATTRIBUTES,
     REFUSED_STYLES,
     SUPPORTED_STYLES,
@@ -40,8 +41,6 @@ _FUSED_PROJECTIONS = ("qkv_proj", "query_key_value", "c_attn", "Wqkv")
 _QUERY_PROJECTIONS = ("q_proj", "query", *_FUSED_PROJECTIONS)
 _SEPARATE_KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value")
 _KV_PROJECTIONS = (*_SEPARATE_KV_PROJECTIONS, "qkv_proj", "query_key_value")
-#: The attribute attention modules keep their query-heads-per-KV-head ratio in (``repeat_kv``, SDPA's GQA).
-_GROUPS_ATTRIBUTE = "num_key_value_groups"
 #: Styles whose output holds each rank's slice of the features (heads): a head count must divide by the TP size.
 _COLUMN_STYLES = style_names(output_sharded=True)
 
@@ -401,14 +400,14 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
                 styles[key] = "colwise_kv_heads"
         attention = name.rpartition(".")[0]
         owner = modules[attention]
-        tells_groups = isinstance(getattr(owner, _GROUPS_ATTRIBUTE, None), int) or (
+        tells_groups = isinstance(getattr(owner, KV_GROUPS_ATTRIBUTE, None), int) or (
             attention in plan.head_styles
             and any(isinstance(getattr(owner, a, None), int) for a in KV_HEAD_COUNT_ATTRIBUTES)
         )
         if not tells_groups:
             raise ValueError(
                 f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and its attention "
-                f"module {attention} ({type(owner).__name__}) keeps no `{_GROUPS_ATTRIBUTE}` to be told each rank's "
+                f"module {attention} ({type(owner).__name__}) keeps no `{KV_GROUPS_ATTRIBUTE}` to be told each rank's "
                 f"grouping, so its KV heads cannot be replicated. Use a tp_size that divides both head counts: one "
                 f"of {both}."
             )
