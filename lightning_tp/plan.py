@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -258,6 +259,8 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
         for name, style in resolved.styles.items()
         if style in _SUMMED_HERE and name in module_names and _sees_sharded_features(name, resolved.styles)
     ]
+    resolved.grad_allreduce += _between_split_projections(module, resolved.styles)
+    _check_even_splits(module, resolved.styles, tp_size)
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
@@ -290,6 +293,76 @@ def _check_local_heads(
                 f"{name} ({type(modules[name]).__name__}) has head counts {uneven} not divisible by tp_size={tp_size}: "
                 "its heads cannot be split evenly over the TP ranks. Use a tp_size that divides them."
             )
+
+
+def _check_even_splits(module: nn.Module, styles: Mapping[str, Style], tp_size: int) -> None:
+    """A linear layer's split dim (an MLP's intermediate size, say) must divide by the TP size: uneven shards of a
+    column-wise layer and the row-wise one after it fail mid-forward with a different shape on each rank. The
+    vocabulary (embeddings, the output head) may be uneven (DTensor pads it), and so may the K/V projections of
+    KV-head replication (gathered before use)."""
+    if tp_size == 1:
+        return
+    out = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    head = {id(p) for p in out.parameters()} if isinstance(out, nn.Module) else set()
+    uneven = {}
+    for name, param in module.named_parameters():
+        style = styles.get(name)
+        fact = facts(style)
+        if fact is None or fact.kind not in ("column", "row") or style == "colwise_kv_heads" or id(param) in head:
+            continue
+        dim = fact.split_dim(param.ndim, is_bias=name.rpartition(".")[2] == "bias")
+        if dim is not None and param.shape[dim] % tp_size:
+            uneven[name] = param.shape[dim]
+    if uneven:
+        sizes = set(uneven.values())
+        good = [d for d in range(1, max(sizes) + 1) if all(size % d == 0 for size in sizes)]
+        shown = dict(list(uneven.items())[:3])
+        raise ValueError(
+            f"{type(module).__name__}: the plan splits {len(uneven)} parameter(s) on a dim not divisible by "
+            f"tp_size={tp_size} (name: size of the split dim, e.g. {shown}), which would fail mid-forward with a "
+            f"different shape on each rank. Use a tp_size that divides them: one of {good}, or keep those modules "
+            "whole (`tp_plan={'<module>': 'replicate'}`)."
+        )
+
+
+def _between_split_projections(module: nn.Module, styles: Mapping[str, Style]) -> list[str]:
+    """Modules the plan does not name that hold parameters and sit between a column-wise projection whose output
+    stays sharded and a row-wise one (an MLP's activation with learnable parameters, Apertus' xIELU): they run on the
+    rank's features, so each rank's gradient is a part of the whole one and is summed over the TP group. Norms are
+    left to the plan (a norm there may also normalise the region's input). A parameter with one value per sharded
+    feature would need splitting, not a sum: refused by name."""
+    modules = dict(module.named_modules())
+    found = []
+    for name, child in modules.items():
+        params = dict(child.named_parameters(recurse=False))
+        if not name or not params or name in styles or "norm" in type(child).__name__.lower():
+            continue
+        if any(f"{name}.{p}" in styles for p in params):
+            continue
+        parent = name.rpartition(".")[0]
+        siblings = {
+            key: style
+            for key, style in styles.items()
+            if key.rpartition(".")[0] == parent and key in modules and key != name
+        }
+        column = [key for key, style in siblings.items() if style in _COLUMN_STYLES]
+        if not column or not any(getattr(facts(style), "kind", None) == "row" for style in siblings.values()):
+            continue
+        widths = {
+            weight.shape[dim]
+            for key in column
+            if isinstance(weight := getattr(modules[key], "weight", None), torch.Tensor)
+            and (dim := facts(styles[key]).split_dim(weight.ndim)) is not None
+        }
+        per_feature = [f"{p} {list(t.shape)}" for p, t in params.items() if widths & set(t.shape)]
+        if per_feature:
+            raise ValueError(
+                f"{type(module).__name__}: {name} ({type(child).__name__}) holds {per_feature}, one value per "
+                f"feature of {column[0]}, whose output the plan splits over the TP ranks: give {name!r} a style in "
+                f"`tp_plan` that splits it the same way, or keep {column[0]!r} whole ('colwise_rep')."
+            )
+        found.append(name)
+    return found
 
 
 def _sees_sharded_features(norm: str, styles: Mapping[str, Style]) -> bool:

@@ -94,8 +94,9 @@ _EP = (
     "experts with `moe_tp_experts` instead"
 )
 
-#: The attributes an attention module keeps its head counts in (families spell them differently), and GPT-2's
-#: ``split_size`` (the width of its q, k, v blocks): ``local_heads`` divides each one the module has by the TP size.
+#: The attributes an attention module keeps its head counts in (families spell them differently), GPT-2's
+#: ``split_size`` (the width of its q, k, v blocks) and ``embed_dim`` (the width XGLM reshapes its attention output
+#: to): ``local_heads`` divides each one the module has by the TP size.
 HEAD_COUNT_ATTRIBUTES = (
     "num_heads",
     "num_attention_heads",
@@ -103,6 +104,7 @@ HEAD_COUNT_ATTRIBUTES = (
     "num_kv_heads",
     "n_heads",
     "split_size",
+    "embed_dim",
 )
 #: The head-count attributes that count KV heads (grouped-query attention): with KV-head replication they become the
 #: rank's KV heads, not ``count / tp_size``.

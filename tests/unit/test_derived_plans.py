@@ -225,7 +225,8 @@ def test_local_heads_divides_the_head_counts_of_the_named_modules_only():
 def test_inspector_says_the_plan_was_derived_and_shows_the_local_heads():
     report = inspect_model(meta_model("gpt_bigcode"), tp_size=2)
     assert report.valid and report.source == "derived"
-    assert ("transformer.h.0.attn", {"num_heads": (4, 2), "split_size": (64, 32)}) in report.local_heads
+    heads = {"num_heads": (4, 2), "split_size": (64, 32), "embed_dim": (64, 32)}
+    assert ("transformer.h.0.attn", heads) in report.local_heads
     text = format_report(report, tp_size=2, dp_shard_size=1)
     assert "Plan: derived from the module structure" in text
     assert "transformer.h.0.attn.c_attn.weight" in text and "[192, 64] -> [96, 64]" in text

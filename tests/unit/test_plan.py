@@ -181,3 +181,36 @@ def test_heads_are_checked_per_layer():
             },
             tp_size=2,
         )
+
+
+def test_an_mlp_split_unevenly_is_refused_and_the_vocabulary_may_be_uneven():
+    with pytest.raises(
+        ValueError, match=r"not divisible by tp_size=2.*'model.layers.0.mlp.gate_proj.weight': 63.*one of \[1, 3, 7"
+    ):
+        resolve_plan(meta_model("qwen3", intermediate_size=63), "auto", tp_size=2)
+    resolve_plan(meta_model("qwen3", vocab_size=97), "auto", tp_size=2)  # padded by DTensor, tested at parity
+
+
+def test_a_learnable_activation_between_split_projections_sums_its_gradient():
+    from transformers import ApertusConfig, AutoModelForCausalLM
+
+    config = ApertusConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert any(True for _ in model.model.layers[0].mlp.act_fn.parameters())  # xIELU's alpha_p, alpha_n
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert {f"model.layers.{i}.mlp.act_fn" for i in range(2)} <= set(plan.grad_allreduce)
+    assert not [name for name in plan.grad_allreduce if name.endswith("layernorm")]  # norms: the plan's call
+    per_feature = nn.Module()
+    per_feature.weight = nn.Parameter(torch.ones(128))
+    model.model.layers[0].mlp.act_fn = per_feature
+    with pytest.raises(ValueError, match=r"act_fn \(Module\) holds \['weight \[128\]'\], one value per feature"):
+        resolve_plan(model, "auto", tp_size=2)
