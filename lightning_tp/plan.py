@@ -42,6 +42,8 @@ _FUSED_PROJECTIONS = ("qkv_proj", "query_key_value", "c_attn", "Wqkv")
 _QUERY_PROJECTIONS = ("q_proj", "query", *_FUSED_PROJECTIONS)
 _SEPARATE_KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value")
 _KV_PROJECTIONS = (*_SEPARATE_KV_PROJECTIONS, "qkv_proj", "query_key_value")
+#: Where activation function classes live: an activation module is applied to an MLP's (sharded) features.
+_ACTIVATION_MODULES = ("transformers.activations", "torch.nn.modules.activation")
 #: Styles whose output holds each rank's slice of the features (heads): a head count must divide by the TP size.
 _COLUMN_STYLES = style_names(output_sharded=True)
 
@@ -326,16 +328,17 @@ def _check_even_splits(module: nn.Module, styles: Mapping[str, Style], tp_size: 
 
 
 def _between_split_projections(module: nn.Module, styles: Mapping[str, Style]) -> list[str]:
-    """Modules the plan does not name that hold parameters and sit between a column-wise projection whose output
-    stays sharded and a row-wise one (an MLP's activation with learnable parameters, Apertus' xIELU): they run on the
-    rank's features, so each rank's gradient is a part of the whole one and is summed over the TP group. Norms are
-    left to the plan (a norm there may also normalise the region's input). A parameter with one value per sharded
-    feature would need splitting, not a sum: refused by name."""
+    """Activation functions with learnable parameters (Apertus' xIELU) that the plan does not name, next to a
+    column-wise projection whose output stays sharded and a row-wise one: an MLP's activation runs on the rank's
+    features, so each rank's gradient is a part of the whole one and is summed over the TP group. Only activation
+    modules (Transformers' or torch's): another module there (a norm, a head) may run on the whole hidden states,
+    and is left to the plan. A parameter with one value per sharded feature would need splitting, not a sum:
+    refused by name."""
     modules = dict(module.named_modules())
     found = []
     for name, child in modules.items():
         params = dict(child.named_parameters(recurse=False))
-        if not name or not params or name in styles or "norm" in type(child).__name__.lower():
+        if not name or not params or name in styles or type(child).__module__ not in _ACTIVATION_MODULES:
             continue
         if any(f"{name}.{p}" in styles for p in params):
             continue

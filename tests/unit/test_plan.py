@@ -209,8 +209,6 @@ def test_a_learnable_activation_between_split_projections_sums_its_gradient():
     plan = resolve_plan(model, "auto", tp_size=2)
     assert {f"model.layers.{i}.mlp.act_fn" for i in range(2)} <= set(plan.grad_allreduce)
     assert not [name for name in plan.grad_allreduce if name.endswith("layernorm")]  # norms: the plan's call
-    per_feature = nn.Module()
-    per_feature.weight = nn.Parameter(torch.ones(128))
-    model.model.layers[0].mlp.act_fn = per_feature
-    with pytest.raises(ValueError, match=r"act_fn \(Module\) holds \['weight \[128\]'\], one value per feature"):
+    model.model.layers[0].mlp.act_fn = nn.PReLU(128)  # one slope per feature of up_proj's (split) output
+    with pytest.raises(ValueError, match=r"act_fn \(PReLU\) holds \['weight \[128\]'\], one value per feature"):
         resolve_plan(model, "auto", tp_size=2)
