@@ -441,11 +441,14 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
             f"cannot be split evenly over the TP ranks (Transformers would load it and fail in the first forward). "
             f"Use a tp_size that divides the query heads: one of {good}."
         )
-    if not sharded(_KV_PROJECTIONS) or kv_heads % tp_size == 0:
+    if not sharded(_KV_PROJECTIONS):
         return {}
-    both = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
+
+    def both(query_heads: int, kv: int) -> list[int]:
+        return [d for d in range(1, query_heads + 1) if query_heads % d == 0 and kv % d == 0]
+
     fused = sharded(_FUSED_PROJECTIONS)
-    if fused or heads % kv_heads:
+    if (fused and kv_heads % tp_size) or (kv_heads % tp_size and heads % kv_heads):
         why = (
             f"{fused[0]} packs the KV heads with the query heads, and KV-head replication needs separate K/V "
             "projections"
@@ -454,49 +457,76 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
         )
         raise ValueError(
             f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and the KV heads "
-            f"cannot be replicated: {why}. Use a tp_size that divides both head counts: one of {both}."
+            f"cannot be replicated: {why}. Use a tp_size that divides both head counts: one of "
+            f"{both(heads, kv_heads)}."
         )
     modules = dict(model.named_modules())
     replicated: dict[str, tuple[int, int]] = {}
     for name in sharded(_SEPARATE_KV_PROJECTIONS):
         if name not in modules:
             continue  # a parameter entry: rewritten with its module below
+        attention = name.rpartition(".")[0]
+        owner = modules[attention]
+        # Layers may differ from the config (sliding-window layers with more KV heads, heads per layer).
+        layer_heads, layer_kv = _attention_heads(modules, attention, default=(heads, kv_heads))
+        if layer_kv % tp_size == 0:
+            continue
+        sizes = both(layer_heads, layer_kv)
         projection = modules[name]
         base = projection.get_base_layer() if hasattr(projection, "get_base_layer") else projection
         weight = getattr(base, "weight", None)
-        if styles[name] != "colwise" or not isinstance(base, nn.Linear) or weight.shape[0] % kv_heads:
+        if layer_heads % tp_size or layer_heads % layer_kv:
             raise ValueError(
-                f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and "
+                f"{model_name}: {attention} has {layer_heads} query heads and {layer_kv} KV heads: tp_size={tp_size} "
+                f"can split neither evenly. Use a tp_size that divides both head counts: one of {sizes}."
+            )
+        if styles[name] != "colwise" or not isinstance(base, nn.Linear) or weight.shape[0] % layer_kv:
+            raise ValueError(
+                f"{model_name}: num_key_value_heads={layer_kv} not divisible by tp_size={tp_size}, and "
                 f"{name} ({type(base).__name__}, style {styles[name]!r}) is not an nn.Linear with 'colwise' whose "
-                f"output holds {kv_heads} KV heads, so its KV heads cannot be replicated. Use a tp_size that divides "
-                f"both head counts: one of {both}, or give {name} your own style in `tp_plan`."
+                f"output holds {layer_kv} KV heads, so its KV heads cannot be replicated. Use a tp_size that divides "
+                f"both head counts: one of {sizes}, or give {name} your own style in `tp_plan`."
             )
         for key in [name, *(f"{name}.{p}" for p in ("weight", "bias"))]:
             if styles.get(key) == "colwise":
                 styles[key] = "colwise_kv_heads"
-        attention = name.rpartition(".")[0]
-        owner = modules[attention]
         tells_groups = isinstance(getattr(owner, KV_GROUPS_ATTRIBUTE, None), int) or (
             attention in plan.head_styles
             and any(isinstance(getattr(owner, a, None), int) for a in KV_HEAD_COUNT_ATTRIBUTES)
         )
         if not tells_groups:
             raise ValueError(
-                f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and its attention "
+                f"{model_name}: num_key_value_heads={layer_kv} not divisible by tp_size={tp_size}, and its attention "
                 f"module {attention} ({type(owner).__name__}) keeps no `{KV_GROUPS_ATTRIBUTE}` to be told each rank's "
                 f"grouping, so its KV heads cannot be replicated. Use a tp_size that divides both head counts: one "
-                f"of {both}."
+                f"of {sizes}."
             )
-        replicated[attention] = (heads, kv_heads)
+        replicated[attention] = (layer_heads, layer_kv)
     for attention in replicated:
         # The attention is told one grouping for both K and V: a gathered or whole sibling would give it all heads.
         for leaf in _SEPARATE_KV_PROJECTIONS:
             sibling = f"{attention}.{leaf}"
             if sibling in modules and styles.get(sibling) != "colwise_kv_heads":
                 raise ValueError(
-                    f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}: the KV heads "
-                    f"of {attention} are replicated for its other K/V projection, but {sibling} has style "
-                    f"{styles.get(sibling)!r}. Give its K and V projections the same style ('colwise'), or use a "
-                    f"tp_size that divides both head counts: one of {both}."
+                    f"{model_name}: num_key_value_heads={replicated[attention][1]} not divisible by "
+                    f"tp_size={tp_size}: the KV heads of {attention} are replicated for its other K/V projection, "
+                    f"but {sibling} has style {styles.get(sibling)!r}. Give its K and V projections the same style "
+                    f"('colwise'), or use a tp_size that divides both head counts: one of "
+                    f"{both(*replicated[attention])}."
                 )
     return replicated
+
+
+def _attention_heads(modules: Mapping[str, nn.Module], attention: str, *, default: tuple[int, int]) -> tuple[int, int]:
+    """An attention module's own (query heads, KV heads), where it keeps ``head_dim`` and ``num_key_value_groups``
+    (layers may differ from the config): its key projection's width over ``head_dim``, and that times the grouping
+    (the key projection, not the query one: a gated query projection is twice as wide); else ``default``."""
+    owner = modules[attention]
+    head_dim, groups = getattr(owner, "head_dim", None), getattr(owner, KV_GROUPS_ATTRIBUTE, None)
+    key = next((modules[f"{attention}.{leaf}"] for leaf in ("k_proj", "key") if f"{attention}.{leaf}" in modules), None)
+    if key is not None and hasattr(key, "get_base_layer"):
+        key = key.get_base_layer()
+    width = getattr(getattr(key, "weight", None), "shape", (None,))[0]
+    if not all(isinstance(v, int) and v > 0 for v in (head_dim, groups, width)) or width % head_dim:
+        return default
+    return width // head_dim * groups, width // head_dim

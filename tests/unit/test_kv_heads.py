@@ -82,3 +82,16 @@ def test_attention_modules_get_their_ranks_grouping(rank):
     attention = derived.model.layers[0].self_attn
     assert (attention.num_heads, attention.num_key_value_heads, attention.num_key_value_groups) == (1, 1, 1)
     assert derived.config.num_key_value_heads == 1  # the config (what is saved) keeps the whole model's counts
+
+
+def test_layers_with_their_own_head_counts_are_decided_one_by_one():
+    """A layer with more KV heads than the config says (sliding-window layers of MiMo-V2-Flash, say): split as usual
+    where the TP size divides them, replicated elsewhere."""
+    model = _meta("llama", num_key_value_heads=1)
+    wide = model.model.layers[1].self_attn
+    with torch.device("meta"):
+        wide.k_proj, wide.v_proj = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)  # 2 KV heads of 16
+    wide.num_key_value_groups = 2
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.kv_replicated == {"model.layers.0.self_attn": (4, 1)}
+    assert plan.styles["model.layers.1.self_attn.k_proj"] == "colwise"
