@@ -121,29 +121,36 @@ def inspect_model(
 
 
 def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
-    """What KV-head replication does on each rank, and what it costs (see :mod:`lightning_tp.kv_heads`)."""
-    if not plan.kv_replicated:
-        return []
-    (query_heads, kv_heads), *_ = plan.kv_replicated.values()
+    """What KV-head replication does on each rank, and what it costs (see :mod:`lightning_tp.kv_heads`), for each
+    group of attention modules with the same head counts (layers may differ)."""
     params = dict(model.named_parameters())
-    kv_weights = [
-        params[name]
-        for name, style in plan.styles.items()
-        if style == "colwise_kv_heads" and name in params and name.endswith(".weight")
-    ]
-    layers = len(plan.kv_replicated)
-    gathered = sum(w.numel() for w in kv_weights) // layers  # one layer's K and V (and adapters') weights, whole
-    most = max(kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=r).local_kv_heads for r in range(tp_size))
-    size = kv_weights[0].element_size() if kv_weights else 4
-    lines = [
-        f"num_key_value_heads={kv_heads} is not divisible by tp_size={tp_size}: the KV heads are replicated in "
-        f"{layers} attention modules ({next(iter(plan.kv_replicated))}, ...). K/V weights stay split like "
-        f"'colwise' (1/{tp_size} per rank); each rank computes the KV heads its query heads read:",
-        *(f"  {line}" for line in describe_layouts(query_heads, kv_heads, tp_size=tp_size)),
-        f"Cost per attention module and step: its K/V weights gathered for the forward ({gathered:,} values, "
-        f"{gathered * size / 2**20:.2f} MiB at {size} bytes each) and their gradient reduce-scattered; K/V "
-        f"activations of up to {most} head(s) per rank instead of {kv_heads / tp_size:g}.",
-    ]
+    groups: dict[tuple[int, int], list[str]] = {}
+    for attention, counts in plan.kv_replicated.items():
+        groups.setdefault(counts, []).append(attention)
+    lines = []
+    for (query_heads, kv_heads), attentions in groups.items():
+        kv_weights = [
+            params[name]
+            for name, style in plan.styles.items()
+            if style == "colwise_kv_heads"
+            and name in params
+            and name.endswith(".weight")
+            and any(name.startswith(f"{a}.") for a in attentions)
+        ]
+        gathered = sum(w.numel() for w in kv_weights) // len(attentions)  # one module's K and V (and adapters')
+        size = kv_weights[0].element_size() if kv_weights else 4
+        most = max(
+            kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=r).local_kv_heads for r in range(tp_size)
+        )
+        lines += [
+            f"{kv_heads} KV heads for {query_heads} query heads, not divisible by tp_size={tp_size}: the KV heads are "
+            f"replicated in {len(attentions)} attention modules ({attentions[0]}, ...). K/V weights stay split like "
+            f"'colwise' (1/{tp_size} per rank); each rank computes the KV heads its query heads read:",
+            *(f"  {line}" for line in describe_layouts(query_heads, kv_heads, tp_size=tp_size)),
+            f"Cost per attention module and step: its K/V weights gathered for the forward ({gathered:,} values, "
+            f"{gathered * size / 2**20:.2f} MiB at {size} bytes each) and their gradient reduce-scattered; K/V "
+            f"activations of up to {most} head(s) per rank instead of {kv_heads / tp_size:g}.",
+        ]
     return lines
 
 

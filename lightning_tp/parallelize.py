@@ -38,7 +38,7 @@ from lightning_tp.lora import (
     peft_models,
 )
 from lightning_tp.loss_parallel import install_loss_parallel, loss_parallel_plan
-from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan
+from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan, uneven_kv_projections
 from lightning_tp.random_init import random_state_of_rank_zero
 from lightning_tp.sequence_parallel import sequence_parallel_plan
 from lightning_tp.tensor_parallel import (
@@ -289,12 +289,20 @@ def resolve_targets(
                     "time with its own plan. Load it without `distributed_config` to apply them."
                 )
         plan = resolve_plan(module, "auto" if presharded_mesh is not None else options.tp_plan, tp_size=layout.tp_size)
-        if presharded_mesh is not None and plan.kv_replicated:
-            heads, kv_heads = next(iter(plan.kv_replicated.values()))
+        uneven = uneven_kv_projections(module, plan, layout.tp_size) if layout.dp_size > 1 else []
+        if uneven:
             raise ValueError(
-                f"{type(module).__name__} was sharded by Transformers at load time, which cannot split its "
-                f"{kv_heads} KV heads over tp_size={layout.tp_size}. Load it without `distributed_config`: the "
-                "strategy then replicates the KV heads (each rank computes those of its query heads)."
+                f"{type(module).__name__}: the KV heads of {uneven[0]} are replicated over tp_size={layout.tp_size}, "
+                f"and its width ({module.get_submodule(uneven[0]).weight.shape[0]}: KV heads x head_dim) is not "
+                f"divisible by it, so its shards are uneven, which FSDP2 (data-parallel size {layout.dp_size}) cannot "
+                "shard further. Use a tp_size that divides that width, or no data parallelism."
+            )
+        if presharded_mesh is not None and plan.kv_replicated:
+            raise ValueError(
+                f"{type(module).__name__} was sharded by Transformers at load time, which cannot split KV heads "
+                f"that tp_size={layout.tp_size} does not divide ({sorted(set(plan.kv_replicated.values()))}: query "
+                "and KV heads). Load it without `distributed_config`: the strategy then replicates the KV heads "
+                "(each rank computes those of its query heads)."
             )
         if has_peft(module):
             # PEFT was applied to the whole model: shard each adapter with its base layer, and refuse what cannot be

@@ -262,10 +262,10 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
         if style in _SUMMED_HERE and name in module_names and _sees_sharded_features(name, resolved.styles)
     ]
     resolved.grad_allreduce += _between_split_projections(module, resolved.styles)
-    _check_even_splits(module, resolved.styles, tp_size)
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
+    _check_even_splits(module, resolved.styles, tp_size)
     _check_local_heads(module, resolved.local_heads, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
 
@@ -298,10 +298,12 @@ def _check_local_heads(
 
 
 def _check_even_splits(module: nn.Module, styles: Mapping[str, Style], tp_size: int) -> None:
-    """A linear layer's split dim (an MLP's intermediate size, say) must divide by the TP size: uneven shards of a
-    column-wise layer and the row-wise one after it fail mid-forward with a different shape on each rank. The
-    vocabulary (embeddings, the output head) may be uneven (DTensor pads it), and so may the K/V projections of
-    KV-head replication (gathered before use)."""
+    """A linear layer whose shards meet another rank-local op must be split on a dim the TP size divides (an MLP's
+    intermediate size, say): uneven shards of a column-wise layer whose output stays sharded, or of the row-wise
+    layer that takes it, fail mid-forward with a different shape on each rank. Layers whose output is gathered or
+    whose replicated input is split locally (``colwise_rep``, ``rowwise_split_input``...) go through DTensor, which
+    pads uneven shards; so do the vocabulary (embeddings, the output head) and the K/V projections of KV-head
+    replication (gathered before use)."""
     if tp_size == 1:
         return
     out = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
@@ -310,7 +312,8 @@ def _check_even_splits(module: nn.Module, styles: Mapping[str, Style], tp_size: 
     for name, param in module.named_parameters():
         style = styles.get(name)
         fact = facts(style)
-        if fact is None or fact.kind not in ("column", "row") or style == "colwise_kv_heads" or id(param) in head:
+        rank_local = fact is not None and (fact.output_sharded or fact.input_sharded)
+        if not rank_local or fact.kind not in ("column", "row") or style == "colwise_kv_heads" or id(param) in head:
             continue
         dim = fact.split_dim(param.ndim, is_bias=name.rpartition(".")[2] == "bias")
         if dim is not None and param.shape[dim] % tp_size:
@@ -430,9 +433,15 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
     model_name = type(model).__name__
 
     def sharded(projections: tuple[str, ...]) -> list[str]:
-        return [
-            name for name, style in styles.items() if name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES
-        ]
+        """The modules of ``projections`` the plan splits column-wise, named by a module or a parameter entry."""
+        names = [name.removesuffix(".weight").removesuffix(".bias") for name in styles]
+        return list(
+            dict.fromkeys(
+                name
+                for name, style in zip(names, styles.values(), strict=True)
+                if name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES
+            )
+        )
 
     if sharded(_QUERY_PROJECTIONS) and heads % tp_size:
         good = [d for d in range(1, heads + 1) if heads % d == 0]
@@ -464,7 +473,9 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
     replicated: dict[str, tuple[int, int]] = {}
     for name in sharded(_SEPARATE_KV_PROJECTIONS):
         if name not in modules:
-            continue  # a parameter entry: rewritten with its module below
+            continue
+        if name not in styles:  # split by parameter entries only: the style applies to the module
+            styles[name] = styles.get(f"{name}.weight", "colwise")
         attention = name.rpartition(".")[0]
         owner = modules[attention]
         # Layers may differ from the config (sliding-window layers with more KV heads, heads per layer).
@@ -530,3 +541,17 @@ def _attention_heads(modules: Mapping[str, nn.Module], attention: str, *, defaul
     if not all(isinstance(v, int) and v > 0 for v in (head_dim, groups, width)) or width % head_dim:
         return default
     return width // head_dim * groups, width // head_dim
+
+
+def uneven_kv_projections(module: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
+    """The ``colwise_kv_heads`` projections whose width (KV heads x head_dim) the TP size does not divide: their
+    shards are uneven (some may be empty), which TP alone handles and FSDP2 on top does not."""
+    modules = dict(module.named_modules())
+    return [
+        name
+        for name, style in plan.styles.items()
+        if style == "colwise_kv_heads"
+        and name in modules
+        and isinstance(weight := getattr(modules[name], "weight", None), torch.Tensor)
+        and weight.shape[0] % tp_size
+    ]

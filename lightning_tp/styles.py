@@ -35,6 +35,8 @@ class StyleFacts:
     ``strided``: each rank holds a slice of each packed half of a weight (fused gate/up: ``_StridedShard``), a layout of
     its own; a 1-D parameter is split plainly.
     ``output_sharded``: each rank's output holds its own slice of the features (heads), so what follows runs on shards.
+    ``input_sharded``: a row-wise layer that takes its input as the rank's slice of the features (from an
+    ``output_sharded`` layer); the row-wise styles that take a replicated input and split it locally do not.
     ``lora_half``: the LoRA matrix that shares the base's split dim and gets the same style (``lora_B`` reads the
     replicated low-rank input and writes the base's output slice; ``lora_A`` reads the base's input slice); the other
     half stays whole. ``None``: both stay whole (refused by :func:`lightning_tp.lora.extend_plan_to_adapters` when
@@ -54,6 +56,7 @@ class StyleFacts:
     vector_split: bool = True
     strided: bool = False
     output_sharded: bool = False
+    input_sharded: bool = False
     lora_half: Literal["lora_A", "lora_B"] | None = None
     sums_gradients: bool = False
     rewritable: bool = False
@@ -138,6 +141,7 @@ STYLES: dict[str, StyleFacts] = {
         "linear, weight sharded on the input dim, output all-reduced",
         kind="row",
         weight_dim=-1,
+        input_sharded=True,
         lora_half="lora_A",
         rewritable=True,
     ),
@@ -231,6 +235,7 @@ STYLES: dict[str, StyleFacts] = {
         "Conv1D (weight [in, out]) sharded on the input dim, output all-reduced, bias added once",
         kind="row",
         weight_dim=-2,
+        input_sharded=True,
         registered=False,
     ),
     # Refused.

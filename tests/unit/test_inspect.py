@@ -51,7 +51,7 @@ def test_invalid_layout_names_the_problem_and_the_sizes_that_work(config_dirs, c
 def test_replicated_kv_heads_are_explained_per_rank(config_dirs, capsys):
     assert main([str(config_dirs / "kv1"), "--tp-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert "num_key_value_heads=1 is not divisible by tp_size=4: the KV heads are replicated in 2" in out
+    assert "1 KV heads for 4 query heads, not divisible by tp_size=4: the KV heads are replicated in 2" in out
     assert "rank 3: query heads 3 read KV heads 0" in out
     assert "model.layers.0.self_attn.k_proj.weight" in out and "colwise_kv_heads" in out
     assert "[16, 64] -> [4, 64]" in out  # stored split like colwise

@@ -95,3 +95,22 @@ def test_layers_with_their_own_head_counts_are_decided_one_by_one():
     plan = resolve_plan(model, "auto", tp_size=2)
     assert plan.kv_replicated == {"model.layers.0.self_attn": (4, 1)}
     assert plan.styles["model.layers.1.self_attn.k_proj"] == "colwise"
+
+
+def test_uneven_kv_widths_are_allowed_under_tp_and_named_for_fsdp():
+    from lightning_tp.plan import uneven_kv_projections
+
+    model = _meta("llama", num_attention_heads=6, num_key_value_heads=1, head_dim=10, intermediate_size=96)
+    plan = resolve_plan(model, "auto", tp_size=3)  # k_proj's 10 rows over 3 ranks: gathered before use
+    assert plan.kv_replicated["model.layers.0.self_attn"] == (6, 1)
+    # FSDP2 cannot shard uneven TP shards further: parallelize refuses it when there is data parallelism.
+    assert "model.layers.0.self_attn.k_proj" in uneven_kv_projections(model, plan, 3)
+
+
+def test_a_kv_projection_split_by_its_weight_entry_alone_is_seen():
+    """A weight entry that splits k_proj under a module entry that keeps it whole: refused by name, not left to fail
+    mid-forward."""
+    model = _meta("llama", num_key_value_heads=1)
+    overrides = {"model.layers.*.self_attn.k_proj.weight": "colwise", "model.layers.*.self_attn.k_proj": "replicate"}
+    with pytest.raises(ValueError, match=r"k_proj \(Linear, style 'replicate'\) is not an nn.Linear with 'colwise'"):
+        resolve_plan(model, overrides, tp_size=2)

@@ -212,3 +212,8 @@ def test_a_learnable_activation_between_split_projections_sums_its_gradient():
     model.model.layers[0].mlp.act_fn = nn.PReLU(128)  # one slope per feature of up_proj's (split) output
     with pytest.raises(ValueError, match=r"act_fn \(PReLU\) holds \['weight \[128\]'\], one value per feature"):
         resolve_plan(model, "auto", tp_size=2)
+
+
+def test_uneven_layers_that_go_through_dtensor_are_not_refused():
+    # phi3's fused gate_up is 'colwise_gather_output' and down 'rowwise_split_input': DTensor pads uneven shards.
+    resolve_plan(meta_model("phi3", intermediate_size=33), "auto", tp_size=2)
