@@ -351,6 +351,66 @@ def replicate_unsharded_parameters(
                 _run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
             else:
                 _run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
+    _run_replicated_subtrees_on_views(module, {id(p) for p in replaced.values()}, summed)
+
+
+def _run_replicated_subtrees_on_views(module: nn.Module, replicated: set[int], summed: set[str]) -> None:
+    """A module whose whole subtree was left whole (a vision tower, a projector, a norm) also swaps its descendants'
+    parameters during its own call: some forwards read a child's parameters without calling the child
+    (``nn.MultiheadAttention`` passes ``out_proj.weight`` to ``F.multi_head_attention_forward``), which would
+    otherwise meet the replicated DTensor. Only ``Replicate`` DTensors on one mesh axis are swapped: a parameter
+    FSDP2 holds sharded at that moment is left to its unit, whose own views run after its all-gather. Subtrees
+    holding a TP-sharded parameter, or a module whose gradients are summed over the TP group, keep per-module views
+    only."""
+
+    def visit(name: str, submodule: nn.Module) -> tuple[bool, list[nn.Module]]:
+        """Whether the subtree holds only parameters replicated here, and its modules holding parameters."""
+        own = [p for p in parameter_dict(submodule).values() if p is not None]
+        whole = name not in summed and all(id(p) in replicated for p in own)
+        holders = [submodule] if own else []
+        inside: list[nn.Module] = []
+        for child_name, child in submodule.named_children():
+            child_whole, child_holders = visit(f"{name}.{child_name}" if name else child_name, child)
+            whole = whole and child_whole
+            inside += child_holders
+        if whole and inside:
+            _swap_subtree_on_call(submodule, inside)
+        return whole, holders + inside
+
+    visit("", module)
+
+
+def _replicated_local(param: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor of a parameter replicated over one mesh axis (the TP group), else ``None``."""
+    if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements == (Replicate(),):
+        return param.to_local()
+    return None
+
+
+def _swap_subtree_on_call(module: nn.Module, holders: list[nn.Module]) -> None:
+    """During each call of ``module``, the replicated parameters of ``holders`` are their local tensors; afterwards
+    each is put back, unless something else (FSDP2 resharding a unit inside) replaced it meanwhile."""
+    pending: list[list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]] = []
+
+    def swap(_module: nn.Module, _args: Any) -> None:
+        swapped = []
+        for holder in holders:
+            params = parameter_dict(holder)
+            for name, param in list(params.items()):
+                local = _replicated_local(param) if param is not None else None
+                if local is not None:
+                    params[name] = local
+                    swapped.append((params, name, param, local))
+        pending.append(swapped)
+
+    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if pending:
+            for params, name, param, local in pending.pop():
+                if params.get(name) is local:
+                    params[name] = param
+
+    module.register_forward_pre_hook(swap)
+    module.register_forward_hook(restore, prepend=True, always_call=True)
 
 
 class _GradInParameterLayout(torch.autograd.Function):
