@@ -140,6 +140,9 @@ def run_case(ctx: Context, name: str) -> dict:
         "state": full_state(module.model),
         "sampler": strategy.distributed_sampler_kwargs,
         "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
+        "placements": {
+            n: [str(x) for x in p.placements] for n, p in model.named_parameters() if isinstance(p, DTensor)
+        },
         "num_params": len(list(module.parameters())),
         "grad_layouts": module.grad_layouts,
         "trainable": sum(p.requires_grad for p in module.parameters()),

@@ -8,7 +8,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from tests.helpers.models import MLP, ParityModule, TwiceMLP, build_causal_lm, lm_batches, mlp_batches, tiny_config
+from tests.helpers.models import (
+    MLP,
+    ParityModule,
+    TwiceMLP,
+    build_causal_lm,
+    build_vlm,
+    lm_batches,
+    mlp_batches,
+    tiny_config,
+    vlm_batches,
+)
 
 
 @dataclass
@@ -189,6 +199,16 @@ CASES: dict[str, Case] = {
     "falcon_derived": lm("falcon", 4),
     "bloom_derived": lm("bloom", 4),
     "mpt_derived": lm("mpt", 4),
+    # Vision-language models: the text model sharded by its plan, the vision tower and projector (no plan entries)
+    # replicated over the TP group, trained on image batches.
+    "qwen2_5_vl_sgd": Case(partial(build_vlm, "qwen2_5_vl"), partial(vlm_batches, "qwen2_5_vl", 3)),
+    "gemma3_sgd": Case(partial(build_vlm, "gemma3"), partial(vlm_batches, "gemma3", 3)),
+    "llava_sgd": Case(partial(build_vlm, "llava"), partial(vlm_batches, "llava", 3)),
+    "qwen2_5_vl_sp_lp": Case(
+        partial(build_vlm, "qwen2_5_vl"),
+        partial(vlm_batches, "qwen2_5_vl", 3),
+        strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
     # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
     "llama_alt_styles": lm(
         "llama",
@@ -433,6 +453,8 @@ TWO_D_CASES = [
     "llama_rslora",
     "qwen3_meta_lora",
     "qwen3_sp_lp_adamw_clip",
+    "qwen2_5_vl_sgd",
+    "gemma3_sgd",
     "qwen3_bf16_mixed",
     "qwen3_bf16_all_gather",
     "features",
