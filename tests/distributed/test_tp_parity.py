@@ -398,3 +398,25 @@ def test_vocab_parallel_cross_entropy_matches_torch(tp2_results: list[dict]) -> 
         assert records["causal_lm_loss"]["variants"] == 3
         assert records["qwen3"]["generate_equal"] is True and records["qwen3"]["logits_diff"] <= 1e-6
         assert records["collectives"]["total"] == 2
+
+
+#: Where each vision-language family keeps its vision tower and projector (no plan entries: replicated over TP).
+_VISION_PARTS = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_sgd", "gemma3_sgd", "llava_sgd"])
+@pytest.mark.scenarios("tp2", "{name}")
+def test_vision_tower_replicated_and_language_model_sharded(tp2_results: list[dict], name: str) -> None:
+    """The text model holds its plan's shards, the vision tower and projector whole copies on each TP rank, which
+    end the training equal on both ranks (their gradients are whole on each rank: the column-wise projections
+    all-reduce the gradient of the image features they read). Parity with one process: the test above."""
+    result = _result(tp2_results, name)
+    placements = result["placements"]
+    vision = {n: p for n, p in placements.items() if n.startswith(_VISION_PARTS)}
+    assert vision and all(p == ["R"] for p in vision.values()), vision
+    assert placements["model.language_model.layers.0.self_attn.q_proj.weight"] == ["S(0)"]
+    assert placements["model.language_model.layers.0.mlp.down_proj.weight"] == ["S(1)"]
+    other = _result(tp2_results, name, rank=1)["state"]
+    for key, value in result["state"].items():
+        if key.startswith(_VISION_PARTS):
+            torch.testing.assert_close(other[key], value, atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
