@@ -511,6 +511,27 @@ def decoder_layers(model: nn.Module, styles: Mapping[str, Any], blocks: set[type
     return [name for name, m in model.named_modules() if type(m) in blocks and layer_entries(styles, name)]
 
 
+def layer_stacks(layers: list[str]) -> dict[str, list[str]]:
+    """The layers grouped by the module list holding them (``model.language_model.layers``,
+    ``model.vision_tower.encoder.layers``): a vision-language model has one stack per tower."""
+    stacks: dict[str, list[str]] = {}
+    for layer in layers:
+        stacks.setdefault(layer.rpartition(".")[0], []).append(layer)
+    return stacks
+
+
+def text_decoder_layers(model: nn.Module, layers: list[str]) -> list[str]:
+    """The stack of ``layers`` that runs on the token embeddings: the one under the module holding the input
+    embedding (a vision tower's stack runs on patches, whose sequence is another). All of them when that module is
+    not found."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    owner = next((name.rpartition(".")[0] for name, m in model.named_modules() if m is embedding and name), None)
+    if owner is None:
+        return layers
+    mine = [layer for layer in layers if layer.rpartition(".")[0].rpartition(".")[0] == owner]
+    return mine or layers
+
+
 def layer_entries(styles: Mapping[str, Any], layer: str) -> dict[str, Any]:
     """The module entries (not ``.weight``/``.bias`` ones) of the plan under ``layer``."""
     return {k: v for k, v in styles.items() if k.startswith(f"{layer}.") and not k.endswith((".weight", ".bias"))}
@@ -555,14 +576,19 @@ def rewrite_dense_layers(model: nn.Module, plan: ResolvedPlan, *, blocks: set[ty
     """Decoder layers made of column-/row-wise pairs, rewritten so that each attention and MLP makes its input one
     replicated DTensor (:class:`ReplicateRegionInput`) shared by its column-wise projections: their partial input
     gradients are summed and all-reduced once, 2 all-reduces per layer in backward (Megatron's count) instead of one
-    per projection (5 for q, k, v, gate, up) with Transformers' layers. A model with any other layer keeps
-    Transformers' layers."""
+    per projection (5 for q, k, v, gate, up) with Transformers' layers. A stack of layers (a vision-language model
+    has one per tower) with any other layer keeps Transformers' layers."""
     styles: dict[str, Any] = dict(plan.styles)
-    layers = decoder_layers(model, styles, blocks)
-    if not layers or any(region_problem(styles, layer) for layer in layers):
+    rewritten = False
+    # Stack by stack: a vision tower's layers with another style leave the language model's rewritten.
+    for stack in layer_stacks(decoder_layers(model, styles, blocks)).values():
+        if any(region_problem(styles, layer) for layer in stack):
+            continue
+        for layer in stack:
+            rewrite_layer_styles(styles, layer, rowwise=RowwiseParallel, region=ReplicateRegionInput)
+        rewritten = True
+    if not rewritten:
         return plan
-    for layer in layers:
-        rewrite_layer_styles(styles, layer, rowwise=RowwiseParallel, region=ReplicateRegionInput)
     return ResolvedPlan(styles=styles, grad_allreduce=list(plan.grad_allreduce), tied=plan.tied)
 
 

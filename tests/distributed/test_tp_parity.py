@@ -420,3 +420,16 @@ def test_vision_tower_replicated_and_language_model_sharded(tp2_results: list[di
     for key, value in result["state"].items():
         if key.startswith(_VISION_PARTS):
             torch.testing.assert_close(other[key], value, atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.scenarios("tp2", "llava_vision_plan_sp_lp")
+def test_vision_tower_sharded_by_its_plan_entries(tp2_results: list[dict]) -> None:
+    """Plan entries for the CLIP layers and the projector shard them (parity: test_tp2_matches_single_process), and
+    sequence parallelism splits the language model's sequence only: the tower's layers are another stack."""
+    placements = _result(tp2_results, "llava_vision_plan_sp_lp")["placements"]
+    layer = "model.vision_tower.encoder.layers.0"
+    assert placements[f"{layer}.self_attn.q_proj.weight"] == ["S(0)"]
+    assert placements[f"{layer}.mlp.fc2.weight"] == ["S(1)"]
+    assert placements["model.multi_modal_projector.linear_1.weight"] == ["S(0)"]
+    assert placements[f"{layer}.layer_norm1.weight"] == ["R"]
+    assert placements["model.vision_tower.embeddings.patch_embedding.weight"] == ["R"]

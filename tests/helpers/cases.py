@@ -174,6 +174,17 @@ def _meta_lora_on_one_process(kind: str) -> Any:
     return model
 
 
+_CLIP_LAYERS = "model.vision_tower.encoder.layers.*"
+LLAVA_VISION_PLAN = {
+    **{f"{_CLIP_LAYERS}.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")},
+    f"{_CLIP_LAYERS}.self_attn.out_proj": "rowwise",
+    f"{_CLIP_LAYERS}.mlp.fc1": "colwise",
+    f"{_CLIP_LAYERS}.mlp.fc2": "rowwise",
+    "model.multi_modal_projector.linear_1": "colwise",
+    "model.multi_modal_projector.linear_2": "rowwise",
+}
+
+
 def lora_case(kind: str, steps: int = 3, **lora_kwargs: Any) -> Case:
     return Case(partial(_lora, kind, **lora_kwargs), partial(lm_batches, steps), optimizer="adamw", lr=1e-2)
 
@@ -209,6 +220,13 @@ CASES: dict[str, Case] = {
         partial(build_vlm, "qwen2_5_vl"),
         partial(vlm_batches, "qwen2_5_vl", 3),
         strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
+    # LLaVA with plan entries for its vision tower and projector too: the CLIP layers sharded by them (plain TP: the
+    # tower's sequence is the patches), the language model's layers under sequence and loss parallelism.
+    "llava_vision_plan_sp_lp": Case(
+        partial(build_vlm, "llava"),
+        partial(vlm_batches, "llava", 3),
+        strategy_kwargs={"tp_plan": LLAVA_VISION_PLAN, "sequence_parallel": True, "loss_parallel": True},
     ),
     # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
     "llama_alt_styles": lm(

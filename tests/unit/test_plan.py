@@ -152,3 +152,40 @@ def test_heads_are_checked_per_layer():
             },
             tp_size=2,
         )
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "gemma3", "llava"])
+def test_vision_language_model_plan_leaves_the_vision_tower_alone(kind):
+    """The class plan's keys are prefixed (`model.language_model.layers.*`): the language model's layers are planned,
+    the vision tower and projector have no entries (they stay whole), and the dense rewrite's stack is the text one."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_tp.fsdp import block_classes
+    from lightning_tp.tensor_parallel import decoder_layers
+    from tests.helpers.models import tiny_vlm_config
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config(kind))
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.styles["model.language_model.layers.0.self_attn.q_proj"] == "colwise"
+    assert not [n for n in plan.styles if n.startswith(("model.visual", "model.vision_tower", "model.multi_modal"))]
+    layers = decoder_layers(model, plan.styles, block_classes(model))  # _no_split_modules lists vision blocks too
+    assert layers == ["model.language_model.layers.0", "model.language_model.layers.1"]
+
+
+def test_sequence_parallel_takes_the_stack_on_the_token_embeddings():
+    """With a vision tower planned too there are two stacks of planned layers; sequence parallelism splits the one
+    under the module holding the input embedding."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_tp.fsdp import block_classes
+    from lightning_tp.tensor_parallel import decoder_layers, layer_stacks, text_decoder_layers
+    from tests.helpers.cases import LLAVA_VISION_PLAN
+    from tests.helpers.models import tiny_vlm_config
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config("llava"))
+    plan = resolve_plan(model, LLAVA_VISION_PLAN, tp_size=2)
+    layers = decoder_layers(model, plan.styles, block_classes(model))
+    assert sorted(layer_stacks(layers)) == ["model.language_model.layers", "model.vision_tower.encoder.layers"]
+    assert text_decoder_layers(model, layers) == ["model.language_model.layers.0", "model.language_model.layers.1"]
