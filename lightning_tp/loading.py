@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_tp.compat import distributed_is_initialized, mark_hf_initialized
+from lightning_tp.compat import distributed_is_initialized, mark_hf_initialized, revert_weight_conversion
 from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero, whole_parameters
 from lightning_tp.tensor_parallel import retie
 
@@ -128,7 +128,8 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
     # PEFT applied to the meta model: base weights sit under `<layer>.base_layer.` and the adapters (initialised by
     # PEFT after loading) are in no base checkpoint.
     state = {_base_name(name): t for name, t in state.items() if not _is_adapter(name)}
-    missing = sorted(set(state) - available)
+    in_file = _checkpoint_names(model, state, available)
+    missing = sorted(name for name in state if in_file.get(name, name) not in available)
     if missing:
         raise ValueError(
             f"{type(model).__name__}: the checkpoint in {directory} has no tensors named {missing[:8]}"
@@ -136,8 +137,24 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
             "(Transformers converts some checkpoints while loading, e.g. per-expert MoE weights); load this one with "
             "`AutoModelForCausalLM.from_pretrained` instead of `lightning_tp.from_pretrained`."
         )
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    renamed = {in_file.get(name, name): tensor for name, tensor in state.items()}
+    dcp.load(renamed, storage_reader=HuggingFaceStorageReader(str(directory)))
     return set(state)
+
+
+def _checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor], available: set[str]) -> dict[str, str]:
+    """The file's name of each tensor the file holds under another name: ``save_pretrained`` writes some models
+    under their original layout's names (a vision-language model's ``model.language_model.layers.0...`` as
+    ``model.layers.0...`` or ``language_model.model.layers.0...``), which Transformers renames while loading. Only
+    plain renames (one tensor to one) are taken; a conversion that splits or fuses tensors stays missing."""
+    names = {}
+    for name, tensor in state.items():
+        if name in available:
+            continue
+        reverted = revert_weight_conversion(model, {name: tensor})
+        if reverted is not None and len(reverted) == 1 and next(iter(reverted)) in available:
+            names[name] = next(iter(reverted))
+    return names
 
 
 def _base_name(name: str) -> str:

@@ -71,6 +71,14 @@ def _from_checkpoint(sharded: bool, kind: str = "qwen3") -> Any:
     return model.train()
 
 
+def _meta_vlm_from_checkpoint(kind: str) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    import lightning_tp
+
+    return lightning_tp.from_pretrained(_checkpoint(kind), model_class=AutoModelForImageTextToText).train()
+
+
 def _meta_from_config(kind: str) -> Any:
     """Built on the meta device with no checkpoint (seeded): the strategy initialises it after sharding."""
     import torch
@@ -220,6 +228,19 @@ CASES: dict[str, Case] = {
         partial(build_vlm, "qwen2_5_vl"),
         partial(vlm_batches, "qwen2_5_vl", 3),
         strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
+    # Built on the meta device and loaded sharded from files `save_pretrained` wrote under the original layouts'
+    # names (LLaVA's and Gemma 3's `language_model.model.*`, renamed by Transformers when it loads).
+    "llava_meta_load": Case(
+        partial(_meta_vlm_from_checkpoint, "llava"),
+        partial(vlm_batches, "llava", 2),
+        reference_build=partial(build_vlm, "llava"),
+    ),
+    "gemma3_meta_load": Case(
+        partial(_meta_vlm_from_checkpoint, "gemma3"),
+        partial(vlm_batches, "gemma3", 2),
+        lr=0.02,
+        reference_build=partial(build_vlm, "gemma3"),
     ),
     # LLaVA with plan entries for its vision tower and projector too: the CLIP layers sharded by them (plain TP: the
     # tower's sequence is the patches), the language model's layers under sequence and loss parallelism.
