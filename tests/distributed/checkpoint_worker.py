@@ -6,9 +6,8 @@ Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncat
 Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, file://
 URLs), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
 ``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves) and ``vlm`` (LLaVA: resume,
-export); ``crash`` (2 processes: a
-save killed midway; the launch fails on purpose); ``one`` (1 process: TP 2 -> 1); ``2d`` (4 processes: TP 2 -> 2-D,
-and a truncated checkpoint).
+export); ``crash`` (2 processes: a save killed midway; the launch fails on purpose); ``one`` (1 process: TP 2 -> 1);
+``2d`` (4 processes: TP 2 -> 2-D, and a truncated checkpoint).
 """
 
 from __future__ import annotations
