@@ -129,7 +129,8 @@ def model_parts(model: nn.Module) -> list[str]:
     base = getattr(model, "base_model", model)
     prefix = next((f"{n}." for n, m in model.named_modules() if m is base and n), "")
     parts = [f"{prefix}{n}" for n, _ in base.named_children()]
-    parts += [n for n, child in model.named_children() if child is not base]
+    if base is not model:
+        parts += [n for n, child in model.named_children() if child is not base]
     return [p for p in parts if any(True for _ in model.get_submodule(p).parameters())]
 
 

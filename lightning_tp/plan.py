@@ -169,12 +169,20 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     else:
         raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
 
+    module_names = [name for name, _ in module.named_modules() if name]
+    all_params = list(module.named_parameters(remove_duplicate=False))
+    unique_params = {name for name, _ in module.named_parameters()}
+    names = set(module_names) | {name for name, _ in all_params}
+
     refused = {}
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"tp_plan keys must be non-empty module paths, got {key!r}.")
         if isinstance(style, str) and style in REFUSED_STYLES:
-            refused[key] = style
+            # A rule of the model's that matches nothing does nothing (Llama 4's expert rules where every layer is
+            # dense; a composite model's plan also lists its text model's rules under a stale prefix).
+            if key in overrides or any(key_regex(key).fullmatch(n) for n in names):
+                refused[key] = style
         else:
             check_style(key, style)
     if refused:
@@ -197,11 +205,6 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
             f"{model_name} is not a Transformers model, so it has no plan of its own: pass "
             "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
         )
-
-    module_names = [name for name, _ in module.named_modules() if name]
-    all_params = list(module.named_parameters(remove_duplicate=False))
-    unique_params = {name for name, _ in module.named_parameters()}
-    names = set(module_names) | {name for name, _ in all_params}
 
     patterns = [(key, key_regex(key), style, key in overrides) for key, style in plan.items()]
     unmatched = [

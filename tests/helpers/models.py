@@ -232,6 +232,34 @@ def tiny_vlm_config(kind: str, **overrides: Any):
             image_token_index=100,
             vision_feature_layer=-1,
         )
+    elif kind == "llama4":  # a plan for its vision tower too; dense text layers. Plans only: its forward fails in
+        # Transformers 5.24 (`Llama4ForConditionalGeneration.forward` reads `outputs.image_outputs`, which is not set)
+        from transformers import Llama4Config
+
+        cfg = Llama4Config(
+            text_config={
+                **text,
+                "head_dim": 16,
+                "intermediate_size_mlp": 128,
+                "num_local_experts": 2,
+                "interleave_moe_layer_step": 0,
+                "moe_layers": [],
+                "attention_chunk_size": 64,
+            },
+            vision_config={
+                **vision,
+                "intermediate_size": 128,  # the pixel shuffle's width: 4 x hidden_size
+                "num_hidden_layers": 2,
+                "image_size": 16,
+                "patch_size": 4,
+                "vision_output_dim": 64,
+                "projector_input_dim": 64,
+                "projector_output_dim": 64,
+            },
+            image_token_index=100,
+            boi_token_index=101,
+            eoi_token_index=102,
+        )
     else:
         raise ValueError(kind)
     for key, value in overrides.items():

@@ -189,3 +189,21 @@ def test_sequence_parallel_takes_the_stack_on_the_token_embeddings():
     layers = decoder_layers(model, plan.styles, block_classes(model))
     assert sorted(layer_stacks(layers)) == ["model.language_model.layers", "model.vision_tower.encoder.layers"]
     assert text_decoder_layers(model, layers) == ["model.language_model.layers.0", "model.language_model.layers.1"]
+
+
+def test_a_vision_tower_with_its_own_plan_is_sharded_by_it_and_inert_refused_rules_pass():
+    """Llama 4's plan covers its vision tower (attention column-/row-wise, the adapter MLP, the patch embedding);
+    its mixture-of-experts rules (a refused style) match nothing when every text layer is dense, and do not refuse
+    the model."""
+    from transformers import Llama4ForConditionalGeneration
+
+    from tests.helpers.models import tiny_vlm_config
+
+    with torch.device("meta"):
+        model = Llama4ForConditionalGeneration(tiny_vlm_config("llama4"))
+    assert "packed_rowwise" in model.tp_plan.values()  # the experts' rule, refused where it matches
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.styles["vision_model.model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan.styles["vision_model.vision_adapter.mlp.fc2"] == "rowwise"
+    assert plan.styles["language_model.model.layers.1.feed_forward.down_proj"] == "rowwise"
+    assert "vision_model.model.layers.0.mlp.fc1" not in plan.styles  # no rule: replicated
