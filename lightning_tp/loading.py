@@ -147,14 +147,13 @@ def _checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor], availabl
     under their original layout's names (a vision-language model's ``model.language_model.layers.0...`` as
     ``model.layers.0...`` or ``language_model.model.layers.0...``), which Transformers renames while loading. Only
     plain renames (one tensor to one) are taken; a conversion that splits or fuses tensors stays missing."""
-    names = {}
-    for name, tensor in state.items():
-        if name in available:
-            continue
-        reverted = revert_weight_conversion(model, {name: tensor})
-        if reverted is not None and len(reverted) == 1 and next(iter(reverted)) in available:
-            names[name] = next(iter(reverted))
-    return names
+    elsewhere = {name: tensor for name, tensor in state.items() if name not in available}
+    reverted = revert_weight_conversion(model, elsewhere) if elsewhere else None
+    if not reverted:
+        return {}
+    # A renamed tensor comes back as itself; a split or fused one as new tensors, found under no name here.
+    file_names = {id(tensor): name for name, tensor in reverted.items() if name in available}
+    return {name: file_names[id(t)] for name, t in elsewhere.items() if id(t) in file_names}
 
 
 def _base_name(name: str) -> str:
