@@ -312,11 +312,23 @@ def _weight_layout(style: Style | None, name: str, ndim: int) -> str:
 
 
 def _check_heads(model: nn.Module, styles: Mapping[str, Style], tp_size: int) -> None:
-    """Transformers loads a model whose heads do not divide by the TP size and fails mid-forward; fail here instead."""
+    """Transformers loads a model whose heads do not divide by the TP size and fails mid-forward; fail here instead.
+    The text model's head counts, then those of each model inside (a vision tower) against the entries under it."""
     if tp_size == 1:
         return
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(config, "num_attention_heads", None)
+    _check_head_counts(type(model).__name__, config, styles, tp_size)
+    for name, inner in model.named_modules():
+        if name and is_transformers_model(inner) and inner.config is not config:
+            inside = {key: style for key, style in styles.items() if key.startswith(f"{name}.")}
+            if inside:
+                _check_head_counts(f"{type(model).__name__}.{name}", inner.config, inside, tp_size)
+
+
+def _check_head_counts(owner: str, config: Any, styles: Mapping[str, Style], tp_size: int) -> None:
+    heads = next(
+        (v for a in ("num_attention_heads", "num_heads") if isinstance(v := getattr(config, a, None), int)), None
+    )
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not isinstance(heads, int):
         return
@@ -335,7 +347,8 @@ def _check_heads(model: nn.Module, styles: Mapping[str, Style], tp_size: int) ->
         counts = [heads] + ([kv_heads] if shards_kv and isinstance(kv_heads, int) else [])
         good = [d for d in range(1, max(counts) + 1) if all(c % d == 0 for c in counts)]
         raise ValueError(
-            f"{type(model).__name__}: {' and '.join(problems)} not divisible by tp_size={tp_size}, so the attention "
+            f"{owner}: {' and '.join(problems)} not divisible by tp_size={tp_size}, so the attention "
             f"heads cannot be split evenly over the TP ranks (Transformers would load it and fail in the first "
-            f"forward). Use a tp_size that divides every sharded head count: one of {good}."
+            f"forward). Use a tp_size that divides every sharded head count: one of {good}, or leave that model's "
+            "attention out of the plan."
         )

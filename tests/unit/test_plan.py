@@ -207,3 +207,20 @@ def test_a_vision_tower_with_its_own_plan_is_sharded_by_it_and_inert_refused_rul
     assert plan.styles["vision_model.vision_adapter.mlp.fc2"] == "rowwise"
     assert plan.styles["language_model.model.layers.1.feed_forward.down_proj"] == "rowwise"
     assert "vision_model.model.layers.0.mlp.fc1" not in plan.styles  # no rule: replicated
+
+
+def test_a_planned_vision_tower_with_heads_the_tp_size_does_not_divide_is_refused_by_name():
+    """The text model's head counts divide by 2, the CLIP tower's one head does not: refused before anything moves,
+    naming the tower, instead of failing in its first forward."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.helpers.cases import LLAVA_VISION_PLAN
+    from tests.helpers.models import tiny_vlm_config
+
+    config = tiny_vlm_config("llava")
+    config.vision_config.num_attention_heads = 1
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    resolve_plan(model, "auto", tp_size=2)  # the tower left whole: its heads do not matter
+    with pytest.raises(ValueError, match=r"\.model\.vision_tower: num_attention_heads=1 .*not divisible by tp_size=2"):
+        resolve_plan(model, LLAVA_VISION_PLAN, tp_size=2)
