@@ -433,3 +433,15 @@ def test_vision_tower_sharded_by_its_plan_entries(tp2_results: list[dict]) -> No
     assert placements["model.multi_modal_projector.linear_1.weight"] == ["S(0)"]
     assert placements[f"{layer}.layer_norm1.weight"] == ["R"]
     assert placements["model.vision_tower.embeddings.patch_embedding.weight"] == ["R"]
+
+
+@pytest.mark.scenarios("tp2", "vlm_generate")
+def test_vision_language_models_generate_the_single_process_tokens(tp2_results: list[dict]) -> None:
+    from tests.helpers.models import build_vlm, vlm_prompt
+
+    for rank in range(2):
+        result = _result(tp2_results, "vlm_generate", rank=rank)
+        for kind in ("gemma3", "qwen2_5_vl"):
+            with torch.no_grad():
+                whole = build_vlm(kind).eval().generate(**vlm_prompt(kind), max_new_tokens=3, do_sample=False)
+            assert result[kind] == whole.tolist(), (rank, kind)

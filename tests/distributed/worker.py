@@ -199,6 +199,27 @@ def run_features(ctx: Context) -> dict:
     return out
 
 
+@SCENARIOS.register("vlm_generate")
+def run_vlm_generate(ctx: Context) -> dict:
+    """Greedy generation from an image batch by VLMs sharded with `parallelize` (Gemma 3 plain, Qwen2.5-VL with
+    sequence and loss parallelism: the prompt splits, the decoding steps of 1 run unsplit)."""
+    from tests.helpers.models import build_vlm, vlm_prompt
+
+    if not dist.is_initialized():  # selected alone (`-k`): no Trainer scenario has started the process group
+        from lightning_tp.integration import destroy_process_groups_at_exit
+
+        dist.init_process_group("gloo", timeout=tripwire_timeout())
+        destroy_process_groups_at_exit()
+    out = {}
+    for kind, options in (("gemma3", {}), ("qwen2_5_vl", {"sequence_parallel": True, "loss_parallel": True})):
+        model = lightning_tp.parallelize(
+            build_vlm(kind), tp_size=ctx.layout["tp_size"] or 2, options=lightning_tp.ParallelOptions(**options)
+        )
+        with torch.no_grad():
+            out[kind] = model.eval().generate(**vlm_prompt(kind), max_new_tokens=3, do_sample=False).tolist()
+    return out
+
+
 @SCENARIOS.register("save_failure")
 def run_save_failure(ctx: Context) -> dict:
     """Saving into a path rank 0 cannot write: every rank raises, none waits in a barrier."""

@@ -519,6 +519,7 @@ TP_CASES = [
     "features",
     "save_failure",
     "collectives",
+    "vlm_generate",
     "loss_parallel_checks",
     *(f"error:{name}" for name in ERROR_CASES),
 ]

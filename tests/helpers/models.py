@@ -313,6 +313,12 @@ def vlm_batches(
     return out
 
 
+def vlm_prompt(kind: str) -> dict[str, torch.Tensor]:
+    """Two image prompts for ``generate`` (no labels; Gemma 3 needs no token types outside training)."""
+    batch = vlm_batches(kind, 1, batch_size=2)[0]
+    return {k: v for k, v in batch.items() if k not in ("labels", "token_type_ids")}
+
+
 def tied_embeddings(model: nn.Module) -> bool | None:
     """Whether the output embedding is the input embedding (one parameter); None for a model without embeddings."""
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
