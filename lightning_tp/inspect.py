@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tp.loading import model_from_config
 from lightning_tp.plan import ResolvedPlan, key_regex, model_plan, plan_source, resolve_plan
 from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, facts, style_names
 
@@ -172,27 +173,13 @@ def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targe
 
     config = AutoConfig.from_pretrained(name_or_path)
     with torch.device("meta"):
-        model = _from_config(config)
+        model = model_from_config(config)
         if lora_r:
             from peft import LoraConfig, get_peft_model
 
             targets = lora_targets if lora_targets == "all-linear" else lora_targets.split(",")
             model = get_peft_model(model, LoraConfig(r=lora_r, target_modules=targets)).base_model.model
     return model
-
-
-def _from_config(config: Any) -> nn.Module:
-    """A model with its head for ``config``: a causal LM, else an image-text-to-text model (a vision-language model
-    whose config ``AutoModelForCausalLM`` does not take)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    try:
-        return AutoModelForCausalLM.from_config(config)
-    except ValueError as causal_lm_error:  # "Unrecognized configuration class ..."
-        try:
-            return AutoModelForImageTextToText.from_config(config)
-        except ValueError:
-            raise causal_lm_error from None
 
 
 def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:

@@ -72,11 +72,11 @@ def _from_checkpoint(sharded: bool, kind: str = "qwen3") -> Any:
 
 
 def _meta_vlm_from_checkpoint(kind: str) -> Any:
-    from transformers import AutoModelForImageTextToText
-
+    """No ``model_class``: LLaVA's config is not a causal LM's, so ``from_pretrained`` builds it as an
+    image-text-to-text model; Gemma 3's causal-LM class is its conditional-generation model."""
     import lightning_tp
 
-    return lightning_tp.from_pretrained(_checkpoint(kind), model_class=AutoModelForImageTextToText).train()
+    return lightning_tp.from_pretrained(_checkpoint(kind)).train()
 
 
 def _meta_from_config(kind: str) -> Any:
@@ -495,6 +495,8 @@ TWO_D_CASES = [
     "qwen3_sp_lp_adamw_clip",
     "qwen2_5_vl_sgd",
     "gemma3_sgd",
+    "llava_vision_plan_sp_lp",
+    "llava_meta_load",
     "qwen3_bf16_mixed",
     "qwen3_bf16_all_gather",
     "features",
