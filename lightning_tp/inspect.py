@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_tp.kv_heads import describe_layouts, kv_head_layout
+from lightning_tp.loading import model_from_config
 from lightning_tp.plan import ResolvedPlan, key_regex, model_plan, plan_source, resolve_plan
 from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, facts, style_names
 
@@ -38,6 +39,9 @@ class Report:
     local_heads: list[tuple[str, dict[str, tuple[int, int]]]] = field(default_factory=list)
     #: KV-head replication: the attention modules, what each rank computes, and the gathered K/V weight bytes.
     kv_replication: list[str] = field(default_factory=list)
+    #: The model's parts (see :func:`model_parts`): (name, sharded parameters, parameters, elements, elements per
+    #: rank under TP). A vision tower without plan entries: no sharded parameters, replicated over the TP group.
+    parts: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -98,6 +102,7 @@ def inspect_model(
     # Every style name, this package's own (GPT-2's Conv1D styles) too: the table knows what each splits.
     styles = {name: style for name, style in plan.styles.items() if isinstance(style, str)}
     counts = {"params": 0, "trainable": 0}
+    sharded_shapes: dict[str, tuple[int, ...]] = {}  # per rank under TP alone
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
         style = styles.get(name)
@@ -105,12 +110,14 @@ def inspect_model(
         tp_local = local_shape(shape, style, tp_size, is_bias=is_bias) if style else shape
         local = _fsdp_shape(tp_local, dp_shard_size)
         if tp_local != shape:
+            sharded_shapes[name] = tp_local
             report.rows.append((name, style, shape, local))
         else:
             report.replicated.append((name, local))
         numel = math.prod(local)
         counts["params"] += numel
         counts["trainable"] += numel if param.requires_grad else 0
+    report.parts = _parts(model, sharded_shapes)
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         report.memory[dtype] = {
             "parameters": counts["params"] * size,
@@ -154,6 +161,29 @@ def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[
     return lines
 
 
+def model_parts(model: nn.Module) -> list[str]:
+    """The parts a report summarises, those holding parameters: the children of the model's base model (a
+    vision-language model's vision tower, projector and language model; a causal LM's embedding, layers and norm),
+    then the model's other children (``lm_head``)."""
+    base = getattr(model, "base_model", model)
+    prefix = next((f"{n}." for n, m in model.named_modules() if m is base and n), "")
+    parts = [f"{prefix}{n}" for n, _ in base.named_children()]
+    if base is not model:
+        parts += [n for n, child in model.named_children() if child is not base]
+    return [p for p in parts if any(True for _ in model.get_submodule(p).parameters())]
+
+
+def _parts(model: nn.Module, tp_local: dict[str, tuple[int, ...]]) -> list[tuple[str, int, int, int, int]]:
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    out = []
+    for part in model_parts(model):
+        inside = [n for n in shapes if n.startswith(f"{part}.")]
+        numel = sum(math.prod(shapes[n]) for n in inside)
+        per_rank = sum(math.prod(tp_local.get(n, shapes[n])) for n in inside)
+        out.append((part, sum(n in tp_local for n in inside), len(inside), numel, per_rank))
+    return out
+
+
 def _permissive_plan(model: nn.Module, tp_size: int) -> ResolvedPlan:
     """The plan without the checks that failed, so the rest of the report can still be shown."""
     try:
@@ -177,11 +207,11 @@ def _uneven_splits(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[s
 
 
 def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targets: str = "all-linear") -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(name_or_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_from_config(config)
         if lora_r:
             from peft import LoraConfig, get_peft_model
 
@@ -202,8 +232,20 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:
         f"Layout: tp={tp_size} x dp_shard={dp_shard_size}",
         f"Plan: {sources.get(base, base)}" + (", overridden by `tp_plan`" if extra else ""),
         "",
-        "Sharded parameters (per-rank shape):",
     ]
+    if report.parts:
+        lines.append("Parts (elements per TP rank):")
+        for name, sharded, total, numel, per_rank in report.parts:
+            if not total:  # every parameter of it is another part's (a tied lm_head)
+                lines.append(f"  {name:<40} tied: its parameters are counted with the part that holds them")
+                continue
+            if not sharded:
+                what = f"replicated over TP ({total} parameters, no plan entries)"
+            else:
+                what = f"sharded ({sharded} of {total} parameters by the plan)"
+            lines.append(f"  {name:<40} {what:<52} {numel:>12,} -> {per_rank:,}")
+        lines.append("")
+    lines.append("Sharded parameters (per-rank shape):")
     for name, style, shape, local in report.rows:
         lines.append(f"  {name:<60} {style:<24} {list(shape)} -> {list(local)}")
     if report.local_heads:

@@ -19,12 +19,15 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_tp.compat import distributed_is_initialized, mark_hf_initialized
+from lightning_tp.compat import distributed_is_initialized, mark_hf_initialized, revert_weight_conversion
 from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero, whole_parameters
 from lightning_tp.tensor_parallel import retie
 
 #: Attribute set on a meta model by :func:`from_pretrained`: the directory of its safetensors files.
 CHECKPOINT_ATTR = "_lightning_tp_checkpoint"
+#: Set beside it: the files' names of tensors they hold under another name (see :func:`_checkpoint_names`), found
+#: while the model is still its own class (FSDP2 renames the class of each unit, which Transformers' lookup needs).
+CHECKPOINT_NAMES_ATTR = "_lightning_tp_checkpoint_names"
 
 
 def from_pretrained(
@@ -46,12 +49,13 @@ def from_pretrained(
     Args:
         name_or_path: A local directory with ``config.json`` and ``*.safetensors`` files, or a hub id (downloaded
             once with ``huggingface_hub``, like Transformers does).
-        model_class: A Transformers model class or auto class (default ``AutoModelForCausalLM``).
+        model_class: A Transformers model class or auto class (default ``AutoModelForCausalLM``, or
+            ``AutoModelForImageTextToText`` for a config the former does not take).
         dtype: ``"auto"`` takes the checkpoint's dtype from its config (as Transformers does), or a torch dtype.
         revision: Hub revision.
         config_kwargs: Overrides for the config, e.g. ``attn_implementation="sdpa"``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path = _local_directory(name_or_path, revision)
     if not list(path.glob("*.safetensors")):
@@ -64,11 +68,25 @@ def from_pretrained(
         dtype = getattr(config, "dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-    model_class = model_class or AutoModelForCausalLM
     with torch.device("meta"):
-        model = model_class.from_config(config, dtype=dtype)
+        model = model_class.from_config(config, dtype=dtype) if model_class else model_from_config(config, dtype=dtype)
     setattr(model, CHECKPOINT_ATTR, str(path))
+    setattr(model, CHECKPOINT_NAMES_ATTR, _checkpoint_names(model, model.state_dict(), checkpoint_keys(path)))
     return model
+
+
+def model_from_config(config: Any, **kwargs: Any) -> nn.Module:
+    """A model with its head for ``config``: a causal LM, else an image-text-to-text model (a vision-language model
+    whose config ``AutoModelForCausalLM`` does not take, such as Qwen2.5-VL's or LLaVA's)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as causal_lm_error:  # "Unrecognized configuration class ..."
+        try:
+            return AutoModelForImageTextToText.from_config(config, **kwargs)
+        except ValueError:
+            raise causal_lm_error from None
 
 
 def _local_directory(name_or_path: str | os.PathLike, revision: str | None) -> Path:
@@ -128,7 +146,10 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
     # PEFT applied to the meta model: base weights sit under `<layer>.base_layer.` and the adapters (initialised by
     # PEFT after loading) are in no base checkpoint.
     state = {_base_name(name): t for name, t in state.items() if not _is_adapter(name)}
-    missing = sorted(set(state) - available)
+    in_file = getattr(model, CHECKPOINT_NAMES_ATTR, None)
+    if in_file is None:
+        in_file = _checkpoint_names(model, state, available)
+    missing = sorted(name for name in state if in_file.get(name, name) not in available)
     if missing:
         raise ValueError(
             f"{type(model).__name__}: the checkpoint in {directory} has no tensors named {missing[:8]}"
@@ -136,8 +157,23 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
             "(Transformers converts some checkpoints while loading, e.g. per-expert MoE weights); load this one with "
             "`AutoModelForCausalLM.from_pretrained` instead of `lightning_tp.from_pretrained`."
         )
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    renamed = {in_file.get(name, name): tensor for name, tensor in state.items()}
+    dcp.load(renamed, storage_reader=HuggingFaceStorageReader(str(directory)))
     return set(state)
+
+
+def _checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor], available: set[str]) -> dict[str, str]:
+    """The file's name of each tensor the file holds under another name: ``save_pretrained`` writes some models
+    under their original layout's names (a vision-language model's ``model.language_model.layers.0...`` as
+    ``model.layers.0...`` or ``language_model.model.layers.0...``), which Transformers renames while loading. Only
+    plain renames (one tensor to one) are taken; a conversion that splits or fuses tensors stays missing."""
+    elsewhere = {name: tensor for name, tensor in state.items() if name not in available}
+    reverted = revert_weight_conversion(model, elsewhere) if elsewhere else None
+    if not reverted:
+        return {}
+    # A renamed tensor comes back as itself; a split or fused one as new tensors, found under no name here.
+    file_names = {id(tensor): name for name, tensor in reverted.items() if name in available}
+    return {name: file_names[id(t)] for name, t in elsewhere.items() if id(t) in file_names}
 
 
 def _base_name(name: str) -> str:

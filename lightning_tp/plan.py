@@ -195,12 +195,20 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     else:
         raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
 
+    module_names = [name for name, _ in module.named_modules() if name]
+    all_params = list(module.named_parameters(remove_duplicate=False))
+    unique_params = {name for name, _ in module.named_parameters()}
+    names = set(module_names) | {name for name, _ in all_params}
+
     refused = {}
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"tp_plan keys must be non-empty module paths, got {key!r}.")
         if isinstance(style, str) and style in REFUSED_STYLES:
-            refused[key] = style
+            # A rule of the model's that matches nothing does nothing (Llama 4's expert rules where every layer is
+            # dense; a composite model's plan also lists its text model's rules under a stale prefix).
+            if key in overrides or any(key_regex(key).fullmatch(n) for n in names):
+                refused[key] = style
         else:
             check_style(key, style)
     if refused:
@@ -223,11 +231,6 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
             f"{model_name} is not a Transformers model, so it has no plan of its own: pass "
             "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
         )
-
-    module_names = [name for name, _ in module.named_modules() if name]
-    all_params = list(module.named_parameters(remove_duplicate=False))
-    unique_params = {name for name, _ in module.named_parameters()}
-    names = set(module_names) | {name for name, _ in all_params}
 
     patterns = [(key, key_regex(key), style, key in overrides) for key, style in plan.items()]
     unmatched = [
@@ -421,11 +424,17 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
     heads, give the K/V projections ``colwise_kv_heads`` (in ``plan.styles``, in place) and return their attention
     modules with the model's (query heads, KV heads) (:mod:`lightning_tp.kv_heads`). Transformers would load such a
     model and fail in the first forward; this fails here, naming the sizes that work, when replication cannot
-    help."""
+    help. The models inside a composite one (a vision tower with plan entries) are checked against their own
+    config, without replication."""
     styles = plan.styles
     if tp_size == 1:
         return {}
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    inner = [name for name, m in model.named_modules() if name and is_transformers_model(m) and m.config is not config]
+    for name in inner:
+        inside = {key: style for key, style in styles.items() if key.startswith(f"{name}.")}
+        if inside:
+            _check_head_counts(f"{type(model).__name__}.{name}", model.get_submodule(name).config, inside, tp_size)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
@@ -433,13 +442,16 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
     model_name = type(model).__name__
 
     def sharded(projections: tuple[str, ...]) -> list[str]:
-        """The modules of ``projections`` the plan splits column-wise, named by a module or a parameter entry."""
+        """The modules of ``projections`` the plan splits column-wise, named by a module or a parameter entry,
+        outside the inner models (checked above)."""
         names = [name.removesuffix(".weight").removesuffix(".bias") for name in styles]
         return list(
             dict.fromkeys(
                 name
                 for name, style in zip(names, styles.values(), strict=True)
-                if name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES
+                if name.rsplit(".", 1)[-1] in projections
+                and style in _COLUMN_STYLES
+                and not any(name.startswith(f"{prefix}.") for prefix in inner)
             )
         )
 
@@ -555,3 +567,33 @@ def uneven_kv_projections(module: nn.Module, plan: ResolvedPlan, tp_size: int) -
         and isinstance(weight := getattr(modules[name], "weight", None), torch.Tensor)
         and weight.shape[0] % tp_size
     ]
+
+
+def _check_head_counts(owner: str, config: Any, styles: Mapping[str, Style], tp_size: int) -> None:
+    """The heads of a model inside a composite one (a vision tower) that its plan entries split must divide by the
+    TP size (no KV-head replication there)."""
+    heads = next(
+        (v for a in ("num_attention_heads", "num_heads") if isinstance(v := getattr(config, a, None), int)), None
+    )
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        return
+
+    def shards(projections: tuple[str, ...]) -> bool:
+        return any(name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES for name, style in styles.items())
+
+    shards_kv = shards(_KV_PROJECTIONS)
+    problems = []
+    if shards(_QUERY_PROJECTIONS) and heads % tp_size:
+        problems.append(f"num_attention_heads={heads}")
+    if shards_kv and isinstance(kv_heads, int) and kv_heads % tp_size:
+        problems.append(f"num_key_value_heads={kv_heads}")
+    if problems:
+        counts = [heads] + ([kv_heads] if shards_kv and isinstance(kv_heads, int) else [])
+        good = [d for d in range(1, max(counts) + 1) if all(c % d == 0 for c in counts)]
+        raise ValueError(
+            f"{owner}: {' and '.join(problems)} not divisible by tp_size={tp_size}, so the attention "
+            f"heads cannot be split evenly over the TP ranks (Transformers would load it and fail in the first "
+            f"forward). Use a tp_size that divides every sharded head count: one of {good}, or leave that model's "
+            "attention out of the plan."
+        )

@@ -41,6 +41,7 @@ from lightning_tp.tensor_parallel import (
     on_hidden_states,
     region_problem,
     rewrite_layer_styles,
+    text_decoder_layers,
 )
 
 SEQUENCE_DIM = 1
@@ -193,7 +194,8 @@ def sequence_parallel_plan(
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
     split = SequenceSplit(agree_group)
-    layers = decoder_layers(model, styles, blocks)
+    # The language model's stack only: a vision tower planned too runs on its patches with plain TP.
+    layers = text_decoder_layers(model, decoder_layers(model, styles, blocks))
     if not layers:
         classes = sorted(b.__name__ for b in blocks)
         raise ValueError(

@@ -364,6 +364,66 @@ def replicate_unsharded_parameters(
                 run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
             else:
                 run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
+    _run_replicated_subtrees_on_views(module, {id(p) for p in replaced.values()}, summed)
+
+
+def _run_replicated_subtrees_on_views(module: nn.Module, replicated: set[int], summed: set[str]) -> None:
+    """A module whose whole subtree was left whole (a vision tower, a projector, a norm) also swaps its descendants'
+    parameters during its own call: some forwards read a child's parameters without calling the child
+    (``nn.MultiheadAttention`` passes ``out_proj.weight`` to ``F.multi_head_attention_forward``), which would
+    otherwise meet the replicated DTensor. Only ``Replicate`` DTensors on one mesh axis are swapped: a parameter
+    FSDP2 holds sharded at that moment is left to its unit, whose own views run after its all-gather. Subtrees
+    holding a TP-sharded parameter, or a module whose gradients are summed over the TP group, keep per-module views
+    only."""
+
+    def visit(name: str, submodule: nn.Module) -> tuple[bool, list[nn.Module]]:
+        """Whether the subtree holds only parameters replicated here, and its modules holding parameters."""
+        own = [p for p in parameter_dict(submodule).values() if p is not None]
+        whole = name not in summed and all(id(p) in replicated for p in own)
+        holders = [submodule] if own else []
+        inside: list[nn.Module] = []
+        for child_name, child in submodule.named_children():
+            child_whole, child_holders = visit(f"{name}.{child_name}" if name else child_name, child)
+            whole = whole and child_whole
+            inside += child_holders
+        if whole and inside:
+            _swap_subtree_on_call(submodule, inside)
+        return whole, holders + inside
+
+    visit("", module)
+
+
+def _replicated_local(param: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor of a parameter replicated over one mesh axis (the TP group), else ``None``."""
+    if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements == (Replicate(),):
+        return param.to_local()
+    return None
+
+
+def _swap_subtree_on_call(module: nn.Module, holders: list[nn.Module]) -> None:
+    """During each call of ``module``, the replicated parameters of ``holders`` are their local tensors; afterwards
+    each is put back, unless something else (FSDP2 resharding a unit inside) replaced it meanwhile."""
+    pending: list[list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]] = []
+
+    def swap(_module: nn.Module, _args: Any) -> None:
+        swapped = []
+        for holder in holders:
+            params = parameter_dict(holder)
+            for name, param in list(params.items()):
+                local = _replicated_local(param) if param is not None else None
+                if local is not None:
+                    params[name] = local
+                    swapped.append((params, name, param, local))
+        pending.append(swapped)
+
+    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if pending:
+            for params, name, param, local in pending.pop():
+                if params.get(name) is local:
+                    params[name] = param
+
+    module.register_forward_pre_hook(swap)
+    module.register_forward_hook(restore, prepend=True, always_call=True)
 
 
 class _GradInParameterLayout(torch.autograd.Function):
@@ -430,6 +490,27 @@ def decoder_layers(model: nn.Module, styles: Mapping[str, Any], blocks: set[type
     return [name for name, m in model.named_modules() if type(m) in blocks and layer_entries(styles, name)]
 
 
+def layer_stacks(layers: list[str]) -> dict[str, list[str]]:
+    """The layers grouped by the module list holding them (``model.language_model.layers``,
+    ``model.vision_tower.encoder.layers``): a vision-language model has one stack per tower."""
+    stacks: dict[str, list[str]] = {}
+    for layer in layers:
+        stacks.setdefault(layer.rpartition(".")[0], []).append(layer)
+    return stacks
+
+
+def text_decoder_layers(model: nn.Module, layers: list[str]) -> list[str]:
+    """The stack of ``layers`` that runs on the token embeddings: the one under the module holding the input
+    embedding (a vision tower's stack runs on patches, whose sequence is another). All of them when that module is
+    not found."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    owner = next((name.rpartition(".")[0] for name, m in model.named_modules() if m is embedding and name), None)
+    if owner is None:
+        return layers
+    mine = [layer for layer in layers if layer.rpartition(".")[0].rpartition(".")[0] == owner]
+    return mine or layers
+
+
 def layer_entries(styles: Mapping[str, Any], layer: str) -> dict[str, Any]:
     """The module entries (not ``.weight``/``.bias`` ones) of the plan under ``layer``."""
     return {k: v for k, v in styles.items() if k.startswith(f"{layer}.") and not k.endswith((".weight", ".bias"))}
@@ -481,14 +562,19 @@ def rewrite_dense_layers(model: nn.Module, plan: ResolvedPlan, *, blocks: set[ty
     """Decoder layers made of column-/row-wise pairs, rewritten so that each attention and MLP makes its input one
     replicated DTensor (:class:`ReplicateRegionInput`) shared by its column-wise projections: their partial input
     gradients are summed and all-reduced once, 2 all-reduces per layer in backward (Megatron's count) instead of one
-    per projection (5 for q, k, v, gate, up) with Transformers' layers. A model with any other layer keeps
-    Transformers' layers."""
+    per projection (5 for q, k, v, gate, up) with Transformers' layers. A stack of layers (a vision-language model
+    has one per tower) with any other layer keeps Transformers' layers."""
     styles: dict[str, Any] = dict(plan.styles)
-    layers = decoder_layers(model, styles, blocks)
-    if not layers or any(region_problem(styles, layer) for layer in layers):
+    rewritten = False
+    # Stack by stack: a vision tower's layers with another style leave the language model's rewritten.
+    for stack in layer_stacks(decoder_layers(model, styles, blocks)).values():
+        if any(region_problem(styles, layer) for layer in stack):
+            continue
+        for layer in stack:
+            rewrite_layer_styles(styles, layer, rowwise=RowwiseParallel, region=ReplicateRegionInput)
+        rewritten = True
+    if not rewritten:
         return plan
-    for layer in layers:
-        rewrite_layer_styles(styles, layer, rowwise=RowwiseParallel, region=ReplicateRegionInput)
     return replace(plan, styles=styles, grad_allreduce=list(plan.grad_allreduce))
 
 

@@ -5,9 +5,9 @@ Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncat
 
 Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, file://
 URLs), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
-``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out) and ``tied`` (tied saves); ``crash`` (2 processes: a
-save killed midway; the launch fails on purpose); ``one`` (1 process: TP 2 -> 1); ``2d`` (4 processes: TP 2 -> 2-D,
-and a truncated checkpoint).
+``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves) and ``vlm`` (LLaVA: resume,
+export); ``crash`` (2 processes: a save killed midway; the launch fails on purpose); ``one`` (1 process: TP 2 -> 1);
+``2d`` (4 processes: TP 2 -> 2-D, and a truncated checkpoint).
 """
 
 from __future__ import annotations
@@ -128,6 +128,39 @@ def lora(ctx: Context) -> dict[str, Any]:
     trainer.save_checkpoint(out / "lora_final")
     results["lora_logits"] = probe_logits(module.model)
     return results
+
+
+@SCENARIOS.register("vlm")
+def vlm(ctx: Context) -> dict[str, Any]:
+    """A vision-language model (LLaVA: replicated vision tower, sharded language model): exact resume mid-run from
+    a sharded checkpoint, and the final checkpoint with the model's logits on an image batch, for export."""
+    from functools import partial
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from tests.helpers.models import ParityModule, build_vlm, vlm_batches
+
+    out = ctx.out
+
+    def run(ckpt_path: Path | None = None, callbacks=()) -> tuple[ParityModule, L.Trainer]:
+        module = ParityModule(partial(build_vlm, "llava"))
+        trainer = quiet_trainer(
+            accelerator="cpu",
+            devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+            strategy=TensorParallelStrategy(throughput_monitor=False),
+            max_steps=4,
+            callbacks=list(callbacks),
+        )
+        trainer.fit(module, StatefulDataLoader(vlm_batches("llava", 4), batch_size=None), ckpt_path=ckpt_path)
+        return module, trainer
+
+    module, trainer = run(callbacks=[SaveAt(steps={2: out / "vlm_mid"})])
+    trainer.save_checkpoint(out / "vlm_final")
+    module.model.eval()
+    with torch.no_grad():
+        logits = module.model(**vlm_batches("llava", 1)[0]).logits.detach().cpu().clone()
+    resumed, _ = run(out / "vlm_mid")
+    return {"vlm": {"reference": module.losses, "resumed": resumed.losses, "logits": logits}}
 
 
 @SCENARIOS.register("tied")

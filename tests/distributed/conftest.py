@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers.cases import CHECKPOINT_ENV, LAUNCHES, _lora
 from tests.helpers.launch import torchrun
-from tests.helpers.models import build_causal_lm, tiny_config
+from tests.helpers.models import build_causal_lm, build_vlm, tiny_config
 from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -21,6 +21,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("checkpoint")
     for kind in ("qwen3", "tied"):
         build_causal_lm(tiny_config(kind)).save_pretrained(path / kind)
+    for kind in ("gemma3", "llava"):  # written under their original layouts' names (`language_model.model.*`)
+        build_vlm(kind).save_pretrained(path / kind)
     _lora("qwen3").save_pretrained(path / "qwen3_adapter")
     return path
 

@@ -24,7 +24,7 @@ from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 #: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
-TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied"]
+TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm"]
 EXACT = 1e-6  # the same layout: the same operations, in the same order
 ACROSS = 1e-5  # another layout: TP splits the matmuls, so fp32 rounding differs (as in the parity tests)
 
@@ -314,3 +314,23 @@ def test_export_lora_run_adapter_and_merged(tp2: dict[str, Any], tmp_path: Path)
     torch.testing.assert_close(probe_logits(model), expected, atol=1e-5, rtol=0)
     merged = export_checkpoint(tp2["out"] / "lora_final", tmp_path / "merged", merge=True)
     torch.testing.assert_close(probe_logits(AutoModelForCausalLM.from_pretrained(merged)), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.scenarios("ckpt_tp2", "vlm")
+def test_vision_language_model_resumes_exactly_and_exports(tp2: dict[str, Any], tmp_path: Path) -> None:
+    """LLaVA at TP 2: resumed from a sharded checkpoint at step 2, steps 3 and 4 repeat the uninterrupted run's
+    losses; the final checkpoint exports to a directory `AutoModelForImageTextToText` loads with the same logits."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_tp.export import export_checkpoint
+    from tests.helpers.models import vlm_batches
+
+    result = tp2["ranks"][0]["vlm"]
+    assert len(result["resumed"]) == 2
+    torch.testing.assert_close(
+        torch.tensor(result["resumed"]), torch.tensor(result["reference"][2:]), atol=EXACT, rtol=0
+    )
+    model = AutoModelForImageTextToText.from_pretrained(export_checkpoint(tp2["out"] / "vlm_final", tmp_path / "x"))
+    with torch.no_grad():
+        logits = model.eval()(**vlm_batches("llava", 1)[0]).logits
+    torch.testing.assert_close(logits, result["logits"], atol=1e-5, rtol=0)

@@ -414,3 +414,50 @@ def test_vocab_parallel_cross_entropy_matches_torch(tp2_results: list[dict]) -> 
         assert records["causal_lm_loss"]["variants"] == 3
         assert records["qwen3"]["generate_equal"] is True and records["qwen3"]["logits_diff"] <= 1e-6
         assert records["collectives"]["total"] == 2
+
+
+#: Where each vision-language family keeps its vision tower and projector (no plan entries: replicated over TP).
+_VISION_PARTS = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_sgd", "gemma3_sgd", "llava_sgd"])
+@pytest.mark.scenarios("tp2", "{name}")
+def test_vision_tower_replicated_and_language_model_sharded(tp2_results: list[dict], name: str) -> None:
+    """The text model holds its plan's shards, the vision tower and projector whole copies on each TP rank, which
+    end the training equal on both ranks (their gradients are whole on each rank: the column-wise projections
+    all-reduce the gradient of the image features they read). Parity with one process: the test above."""
+    result = _result(tp2_results, name)
+    placements = result["placements"]
+    vision = {n: p for n, p in placements.items() if n.startswith(_VISION_PARTS)}
+    assert vision and all(p == ["R"] for p in vision.values()), vision
+    assert placements["model.language_model.layers.0.self_attn.q_proj.weight"] == ["S(0)"]
+    assert placements["model.language_model.layers.0.mlp.down_proj.weight"] == ["S(1)"]
+    other = _result(tp2_results, name, rank=1)["state"]
+    for key, value in result["state"].items():
+        if key.startswith(_VISION_PARTS):
+            torch.testing.assert_close(other[key], value, atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.scenarios("tp2", "llava_vision_plan_sp_lp")
+def test_vision_tower_sharded_by_its_plan_entries(tp2_results: list[dict]) -> None:
+    """Plan entries for the CLIP layers and the projector shard them (parity: test_tp2_matches_single_process), and
+    sequence parallelism splits the language model's sequence only: the tower's layers are another stack."""
+    placements = _result(tp2_results, "llava_vision_plan_sp_lp")["placements"]
+    layer = "model.vision_tower.encoder.layers.0"
+    assert placements[f"{layer}.self_attn.q_proj.weight"] == ["S(0)"]
+    assert placements[f"{layer}.mlp.fc2.weight"] == ["S(1)"]
+    assert placements["model.multi_modal_projector.linear_1.weight"] == ["S(0)"]
+    assert placements[f"{layer}.layer_norm1.weight"] == ["R"]
+    assert placements["model.vision_tower.embeddings.patch_embedding.weight"] == ["R"]
+
+
+@pytest.mark.scenarios("tp2", "vlm_generate")
+def test_vision_language_models_generate_the_single_process_tokens(tp2_results: list[dict]) -> None:
+    from tests.helpers.models import build_vlm, vlm_prompt
+
+    for rank in range(2):
+        result = _result(tp2_results, "vlm_generate", rank=rank)
+        for kind in ("gemma3", "qwen2_5_vl"):
+            with torch.no_grad():
+                whole = build_vlm(kind).eval().generate(**vlm_prompt(kind), max_new_tokens=3, do_sample=False)
+            assert result[kind] == whole.tolist(), (rank, kind)

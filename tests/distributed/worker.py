@@ -140,6 +140,9 @@ def run_case(ctx: Context, name: str) -> dict:
         "state": full_state(module.model),
         "sampler": strategy.distributed_sampler_kwargs,
         "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
+        "placements": {
+            n: [str(x) for x in p.placements] for n, p in model.named_parameters() if isinstance(p, DTensor)
+        },
         "num_params": len(list(module.parameters())),
         "grad_layouts": module.grad_layouts,
         "trainable": sum(p.requires_grad for p in module.parameters()),
@@ -193,6 +196,27 @@ def run_features(ctx: Context) -> dict:
             "grad_norms": m.grad_norms,
             "dtype": str(next(m.model.parameters()).dtype),
         }
+    return out
+
+
+@SCENARIOS.register("vlm_generate")
+def run_vlm_generate(ctx: Context) -> dict:
+    """Greedy generation from an image batch by VLMs sharded with `parallelize` (Gemma 3 plain, Qwen2.5-VL with
+    sequence and loss parallelism: the prompt splits, the decoding steps of 1 run unsplit)."""
+    from tests.helpers.models import build_vlm, vlm_prompt
+
+    if not dist.is_initialized():  # selected alone (`-k`): no Trainer scenario has started the process group
+        from lightning_tp.integration import destroy_process_groups_at_exit
+
+        dist.init_process_group("gloo", timeout=tripwire_timeout())
+        destroy_process_groups_at_exit()
+    out = {}
+    for kind, options in (("gemma3", {}), ("qwen2_5_vl", {"sequence_parallel": True, "loss_parallel": True})):
+        model = lightning_tp.parallelize(
+            build_vlm(kind), tp_size=ctx.layout["tp_size"] or 2, options=lightning_tp.ParallelOptions(**options)
+        )
+        with torch.no_grad():
+            out[kind] = model.eval().generate(**vlm_prompt(kind), max_new_tokens=3, do_sample=False).tolist()
     return out
 
 

@@ -8,7 +8,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from tests.helpers.models import MLP, ParityModule, TwiceMLP, build_causal_lm, lm_batches, mlp_batches, tiny_config
+from tests.helpers.models import (
+    MLP,
+    ParityModule,
+    TwiceMLP,
+    build_causal_lm,
+    build_vlm,
+    lm_batches,
+    mlp_batches,
+    tiny_config,
+    vlm_batches,
+)
 
 
 @dataclass
@@ -59,6 +69,14 @@ def _from_checkpoint(sharded: bool, kind: str = "qwen3") -> Any:
     kwargs = {"distributed_config": DistributedConfig(tp_size=2)} if sharded else {}
     model = AutoModelForCausalLM.from_pretrained(_checkpoint(kind), dtype=torch.float32, **kwargs)
     return model.train()
+
+
+def _meta_vlm_from_checkpoint(kind: str) -> Any:
+    """No ``model_class``: LLaVA's config is not a causal LM's, so ``from_pretrained`` builds it as an
+    image-text-to-text model; Gemma 3's causal-LM class is its conditional-generation model."""
+    import lightning_tp
+
+    return lightning_tp.from_pretrained(_checkpoint(kind)).train()
 
 
 def _meta_from_config(kind: str) -> Any:
@@ -164,6 +182,17 @@ def _meta_lora_on_one_process(kind: str) -> Any:
     return model
 
 
+_CLIP_LAYERS = "model.vision_tower.encoder.layers.*"
+LLAVA_VISION_PLAN = {
+    **{f"{_CLIP_LAYERS}.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")},
+    f"{_CLIP_LAYERS}.self_attn.out_proj": "rowwise",
+    f"{_CLIP_LAYERS}.mlp.fc1": "colwise",
+    f"{_CLIP_LAYERS}.mlp.fc2": "rowwise",
+    "model.multi_modal_projector.linear_1": "colwise",
+    "model.multi_modal_projector.linear_2": "rowwise",
+}
+
+
 def lora_case(kind: str, steps: int = 3, **lora_kwargs: Any) -> Case:
     return Case(partial(_lora, kind, **lora_kwargs), partial(lm_batches, steps), optimizer="adamw", lr=1e-2)
 
@@ -220,6 +249,37 @@ CASES: dict[str, Case] = {
         optimizer="adamw",
         lr=1e-2,
         strategy_kwargs={"tp_size": 4},
+    ),
+    # Vision-language models: the text model sharded by its plan, the vision tower and projector (no plan entries)
+    # replicated over the TP group, trained on image batches.
+    "qwen2_5_vl_sgd": Case(partial(build_vlm, "qwen2_5_vl"), partial(vlm_batches, "qwen2_5_vl", 3)),
+    # (lr 0.02: at 0.1 the projector weight grows to ~27 in 3 steps, where 1e-5 is 4 fp32 ulps.)
+    "gemma3_sgd": Case(partial(build_vlm, "gemma3"), partial(vlm_batches, "gemma3", 3), lr=0.02),
+    "llava_sgd": Case(partial(build_vlm, "llava"), partial(vlm_batches, "llava", 3)),
+    "qwen2_5_vl_sp_lp": Case(
+        partial(build_vlm, "qwen2_5_vl"),
+        partial(vlm_batches, "qwen2_5_vl", 3),
+        strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
+    # Built on the meta device and loaded sharded from files `save_pretrained` wrote under the original layouts'
+    # names (LLaVA's and Gemma 3's `language_model.model.*`, renamed by Transformers when it loads).
+    "llava_meta_load": Case(
+        partial(_meta_vlm_from_checkpoint, "llava"),
+        partial(vlm_batches, "llava", 2),
+        reference_build=partial(build_vlm, "llava"),
+    ),
+    "gemma3_meta_load": Case(
+        partial(_meta_vlm_from_checkpoint, "gemma3"),
+        partial(vlm_batches, "gemma3", 2),
+        lr=0.02,
+        reference_build=partial(build_vlm, "gemma3"),
+    ),
+    # LLaVA with plan entries for its vision tower and projector too: the CLIP layers sharded by them (plain TP: the
+    # tower's sequence is the patches), the language model's layers under sequence and loss parallelism.
+    "llava_vision_plan_sp_lp": Case(
+        partial(build_vlm, "llava"),
+        partial(vlm_batches, "llava", 3),
+        strategy_kwargs={"tp_plan": LLAVA_VISION_PLAN, "sequence_parallel": True, "loss_parallel": True},
     ),
     # The other style names on a dense model: hidden-dim embedding, gathered MLP with a locally split down_proj.
     "llama_alt_styles": lm(
@@ -470,6 +530,10 @@ TWO_D_CASES = [
     "llama_rslora",
     "qwen3_meta_lora",
     "qwen3_sp_lp_adamw_clip",
+    "qwen2_5_vl_sgd",
+    "gemma3_sgd",
+    "llava_vision_plan_sp_lp",
+    "llava_meta_load",
     "qwen3_bf16_mixed",
     "qwen3_bf16_all_gather",
     "features",
@@ -502,6 +566,7 @@ TP_CASES = [
     "features",
     "save_failure",
     "collectives",
+    "vlm_generate",
     "loss_parallel_checks",
     *(f"error:{name}" for name in ERROR_CASES),
 ]

@@ -159,6 +159,166 @@ def _derived_config(kind: str):
     )
 
 
+#: Vision-language families: a tiny vision tower and a tiny text model (Qwen2.5-VL's and Gemma 3's text models have
+#: plans, their vision towers none; LLaVA's text model is Llama). Text tokens are drawn below 96; the image
+#: placeholders (100 and up) lie inside the text model's vocabulary of 128.
+VLM_KINDS = ("qwen2_5_vl", "gemma3", "llava")
+VLM_VOCAB = 128
+
+
+def tiny_vlm_config(kind: str, **overrides: Any):
+    """Configs of the vision-language families the tests cover; head counts divide by 2."""
+    from transformers import Gemma3Config, LlavaConfig, Qwen2_5_VLConfig
+
+    text = dict(
+        vocab_size=VLM_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    if kind == "qwen2_5_vl":  # patches merged 2 x 2 by the vision merger, windowed and full attention, 3-D rotary
+        cfg = Qwen2_5_VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            vision_config={
+                **vision,
+                "depth": 2,
+                "num_heads": 4,
+                "out_hidden_size": 64,
+                "patch_size": 4,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "window_size": 8,
+                "fullatt_block_indexes": [1],
+            },
+            image_token_id=100,
+            video_token_id=101,
+            vision_start_token_id=102,
+            vision_end_token_id=103,
+            tie_word_embeddings=False,
+        )
+    elif kind == "gemma3":  # SigLIP tower (its pooling head runs nn.MultiheadAttention), pooled to 4 tokens
+        cfg = Gemma3Config(
+            text_config={**text, "head_dim": 16, "sliding_window": 8},
+            vision_config={
+                **vision,
+                "num_hidden_layers": 2,
+                "image_size": 16,
+                "patch_size": 4,
+                "vision_use_head": True,
+            },
+            mm_tokens_per_image=4,
+            image_token_index=100,
+            boi_token_index=101,
+            eoi_token_index=102,
+        )
+    elif kind == "llava":  # CLIP tower, 16 patch features per image through a 2-layer projector
+        cfg = LlavaConfig(
+            text_config={**text, "model_type": "llama"},
+            vision_config={
+                **vision,
+                "model_type": "clip_vision_model",
+                "num_hidden_layers": 2,
+                "image_size": 16,
+                "patch_size": 4,
+                "projection_dim": 32,
+            },
+            image_token_index=100,
+            vision_feature_layer=-1,
+        )
+    elif kind == "llama4":  # a plan for its vision tower too; dense text layers. Plans only: its forward fails in
+        # Transformers 5.24 (`Llama4ForConditionalGeneration.forward` reads `outputs.image_outputs`, which is not set)
+        from transformers import Llama4Config
+
+        cfg = Llama4Config(
+            text_config={
+                **text,
+                "head_dim": 16,
+                "intermediate_size_mlp": 128,
+                "num_local_experts": 2,
+                "interleave_moe_layer_step": 0,
+                "moe_layers": [],
+                "attention_chunk_size": 64,
+            },
+            vision_config={
+                **vision,
+                "intermediate_size": 128,  # the pixel shuffle's width: 4 x hidden_size
+                "num_hidden_layers": 2,
+                "image_size": 16,
+                "patch_size": 4,
+                "vision_output_dim": 64,
+                "projector_input_dim": 64,
+                "projector_output_dim": 64,
+            },
+            image_token_index=100,
+            boi_token_index=101,
+            eoi_token_index=102,
+        )
+    else:
+        raise ValueError(kind)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_vlm(kind: str, seed: int = 0) -> nn.Module:
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(tiny_vlm_config(kind), dtype=torch.float32)
+
+
+def vlm_batches(
+    kind: str, steps: int, batch_size: int = 4, seq: int = 24, seed: int = 1
+) -> list[dict[str, torch.Tensor]]:
+    """Image batches as each family's processor lays them out: one image per sequence, its placeholder tokens
+    (``image_token_id``, as many as the model makes features per image) after two text tokens, wrapped in the
+    family's begin/end markers where it has them; the loss on the text after the image."""
+    cfg = tiny_vlm_config(kind)
+    vision = cfg.vision_config
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(3, 96, (batch_size, seq), generator=g)
+        batch: dict[str, torch.Tensor] = {}
+        if kind == "qwen2_5_vl":  # pixel_values: [patches, channels * temporal * patch * patch], a 16 x 16 image
+            grid = 16 // vision.patch_size
+            tokens = grid * grid // vision.spatial_merge_size**2
+            start, end = cfg.vision_start_token_id, cfg.vision_end_token_id
+            width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+            batch["pixel_values"] = torch.randn(batch_size * grid * grid, width, generator=g)
+            batch["image_grid_thw"] = torch.tensor([[1, grid, grid]] * batch_size)
+        else:
+            if kind == "gemma3":
+                tokens, start, end = cfg.mm_tokens_per_image, cfg.boi_token_index, cfg.eoi_token_index
+            else:  # LLaVA: every patch feature (the CLS feature dropped), no markers
+                tokens, start, end = (vision.image_size // vision.patch_size) ** 2, None, None
+            size = vision.image_size
+            batch["pixel_values"] = torch.randn(batch_size, vision.num_channels, size, size, generator=g)
+        first = 2 if start is None else 3
+        if start is not None:
+            ids[:, 2], ids[:, first + tokens] = start, end
+        ids[:, first : first + tokens] = cfg.image_token_id
+        if kind == "gemma3":  # the image tokens attend to each other both ways in training
+            batch["token_type_ids"] = (ids == cfg.image_token_id).long()
+        labels = ids.clone()
+        labels[:, : first + tokens + 1] = -100
+        out.append({"input_ids": ids, "labels": labels, **batch})
+    return out
+
+
+def vlm_prompt(kind: str) -> dict[str, torch.Tensor]:
+    """Two image prompts for ``generate`` (no labels; Gemma 3 needs no token types outside training)."""
+    batch = vlm_batches(kind, 1, batch_size=2)[0]
+    return {k: v for k, v in batch.items() if k not in ("labels", "token_type_ids")}
+
+
 def tied_embeddings(model: nn.Module) -> bool | None:
     """Whether the output embedding is the input embedding (one parameter); None for a model without embeddings."""
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -292,7 +452,7 @@ class ParityModule(L.LightningModule):
                 inner = self.get_submodule(self.call_directly)
                 loss = loss + nn.functional.cross_entropy(self.model(inner(batch["x"]) * 0.5), batch["y"])
             return loss
-        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        out = self.model(**batch)  # input_ids and labels; pixel values and the like for vision-language models
         if hasattr(self, "head"):
             return out.loss + self.head(out.logits).pow(2).mean()
         return out.loss

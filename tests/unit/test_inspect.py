@@ -1,7 +1,7 @@
 import pytest
 
 from lightning_tp.inspect import build_meta_model, inspect_model, local_shape, main
-from tests.helpers.models import build_causal_lm, tiny_config
+from tests.helpers.models import build_causal_lm, tiny_config, tiny_vlm_config
 
 
 @pytest.fixture(scope="module")
@@ -11,6 +11,8 @@ def config_dirs(tmp_path_factory):
         "qwen3": tiny_config("qwen3"),
         "kv1": tiny_config("llama", num_key_value_heads=1),
         "heads3": tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48),
+        "qwen2_5_vl": tiny_vlm_config("qwen2_5_vl"),  # AutoModelForCausalLM does not take its config
+        "gemma3": tiny_vlm_config("gemma3"),  # tied lm_head
     }
     for name, config in configs.items():
         config.save_pretrained(root / name)
@@ -69,3 +71,21 @@ def test_memory_per_rank_divides_and_lora_counts_trainable_only(config_dirs):
     lora = inspect_model(build_meta_model(str(config_dirs / "qwen3"), lora_r=4), tp_size=2).memory["fp32"]
     assert lora["gradients"] < one["gradients"] / 10  # r=4 adapters on a 86k-parameter model
     assert lora["adamw_states"] == 2 * lora["gradients"]
+
+
+@pytest.mark.parametrize(("kind", "vision"), [("qwen2_5_vl", "model.visual"), ("gemma3", "model.vision_tower")])
+def test_vision_language_model_parts(config_dirs, capsys, kind, vision):
+    """A VLM is built from its config; the report says which parts the plan shards (the language model) and which
+    stay whole on every TP rank (the vision tower, the projector: no plan entries)."""
+    assert main([str(config_dirs / kind), "--tp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    parts = out.split("Parts (elements per TP rank):")[1].split("\n\n")[0]
+    rows = {line.split()[0]: line for line in parts.strip().splitlines()}
+    assert "replicated over TP" in rows[vision]
+    assert "sharded (" in rows["model.language_model"]
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in out
+    if kind == "gemma3":
+        assert "replicated over TP" in rows["model.multi_modal_projector"]
+        assert "tied" in rows["lm_head"]
+    else:
+        assert "sharded (1 of 1" in rows["lm_head"]

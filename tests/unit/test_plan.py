@@ -217,3 +217,75 @@ def test_a_learnable_activation_between_split_projections_sums_its_gradient():
 def test_uneven_layers_that_go_through_dtensor_are_not_refused():
     # phi3's fused gate_up is 'colwise_gather_output' and down 'rowwise_split_input': DTensor pads uneven shards.
     resolve_plan(meta_model("phi3", intermediate_size=33), "auto", tp_size=2)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "gemma3", "llava"])
+def test_vision_language_model_plan_leaves_the_vision_tower_alone(kind):
+    """The class plan's keys are prefixed (`model.language_model.layers.*`): the language model's layers are planned,
+    the vision tower and projector have no entries (they stay whole), and the dense rewrite's stack is the text one."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_tp.fsdp import block_classes
+    from lightning_tp.tensor_parallel import decoder_layers
+    from tests.helpers.models import tiny_vlm_config
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config(kind))
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.styles["model.language_model.layers.0.self_attn.q_proj"] == "colwise"
+    assert not [n for n in plan.styles if n.startswith(("model.visual", "model.vision_tower", "model.multi_modal"))]
+    layers = decoder_layers(model, plan.styles, block_classes(model))  # _no_split_modules lists vision blocks too
+    assert layers == ["model.language_model.layers.0", "model.language_model.layers.1"]
+
+
+def test_sequence_parallel_takes_the_stack_on_the_token_embeddings():
+    """With a vision tower planned too there are two stacks of planned layers; sequence parallelism splits the one
+    under the module holding the input embedding."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_tp.fsdp import block_classes
+    from lightning_tp.tensor_parallel import decoder_layers, layer_stacks, text_decoder_layers
+    from tests.helpers.cases import LLAVA_VISION_PLAN
+    from tests.helpers.models import tiny_vlm_config
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config("llava"))
+    plan = resolve_plan(model, LLAVA_VISION_PLAN, tp_size=2)
+    layers = decoder_layers(model, plan.styles, block_classes(model))
+    assert sorted(layer_stacks(layers)) == ["model.language_model.layers", "model.vision_tower.encoder.layers"]
+    assert text_decoder_layers(model, layers) == ["model.language_model.layers.0", "model.language_model.layers.1"]
+
+
+def test_a_vision_tower_with_its_own_plan_is_sharded_by_it_and_inert_refused_rules_pass():
+    """Llama 4's plan covers its vision tower (attention column-/row-wise, the adapter MLP, the patch embedding);
+    its mixture-of-experts rules (a refused style) match nothing when every text layer is dense, and do not refuse
+    the model."""
+    from transformers import Llama4ForConditionalGeneration
+
+    from tests.helpers.models import tiny_vlm_config
+
+    with torch.device("meta"):
+        model = Llama4ForConditionalGeneration(tiny_vlm_config("llama4"))
+    assert "packed_rowwise" in model.tp_plan.values()  # the experts' rule, refused where it matches
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.styles["vision_model.model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan.styles["vision_model.vision_adapter.mlp.fc2"] == "rowwise"
+    assert plan.styles["language_model.model.layers.1.feed_forward.down_proj"] == "rowwise"
+    assert "vision_model.model.layers.0.mlp.fc1" not in plan.styles  # no rule: replicated
+
+
+def test_a_planned_vision_tower_with_heads_the_tp_size_does_not_divide_is_refused_by_name():
+    """The text model's head counts divide by 2, the CLIP tower's one head does not: refused before anything moves,
+    naming the tower, instead of failing in its first forward."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.helpers.cases import LLAVA_VISION_PLAN
+    from tests.helpers.models import tiny_vlm_config
+
+    config = tiny_vlm_config("llava")
+    config.vision_config.num_attention_heads = 1
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    resolve_plan(model, "auto", tp_size=2)  # the tower left whole: its heads do not matter
+    with pytest.raises(ValueError, match=r"\.model\.vision_tower: num_attention_heads=1 .*not divisible by tp_size=2"):
+        resolve_plan(model, LLAVA_VISION_PLAN, tp_size=2)
