@@ -84,7 +84,12 @@ def decide_on_main(decide: Callable[[], T], *, what: str | Path) -> T:
 
 
 def layout_sizes(layout: ParallelLayout) -> dict[str, int]:
-    return {"tp": layout.tp_size, "dp_shard": layout.dp_shard_size, "dp_replicate": layout.dp_replicate_size}
+    """The sizes a checkpoint records (``cp`` only when above 1: checkpoints written before it existed compare
+    equal)."""
+    sizes = {"tp": layout.tp_size, "dp_shard": layout.dp_shard_size, "dp_replicate": layout.dp_replicate_size}
+    if layout.cp_size > 1:
+        sizes["cp"] = layout.cp_size
+    return sizes
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "FSDP_MANAGED_ATTR",
     "all_gather_ddp_if_available",
     "assert_async",
+    "attention_implementation",
     "buffer_dict",
     "causal_lm_loss_function",
     "clear_received_sigterm",
@@ -56,6 +57,7 @@ __all__ = [
     "remove_tied_weights_from_state_dict",
     "replace_sigterm_broadcast",
     "restore_sigterm_broadcast",
+    "set_attention_implementation",
     "set_device_mesh",
     "revert_weight_conversion",
     "set_sampler_epoch",
@@ -230,6 +232,19 @@ def transformers_apply_tensor_parallelism() -> Callable[..., Any]:
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     return apply_tensor_parallelism
+
+
+def attention_implementation(config: Any) -> str | None:
+    """The attention implementation a Transformers config selects (``config._attn_implementation``: the models read
+    it at every forward; ``attn_implementation`` is only the constructor's argument)."""
+    return config._attn_implementation
+
+
+def set_attention_implementation(config: Any, name: str) -> None:
+    """Select an implementation registered with ``AttentionInterface.register`` for one model's config, without the
+    checks of ``PreTrainedModel.set_attn_implementation`` (which loads kernels and refuses names it does not ship);
+    the config's setter passes it on to the sub-configs."""
+    config._attn_implementation = name
 
 
 def causal_lm_loss_function() -> Callable[..., Any]:

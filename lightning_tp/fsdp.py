@@ -118,7 +118,7 @@ def apply_fsdp_per_child(
 
 
 #: Mesh axis names of FSDP2's sharded parameters (its unsharded ones live on the TP axis only, or are plain).
-_DATA_PARALLEL_AXES = ("dp_shard", "dp_replicate")
+_DATA_PARALLEL_AXES = ("dp_shard", "dp_replicate", "dp_shard_cp")
 
 
 def _refuse_calls_outside_units(root: nn.Module, units: list[nn.Module]) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized
 from lightning_tp.grad import clip_grad_norm_
-from lightning_tp.layout import TP_AXIS, ParallelLayout
+from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.parallelize import ParallelOptions
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ class StrategyOptions:
     dp_shard_size: int | None
     dp_replicate_size: int
     parallel: ParallelOptions
+    cp_size: int = 1
     save_distributed_checkpoint: bool = True
     save_frozen_weights: bool = True
 
@@ -47,20 +48,26 @@ class StrategyOptions:
         dp_replicate_size: int,
         parallelism_config: Any | None,
         tp_plan: Literal["auto"] | Mapping[str, Any],
+        cp_size: int = 1,
         fsdp_blocks: Sequence[str] | None,
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
         **parallel: Any,
     ) -> StrategyOptions:
         if parallelism_config is not None:
-            tp_size, dp_shard_size, dp_replicate_size = sizes_from_parallelism_config(
-                parallelism_config, tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size
+            tp_size, dp_shard_size, dp_replicate_size, cp_size = sizes_from_parallelism_config(
+                parallelism_config,
+                tp_size=tp_size,
+                dp_shard_size=dp_shard_size,
+                dp_replicate_size=dp_replicate_size,
+                cp_size=cp_size,
             )
         ParallelLayout.resolve(
-            (tp_size or 1) * (dp_shard_size or 1) * dp_replicate_size,
+            (tp_size or 1) * (dp_shard_size or 1) * dp_replicate_size * (cp_size if isinstance(cp_size, int) else 1),
             tp_size=tp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
+            cp_size=cp_size,
         )
         options = ParallelOptions(tp_plan=tp_plan, fsdp_blocks=tuple(fsdp_blocks) if fsdp_blocks else None, **parallel)
         if not save_frozen_weights and not save_distributed_checkpoint:
@@ -72,6 +79,7 @@ class StrategyOptions:
             tp_size=tp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
+            cp_size=cp_size,
             parallel=options,
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_frozen_weights=save_frozen_weights,
@@ -79,7 +87,11 @@ class StrategyOptions:
 
     def layout(self, world_size: int) -> ParallelLayout:
         return ParallelLayout.resolve(
-            world_size, tp_size=self.tp_size, dp_shard_size=self.dp_shard_size, dp_replicate_size=self.dp_replicate_size
+            world_size,
+            tp_size=self.tp_size,
+            dp_shard_size=self.dp_shard_size,
+            dp_replicate_size=self.dp_replicate_size,
+            cp_size=self.cp_size,
         )
 
 
@@ -112,6 +124,12 @@ class MeshMixin:
         return self.device_mesh[TP_AXIS]
 
     @property
+    def cp_mesh(self) -> DeviceMesh:
+        """The 1-D context-parallel sub-mesh of this rank: the ranks that split each of its sequences (they read the
+        same rows)."""
+        return self.device_mesh[CP_AXIS]
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
         """The flattened 1-D data-parallel sub-mesh of this rank (``dp_replicate`` x ``dp_shard``)."""
         if self._dp_mesh is None:
@@ -120,7 +138,8 @@ class MeshMixin:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank of a TP group must see the same batch: split the data over the data-parallel ranks only.
+        # Every rank of a TP group (and of a CP group) must see the same batch: split the data over the data-parallel
+        # ranks only.
         return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
 
     def _data_parallel_group(self) -> Any | None:
@@ -143,21 +162,27 @@ class MeshMixin:
 
 
 def sizes_from_parallelism_config(
-    config: Any, *, tp_size: int | None, dp_shard_size: int | None, dp_replicate_size: int
-) -> tuple[int | None, int | None, int]:
-    """Sizes from an ``accelerate.ParallelismConfig`` (duck-typed: accelerate is not a dependency)."""
-    if tp_size is not None or dp_shard_size is not None or dp_replicate_size != 1:
+    config: Any, *, tp_size: int | None, dp_shard_size: int | None, dp_replicate_size: int, cp_size: int = 1
+) -> tuple[int | None, int | None, int, int]:
+    """Sizes from an ``accelerate.ParallelismConfig`` (duck-typed: accelerate is not a dependency): ``tp_size``,
+    ``dp_shard_size``, ``dp_replicate_size`` and ``cp_size``."""
+    if tp_size is not None or dp_shard_size is not None or dp_replicate_size != 1 or cp_size != 1:
         raise ValueError(
-            "Pass either `parallelism_config` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`), not both."
+            "Pass either `parallelism_config` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`, "
+            "`cp_size`), not both."
         )
-    unsupported = {name: getattr(config, name, 1) for name in ("cp_size", "sp_size")}
+    unsupported = {name: getattr(config, name, 1) for name in ("sp_size",)}
     unsupported = {name: size for name, size in unsupported.items() if size not in (None, 1)}
     if unsupported:
-        raise ValueError(f"`parallelism_config` asks for {unsupported}; this strategy offers TP, FSDP2 and HSDP only.")
-    sizes = [getattr(config, name, None) for name in ("tp_size", "dp_shard_size", "dp_replicate_size")]
+        raise ValueError(
+            f"`parallelism_config` asks for {unsupported} (DeepSpeed-Ulysses sequence parallelism); this strategy "
+            "offers TP, context parallelism (`cp_size`, attention exchanging keys and values), FSDP2 and HSDP."
+        )
+    names = ("tp_size", "dp_shard_size", "dp_replicate_size", "cp_size")
+    sizes = [getattr(config, name, None) for name in names]
     if any(size is not None and not isinstance(size, int) for size in sizes):
         raise ValueError(f"`parallelism_config` must carry integer sizes, got {config!r}.")
-    return sizes[0] or 1, sizes[1] or 1, sizes[2] or 1
+    return sizes[0] or 1, sizes[1] or 1, sizes[2] or 1, sizes[3] or 1
 
 
 _destroy_registered = False

@@ -1,8 +1,12 @@
 """The parallel layout: how many ranks each mesh axis gets, validated once, and the named device mesh built from it.
 
 Axes, outermost first: ``dp_replicate`` (replicated data parallel, e.g. across nodes), ``dp_shard`` (FSDP2 data
-parallel) and ``tp`` (tensor parallel, innermost so a TP group stays on one node's fast links). The TP axis is named
-exactly ``tp`` because Transformers' and PEFT's TP code looks the axis up by that name.
+parallel), ``cp`` (context parallel: the ranks of a group split each sequence and see the same rows) and ``tp``
+(tensor parallel, innermost so a TP group stays on one node's fast links). The TP axis is named exactly ``tp``
+because Transformers' and PEFT's TP code looks the axis up by that name.
+
+FSDP2 shards the parameters over ``dp_shard`` x ``cp`` (the flattened ``dp_shard_cp`` axis, as torchtitan does): the
+ranks of a CP group hold the same weights and reduce their gradients together, so they may as well shard them.
 """
 
 from __future__ import annotations
@@ -20,9 +24,14 @@ if TYPE_CHECKING:
 #: Mesh axis names, outermost first.
 DP_REPLICATE_AXIS = "dp_replicate"
 DP_SHARD_AXIS = "dp_shard"
+CP_AXIS = "cp"
 TP_AXIS = "tp"
+#: Every axis of the mesh, outermost first.
+MESH_AXES = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, CP_AXIS, TP_AXIS)
 #: The flattened data-parallel axis (``dp_replicate`` x ``dp_shard``): the sampler and metric reductions use it.
 DP_AXIS = "dp"
+#: The flattened ``dp_shard`` x ``cp`` axis that FSDP2 shards over (built only when ``cp_size > 1``).
+DP_SHARD_CP_AXIS = "dp_shard_cp"
 
 
 @dataclass(frozen=True)
@@ -32,21 +41,33 @@ class ParallelLayout:
     tp_size: int
     dp_shard_size: int = 1
     dp_replicate_size: int = 1
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "dp_shard_size", "dp_replicate_size"):
+        for name in ("tp_size", "dp_shard_size", "dp_replicate_size", "cp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size
+        return self.dp_replicate_size * self.dp_shard_size * self.cp_size * self.tp_size
 
     @property
     def dp_size(self) -> int:
         """Number of data-parallel replicas of the model: each sees a different batch."""
         return self.dp_replicate_size * self.dp_shard_size
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks that FSDP2 reduces gradients over: the data-parallel replicas and the ranks of each CP group (which
+        saw the same rows, each its own part of every sequence). FSDP2 is applied when this is above 1."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks that FSDP2 shards each parameter over (``dp_shard`` x ``cp``)."""
+        return self.dp_shard_size * self.cp_size
 
     @classmethod
     def resolve(
@@ -56,51 +77,57 @@ class ParallelLayout:
         tp_size: int | None = None,
         dp_shard_size: int | None = None,
         dp_replicate_size: int = 1,
+        cp_size: int = 1,
     ) -> ParallelLayout:
         """Fill in the sizes left as ``None`` from ``world_size`` and check that they multiply to it.
 
-        ``tp_size=None`` takes every rank the data-parallel axes leave (as Transformers' ``DistributedConfig`` infers
-        it from ``WORLD_SIZE``); ``dp_shard_size=None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
+        ``tp_size=None`` takes every rank the data-parallel and CP axes leave (as Transformers' ``DistributedConfig``
+        infers it from ``WORLD_SIZE``); ``dp_shard_size=None`` takes what ``tp_size``, ``cp_size`` and
+        ``dp_replicate_size`` leave.
         """
         if world_size < 1:
             raise ValueError(f"world_size must be positive, got {world_size}.")
         for name, value in (("tp_size", tp_size), ("dp_shard_size", dp_shard_size)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
-        if not isinstance(dp_replicate_size, int) or isinstance(dp_replicate_size, bool) or dp_replicate_size < 1:
-            raise ValueError(f"`dp_replicate_size` must be a positive integer, got {dp_replicate_size!r}.")
+        for name, value in (("dp_replicate_size", dp_replicate_size), ("cp_size", cp_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if tp_size is None:
-            other = dp_replicate_size * (dp_shard_size or 1)
+            other = dp_replicate_size * (dp_shard_size or 1) * cp_size
             if world_size % other:
                 raise ValueError(
-                    f"The world size ({world_size}) is not divisible by dp_replicate_size * dp_shard_size "
-                    f"({dp_replicate_size} * {dp_shard_size or 1} = {other}), so `tp_size` cannot be inferred. "
-                    "Change the data-parallel sizes or the number of devices."
+                    f"The world size ({world_size}) is not divisible by dp_replicate_size * dp_shard_size * cp_size "
+                    f"({dp_replicate_size} * {dp_shard_size or 1} * {cp_size} = {other}), so `tp_size` cannot be "
+                    "inferred. Change the data-parallel or CP sizes or the number of devices."
                 )
             tp_size = world_size // other
-        if world_size % tp_size:
+        if world_size % (tp_size * cp_size):
+            model_parallel = f"tp_size={tp_size}" if cp_size == 1 else f"tp_size * cp_size={tp_size * cp_size}"
             raise ValueError(
-                f"The world size ({world_size}) is not divisible by tp_size={tp_size}. Use a tp_size that divides "
-                f"it ({_divisors(world_size)}) or run on a multiple of {tp_size} devices."
+                f"The world size ({world_size}) is not divisible by {model_parallel}. Use sizes whose product divides "
+                f"it ({_divisors(world_size)}) or run on a multiple of {tp_size * cp_size} devices."
             )
         if dp_shard_size is None:
-            if (world_size // tp_size) % dp_replicate_size:
+            if (world_size // tp_size // cp_size) % dp_replicate_size:
                 raise ValueError(
-                    f"world size {world_size} / tp_size {tp_size} = {world_size // tp_size} ranks of data "
-                    f"parallelism are not divisible by dp_replicate_size={dp_replicate_size}."
+                    f"world size {world_size} / (tp_size {tp_size} * cp_size {cp_size}) = "
+                    f"{world_size // tp_size // cp_size} ranks of data parallelism are not divisible by "
+                    f"dp_replicate_size={dp_replicate_size}."
                 )
-            dp_shard_size = world_size // tp_size // dp_replicate_size
-        layout = cls(tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size)
+            dp_shard_size = world_size // tp_size // cp_size // dp_replicate_size
+        layout = cls(tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)
         if layout.world_size != world_size:
             raise ValueError(
-                f"dp_replicate_size * dp_shard_size * tp_size = {dp_replicate_size} * {dp_shard_size} * {tp_size} "
-                f"= {layout.world_size}, but the world size is {world_size}. Make the sizes multiply to the number "
-                "of processes, or leave `dp_shard_size=None` to infer it."
+                f"dp_replicate_size * dp_shard_size * cp_size * tp_size = {dp_replicate_size} * {dp_shard_size} * "
+                f"{cp_size} * {tp_size} = {layout.world_size}, but the world size is {world_size}. Make the sizes "
+                "multiply to the number of processes, or leave `dp_shard_size=None` to infer it."
             )
         return layout
 
     def build_device_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> tuple[DeviceMesh, DeviceMesh]:
-        """Build the 3-D mesh (``dp_replicate``, ``dp_shard``, ``tp``) and its flattened 1-D ``dp`` mesh.
+        """Build the 4-D mesh (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``) and its flattened 1-D ``dp`` mesh (with
+        ``cp_size > 1``, the flattened ``dp_shard_cp`` axis FSDP2 shards over is built too: ``mesh["dp_shard_cp"]``).
 
         Needs an initialised process group; every rank must call it. torch asks callers to keep the flattened mesh
         themselves rather than slice it from the root, hence the pair. ``timeout`` reaches every group the mesh
@@ -109,8 +136,8 @@ class ParallelLayout:
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.dp_replicate_size, self.dp_shard_size, self.tp_size)
-        names = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS)
+        shape = (self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size)
+        names = MESH_AXES
         options = group_options(timeout)
         # An axis over the whole world reuses the world group (which has the timeout already) only without override.
         override = (
@@ -122,11 +149,16 @@ class ParallelLayout:
         # One group over every data-parallel rank, for the sampler and metric reductions.
         flat_override = options if options is not None and self.dp_size != self.world_size else None
         dp_mesh = flatten_mesh(mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)], DP_AXIS, backend_override=flat_override)
+        if self.cp_size > 1:
+            # FSDP2's shard axis; flattened here, where the timeout is known (later calls get this one back).
+            shard_override = options if options is not None and self.shard_size != self.world_size else None
+            flatten_mesh(mesh[(DP_SHARD_AXIS, CP_AXIS)], DP_SHARD_CP_AXIS, backend_override=shard_override)
         return mesh, dp_mesh
 
     def __str__(self) -> str:
+        cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
         return (
-            f"dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size} x tp={self.tp_size} "
+            f"dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size}{cp} x tp={self.tp_size} "
             f"(world size {self.world_size})"
         )
 

@@ -24,10 +24,20 @@ from torch import nn
 
 from lightning_tp.checkpoint import install_distributed_save_pretrained
 from lightning_tp.compat import buffer_dict, distributed_is_initialized, flatten_mesh, parameter_dict
+from lightning_tp.context_parallel import context_parallel_problem, install_context_parallel
 from lightning_tp.discovery import modules_outside, transformers_models
 from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
 from lightning_tp.fsdp import fsdp_units as check_fsdp_units
-from lightning_tp.layout import DP_AXIS, DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS, ParallelLayout
+from lightning_tp.layout import (
+    CP_AXIS,
+    DP_AXIS,
+    DP_REPLICATE_AXIS,
+    DP_SHARD_AXIS,
+    DP_SHARD_CP_AXIS,
+    MESH_AXES,
+    TP_AXIS,
+    ParallelLayout,
+)
 from lightning_tp.loading import materialize, materialize_modules
 from lightning_tp.lora import (
     check_peft_supported,
@@ -109,10 +119,10 @@ class ParallelOptions:
                 "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
                 f"`accelerator='cpu'` the model is in host memory already. Drop `cpu_offload` (device: {device})."
             )
-        if self.cpu_offload and layout.dp_size == 1:
+        if self.cpu_offload and layout.fsdp_size == 1:
             raise ValueError(
-                "`cpu_offload=True` is FSDP2's offload and needs data parallelism, but the layout "
-                f"({layout}) has none. Use fewer TP ranks (`tp_size` below the world size) or drop `cpu_offload`."
+                "`cpu_offload=True` is FSDP2's offload and needs data or context parallelism, but the layout "
+                f"({layout}) has neither. Use fewer TP ranks (`tp_size` below the world size) or drop `cpu_offload`."
             )
         if self.fsdp_param_dtype is None:
             return
@@ -127,10 +137,11 @@ class ParallelOptions:
                 f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` is ignored under `precision='bf16-true'`: the "
                 "parameters are bf16 already, and so are FSDP2's all-gathers."
             )
-        elif layout.dp_size == 1:
+        elif layout.fsdp_size == 1:
             rank_zero_warn(
-                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` is ignored: the layout ({layout}) has no data "
-                "parallelism, so FSDP2 gathers nothing. `bf16-mixed` autocasts over fp32 weights as on one device."
+                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` is ignored: the layout ({layout}) has no data or "
+                "context parallelism, so FSDP2 gathers nothing. `bf16-mixed` autocasts over fp32 weights as on one "
+                "device."
             )
 
 
@@ -160,14 +171,17 @@ def parallelize(
     tp_size: int | None = None,
     dp_shard_size: int | None = None,
     dp_replicate_size: int = 1,
+    cp_size: int = 1,
     options: ParallelOptions | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """Shard ``module`` in place over the TP and data-parallel ranks and return it.
+    """Shard ``module`` in place over the TP, context-parallel and data-parallel ranks and return it.
 
     ``module``: a Transformers model, a module holding some (a LightningModule, a ``PeftModel``), or any module
-    given a ``tp_plan``. The mesh: ``mesh`` (axes named ``dp_replicate``, ``dp_shard``, ``tp``; the ones missing
-    have size 1; see :meth:`ParallelLayout.build_device_mesh`), or the sizes, on the initialised world group.
+    given a ``tp_plan``. The mesh: ``mesh`` (axes named ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; the ones
+    missing have size 1; see :meth:`ParallelLayout.build_device_mesh`), or the sizes, on the initialised world group.
+    With ``cp_size > 1`` the ranks of a CP group must be given the same rows (split the data over the
+    data-parallel mesh only); each forward then splits the sequence (see :mod:`lightning_tp.context_parallel`).
     ``device``: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
     Every rank must call it, with the same arguments: it runs collectives.
     """
@@ -179,14 +193,20 @@ def parallelize(
                 "torchrun), or pass a `mesh`."
             )
         layout = ParallelLayout.resolve(
-            dist.get_world_size(), tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size
+            dist.get_world_size(),
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+            cp_size=cp_size,
         )
         device = _device(device, mesh_type=_default_device_type())
         options.check_layout(layout, device=device)
         mesh, _ = layout.build_device_mesh(device.type)
     else:
-        if (tp_size, dp_shard_size, dp_replicate_size) != (None, None, 1):
-            raise ValueError("Pass either `mesh` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`).")
+        if (tp_size, dp_shard_size, dp_replicate_size, cp_size) != (None, None, 1, 1):
+            raise ValueError(
+                "Pass either `mesh` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`, `cp_size`)."
+            )
         layout = layout_of(mesh)
         device = _device(device, mesh_type=mesh.device_type)
         options.check_layout(layout, device=device)
@@ -220,23 +240,29 @@ def apply_parallelisms(
     # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss
     #    parallelism with it, since it changes what the TP'd `lm_head` returns.
     apply_tp(targets, tp_mesh=tp_mesh, device=device, loss_parallel=options.loss_parallel)
-    # 5. Activation checkpointing per decoder layer, after TP (the recomputed forward runs the TP layers) and before
+    # 5. Context parallelism after TP: it wraps the model's attention and loss functions, whatever TP made of the
+    #    projections around them (each rank's attention sees its TP heads of its CP chunk), and its hooks sit on the
+    #    decoder stack, outside the layers that activation checkpointing recomputes and FSDP2 wraps.
+    if layout.cp_size > 1:
+        apply_context_parallel(root, targets, cp_mesh=mesh[CP_AXIS], layout=layout, options=options)
+    # 6. Activation checkpointing per decoder layer, after TP (the recomputed forward runs the TP layers) and before
     #    FSDP2 (whose hooks then wrap the checkpointed layer and gather its weights again for the recompute).
     if options.activation_checkpointing:
         apply_activation_checkpointing(targets)
-    # 6. FSDP2 on the data-parallel axes, after TP: it shards the TP shards further (2-D) and must see the final
-    #    DTensor parameters. HSDP when dp_replicate_size > 1.
-    if layout.dp_size > 1:
+    # 7. FSDP2 on the data-parallel axes (and the CP axis: its ranks hold the same weights and reduce their gradients
+    #    together), after TP: it shards the TP shards further (2-D) and must see the final DTensor parameters. HSDP
+    #    when dp_replicate_size > 1.
+    if layout.fsdp_size > 1:
         apply_data_parallel(root, targets, mesh=mesh, layout=layout, options=options)
-    # 7. Models built on the meta device are materialised only now, already sharded, and filled from their checkpoint
+    # 8. Models built on the meta device are materialised only now, already sharded, and filled from their checkpoint
     #    slice by slice: no rank ever holds the whole model. With CPU offload FSDP2 keeps the shards on the CPU.
     init_device = torch.device("cpu") if options.cpu_offload else device
     materialized = materialize_and_load(root, targets, device=init_device)
-    # 8. LoRA adapters of a meta-built model exist only now; PEFT initialises them, every rank drawing the same whole
+    # 9. LoRA adapters of a meta-built model exist only now; PEFT initialises them, every rank drawing the same whole
     #    adapters and keeping its slices. Then the saves that must gather shards (adapters, save_pretrained).
     initialize_and_hook_adapters(root, materialized=materialized, device=init_device)
     install_save_hooks(targets)
-    # 9. What no stage placed (buffers of the root or of parameterless modules; with CPU offload, every buffer, which
+    # 10. What no stage placed (buffers of the root or of parameterless modules; with CPU offload, every buffer, which
     #    the forward needs on the device while FSDP2 keeps the parameters on the CPU).
     place_on_device(root, device, cpu_offload=options.cpu_offload)
     return targets
@@ -266,7 +292,12 @@ def resolve_targets(
                 "being sharded: the LightningModule, or the module given to `fabric.setup`/`parallelize`)."
             )
         models = [root]
-        if layout.dp_size > 1:
+        if layout.cp_size > 1:
+            raise ValueError(
+                f"cp_size={layout.cp_size} splits the sequences of Transformers causal LMs; {type(root).__name__} "
+                "holds none. Use `cp_size=1`."
+            )
+        if layout.fsdp_size > 1:
             check_fsdp_units(root)  # refuses children sharing a parameter, before any collective
     direct = [name for name, p in parameter_dict(root).items() if p is not None and p.requires_grad]
     if direct and not is_transformers_model(root):
@@ -289,13 +320,16 @@ def resolve_targets(
                     "time with its own plan. Load it without `distributed_config` to apply them."
                 )
         plan = resolve_plan(module, "auto" if presharded_mesh is not None else options.tp_plan, tp_size=layout.tp_size)
-        uneven = uneven_kv_projections(module, plan, layout.tp_size) if layout.dp_size > 1 else []
+        if layout.cp_size > 1 and (problem := context_parallel_problem(module)) is not None:
+            raise ValueError(f"cp_size={layout.cp_size}: {problem}.")
+        uneven = uneven_kv_projections(module, plan, layout.tp_size) if layout.fsdp_size > 1 else []
         if uneven:
             raise ValueError(
                 f"{type(module).__name__}: the KV heads of {uneven[0]} are replicated over tp_size={layout.tp_size}, "
                 f"and its width ({module.get_submodule(uneven[0]).weight.shape[0]}: KV heads x head_dim) is not "
-                f"divisible by it, so its shards are uneven, which FSDP2 (data-parallel size {layout.dp_size}) cannot "
-                "shard further. Use a tp_size that divides that width, or no data parallelism."
+                f"divisible by it, so its shards are uneven, which FSDP2 (over {layout.shard_size} rank(s) of "
+                "data and context parallelism) cannot shard further. Use a tp_size that divides that width, or no "
+                "data parallelism."
             )
         if presharded_mesh is not None and plan.kv_replicated:
             raise ValueError(
@@ -400,6 +434,20 @@ def apply_tp(targets: Targets, *, tp_mesh: DeviceMesh, device: torch.device, los
         setattr(module, SHARDED_MARKER, tp_mesh)
 
 
+def apply_context_parallel(
+    root: nn.Module, targets: Targets, *, cp_mesh: DeviceMesh, layout: ParallelLayout, options: ParallelOptions
+) -> None:
+    """Each model's sequences split over the CP group (every model passed ``context_parallel_problem`` when its
+    target was resolved). Lengths are padded to a multiple of ``2 x cp`` (two pieces per rank), times ``tp`` under
+    sequence parallelism, which splits each rank's tokens over the TP group again."""
+    multiple = 2 * layout.cp_size * (layout.tp_size if options.sequence_parallel else 1)
+    wrappers = {id(peft_model.get_base_model()): peft_model for peft_model in peft_models(root)}
+    for target in targets.models:
+        blocks = block_classes(target.module, options.fsdp_blocks)
+        outer = wrappers.get(id(target.module))
+        install_context_parallel(target.module, cp_mesh, multiple=multiple, blocks=blocks, outer=outer)
+
+
 def apply_activation_checkpointing(targets: Targets) -> None:
     for target in targets.models:
         module = target.module
@@ -418,11 +466,15 @@ def apply_data_parallel(
     """FSDP2 over each model (its blocks one by one, then the model), and over each module outside the models as one
     group, so that every trainable parameter has its gradients reduced over the data-parallel ranks. A root that is
     the model itself gets one group per child (see :func:`apply_fsdp_per_child`)."""
-    # HSDP takes the 2-D (replicate, shard) mesh, even when the shard axis has one rank; FSDP the shard axis.
+    # HSDP takes the 2-D (replicate, shard) mesh, even when the shard axis has one rank; FSDP the shard axis. The
+    # shard axis is `dp_shard` x `cp` with context parallelism (built with the mesh, see `build_device_mesh`).
+    shard_axis = DP_SHARD_CP_AXIS if layout.cp_size > 1 else DP_SHARD_AXIS
+    if layout.cp_size > 1:
+        flatten_mesh(mesh[(DP_SHARD_AXIS, CP_AXIS)], DP_SHARD_CP_AXIS)  # the one built already, or a user mesh's
     if layout.dp_replicate_size > 1:
-        fsdp_mesh = mesh[(DP_REPLICATE_AXIS, DP_SHARD_AXIS)]
+        fsdp_mesh = mesh[(DP_REPLICATE_AXIS, shard_axis)]
     else:
-        fsdp_mesh = mesh[DP_SHARD_AXIS]
+        fsdp_mesh = mesh[shard_axis]
     fsdp_options = dict(
         reshard_after_forward=options.reshard_after_forward,
         mp_policy=fsdp_mixed_precision(options.precision, param_dtype=options.fsdp_param_dtype),
@@ -489,9 +541,10 @@ def place_on_device(root: nn.Module, device: torch.device, *, cpu_offload: bool)
 
 
 def layout_of(mesh: DeviceMesh) -> ParallelLayout:
-    """The sizes of a mesh whose axes are named ``dp_replicate``, ``dp_shard`` and ``tp`` (missing ones: size 1)."""
+    """The sizes of a mesh whose axes are named ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp`` (missing ones:
+    size 1)."""
     names = tuple(mesh.mesh_dim_names or ())
-    known = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS)
+    known = MESH_AXES
     unknown = [name for name in names if name not in known]
     if TP_AXIS not in names or unknown:
         # An axis of another name (torchtitan's `dp`, say) would be taken for nothing: its ranks would train apart.
@@ -501,7 +554,10 @@ def layout_of(mesh: DeviceMesh) -> ParallelLayout:
         )
     sizes = {name: mesh.size(names.index(name)) if name in names else 1 for name in known}
     layout = ParallelLayout(
-        tp_size=sizes[TP_AXIS], dp_shard_size=sizes[DP_SHARD_AXIS], dp_replicate_size=sizes[DP_REPLICATE_AXIS]
+        tp_size=sizes[TP_AXIS],
+        dp_shard_size=sizes[DP_SHARD_AXIS],
+        dp_replicate_size=sizes[DP_REPLICATE_AXIS],
+        cp_size=sizes[CP_AXIS],
     )
     world_size = dist.get_world_size() if distributed_is_initialized() else 1
     if layout.world_size != world_size:

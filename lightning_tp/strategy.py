@@ -63,7 +63,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     over form the data-parallel axes, sharded with FSDP2.
 
     Args:
-        tp_size: Ranks per tensor-parallel group. ``None`` takes every rank the data-parallel sizes leave.
+        tp_size: Ranks per tensor-parallel group. ``None`` takes every rank the data-parallel and CP sizes leave.
         tp_plan: ``"auto"`` (each Transformers model's own plan), or a dict of overrides in
             ``DistributedConfig.tp_plan`` form (``{"model.layers.*.mlp.down_proj": "rowwise"}``, paths relative to
             the Transformers model), or for a module that is not a Transformers model, a dict of path (relative to
@@ -71,8 +71,13 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         dp_shard_size: Ranks per FSDP2 shard group. ``None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
         dp_replicate_size: Number of replicas of the FSDP2 groups (HSDP: shard within a group, e.g. a node, and
             replicate across groups).
-        parallelism_config: An ``accelerate.ParallelismConfig`` to take ``tp_size``, ``dp_shard_size`` and
-            ``dp_replicate_size`` from, instead of passing them.
+        cp_size: Ranks per context-parallel group: each splits every sequence of the rows its ranks all read (axis
+            ``cp``, between the data-parallel axes and ``tp``; 1/cp of the activations per rank). Attention exchanges
+            keys and values; ``model(input_ids=..., labels=...).loss`` is the loss of the whole sequence, the other
+            outputs (``logits``, hidden states) are this rank's tokens. FSDP2 shards over ``dp_shard x cp``. Text
+            causal LMs with ``sdpa`` or ``eager`` attention; see :mod:`lightning_tp.context_parallel`.
+        parallelism_config: An ``accelerate.ParallelismConfig`` to take ``tp_size``, ``dp_shard_size``,
+            ``dp_replicate_size`` and ``cp_size`` from, instead of passing them.
         activation_checkpointing: Recompute each decoder layer's activations in backward (Transformers' own
             activation checkpointing), trading compute for memory.
         reshard_after_forward: FSDP2 frees each block's gathered parameters after its forward (less memory, one more
@@ -121,6 +126,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         tp_plan: Literal["auto"] | dict[str, Any] = "auto",
         dp_shard_size: int | None = None,
         dp_replicate_size: int = 1,
+        cp_size: int = 1,
         parallelism_config: Any | None = None,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
@@ -147,6 +153,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             tp_size=tp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
+            cp_size=cp_size,
             parallelism_config=parallelism_config,
             tp_plan=tp_plan,
             fsdp_blocks=fsdp_blocks,

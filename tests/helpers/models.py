@@ -21,7 +21,7 @@ PROBE = torch.arange(12).reshape(2, 6) % 90
 
 def tiny_config(kind: str, **overrides: Any):
     """Configs for the model families the tests cover. Head counts divide by 2 and 4."""
-    from transformers import GraniteSWAConfig, LlamaConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma2Config, GraniteSWAConfig, LlamaConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB,
@@ -50,9 +50,12 @@ def tiny_config(kind: str, **overrides: Any):
             **{**common, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
         )
     elif kind == "granite_swa":  # attention sinks: a bare parameter sharded colwise, its owner run on local_params
+        # (and a sliding window of 4 on its sliding layers)
         cfg = GraniteSWAConfig(
             **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1}
         )
+    elif kind == "gemma2":  # sliding-window and full layers alternating, logit softcapping (eager), tied
+        cfg = Gemma2Config(**{**common, "num_key_value_heads": 2, "sliding_window": 5})
     elif kind in DERIVED_KINDS:
         cfg = _derived_config(kind)
     else:
@@ -60,7 +63,7 @@ def tiny_config(kind: str, **overrides: Any):
     for key, value in overrides.items():
         setattr(cfg, key, value)
     # Attention sinks need eager attention; GPT-Neo, Bloom and MPT have no SDPA path.
-    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gpt_neo", "bloom", "mpt") else "sdpa"
+    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gemma2", "gpt_neo", "bloom", "mpt") else "sdpa"
     return cfg
 
 
@@ -393,6 +396,40 @@ def lm_batches(steps: int, batch_size: int = 4, seed: int = 1) -> list[dict[str,
         labels = ids.clone()
         labels[:, :3] = -100
         out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def padded_lm_batches(steps: int, batch_size: int = 4, seq: int = 15, seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Batches of an odd length, each row left-padded by a different amount (0 to 3 pad tokens), as a tokenizer pads
+    for a decoder: ``attention_mask`` 0 and labels -100 on the padding (and on the first real token, which no pad
+    position may predict)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(3, VOCAB, (batch_size, seq), generator=g)
+        mask = torch.ones_like(ids)
+        labels = ids.clone()
+        for row in range(batch_size):
+            pad = row % 4
+            ids[row, :pad], mask[row, :pad] = 0, 0
+            labels[row, : pad + 1] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def packed_lm_batches(steps: int, batch_size: int = 2, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Batches of packed sequences: several documents per row, ``position_ids`` restarting at 0 at each (no
+    ``attention_mask``), labels -100 on each document's first token. ``use_cache=False``: with its default cache,
+    Transformers 5.24 ignores the packing on one process (it attends across the documents)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [(5, 7, 4), (9, 7)]
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(3, VOCAB, (batch_size, SEQ), generator=g)
+        positions = torch.cat([torch.cat([torch.arange(n) for n in lengths[row % 2]]) for row in range(batch_size)])
+        positions = positions.reshape(batch_size, SEQ)
+        labels = ids.masked_fill(positions == 0, -100)
+        out.append({"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False})
     return out
 
 

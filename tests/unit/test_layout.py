@@ -11,20 +11,27 @@ from lightning_tp import ParallelLayout
         (8, {"tp_size": 2, "dp_replicate_size": 2}, (2, 2, 2)),
         (8, {"dp_shard_size": 2, "dp_replicate_size": 2}, (2, 2, 2)),  # tp inferred
         (1, {}, (1, 1, 1)),
+        (8, {"tp_size": 2, "cp_size": 2}, (2, 2, 1)),  # cp between the data-parallel axes and tp
+        (8, {"cp_size": 4, "dp_shard_size": 1}, (2, 1, 1)),  # tp inferred from what cp and dp leave
     ],
 )
 def test_resolve_fills_in_sizes(world, kwargs, expected):
     layout = ParallelLayout.resolve(world, **kwargs)
     assert (layout.tp_size, layout.dp_shard_size, layout.dp_replicate_size) == expected
     assert layout.world_size == world
-    assert layout.dp_size == world // layout.tp_size
+    assert layout.dp_size == world // layout.tp_size // layout.cp_size
+    assert layout.fsdp_size == layout.dp_size * layout.cp_size
+    assert layout.shard_size == layout.dp_shard_size * layout.cp_size
 
 
 @pytest.mark.parametrize(
     ("world", "kwargs", "message"),
     [
         (6, {"tp_size": 4}, r"world size \(6\) is not divisible by tp_size=4.*\[1, 2, 3, 6\]"),
-        (4, {"tp_size": 2, "dp_shard_size": 4}, r"1 \* 4 \* 2 = 8, but the world size is 4"),
+        (4, {"tp_size": 2, "dp_shard_size": 4}, r"1 \* 4 \* 1 \* 2 = 8, but the world size is 4"),
+        (8, {"tp_size": 2, "cp_size": 3}, r"not divisible by tp_size \* cp_size=6"),
+        (8, {"cp_size": 0}, r"`cp_size` must be a positive integer"),
+        (16, {"tp_size": 2, "cp_size": 2, "dp_replicate_size": 3}, r"\(tp_size 2 \* cp_size 2\) = 4 ranks"),
         (4, {"dp_shard_size": 3}, r"not divisible by dp_replicate_size \* dp_shard_size"),
         (8, {"tp_size": 2, "dp_replicate_size": 3}, r"not divisible by dp_replicate_size=3"),
         (4, {"tp_size": 0}, r"`tp_size` must be a positive integer"),
@@ -44,3 +51,16 @@ def test_layout_is_frozen_and_validated():
     with pytest.raises(AttributeError):
         layout.tp_size = 4  # type: ignore[misc]
     assert "tp=2" in str(layout)
+
+
+def test_layout_names_cp_only_when_it_splits():
+    assert "cp" not in str(ParallelLayout(tp_size=2, dp_shard_size=2))
+    assert "x cp=2 x" in str(ParallelLayout(tp_size=2, cp_size=2))
+
+
+def test_checkpoints_record_cp_only_when_it_splits():
+    """A checkpoint written before the cp axis existed records the same sizes as one written without it."""
+    from lightning_tp.checkpoint_io import layout_sizes
+
+    assert layout_sizes(ParallelLayout(tp_size=2, dp_shard_size=2)) == {"tp": 2, "dp_shard": 2, "dp_replicate": 1}
+    assert layout_sizes(ParallelLayout(tp_size=2, cp_size=2))["cp"] == 2

@@ -75,12 +75,18 @@ def test_sizes_from_accelerate_parallelism_config():
     assert (strategy.options.tp_size, strategy.options.dp_shard_size, strategy.options.dp_replicate_size) == (2, 2, 2)
     with pytest.raises(ValueError, match="either `parallelism_config` or the sizes"):
         TensorParallelStrategy(2, parallelism_config=config)
-    with pytest.raises(ValueError, match=r"\{'cp_size': 2\}"):
-        TensorParallelStrategy(parallelism_config=SimpleNamespace(tp_size=2, cp_size=2))
+    # accelerate's `cp_size` is context parallelism, which the strategy offers; its `sp_size` (Ulysses) it does not.
+    strategy = TensorParallelStrategy(parallelism_config=SimpleNamespace(tp_size=2, cp_size=2))
+    assert (strategy.options.tp_size, strategy.options.cp_size) == (2, 2)
+    with pytest.raises(ValueError, match=r"\{'sp_size': 2\}"):
+        TensorParallelStrategy(parallelism_config=SimpleNamespace(tp_size=2, sp_size=2))
+    with pytest.raises(ValueError, match="either `parallelism_config` or the sizes"):
+        TensorParallelStrategy(cp_size=2, parallelism_config=config)
     accelerate = pytest.importorskip("accelerate")
-    real = accelerate.ParallelismConfig(tp_size=2, dp_shard_size=2)
+    real = accelerate.ParallelismConfig(tp_size=2, dp_shard_size=2, cp_size=2)
     strategy = TensorParallelStrategy(parallelism_config=real)
     assert (strategy.options.tp_size, strategy.options.dp_shard_size, strategy.options.dp_replicate_size) == (2, 2, 1)
+    assert strategy.options.cp_size == 2
 
 
 def test_from_pretrained_builds_on_meta_and_remembers_the_checkpoint(tmp_path):
@@ -105,7 +111,7 @@ def test_cpu_offload_needs_data_parallelism_and_an_accelerator():
     strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     strategy.cluster_environment = L.fabric.plugins.environments.LightningEnvironment()
     strategy.cluster_environment.set_world_size(2)
-    with pytest.raises(ValueError, match="needs data parallelism"):
+    with pytest.raises(ValueError, match="needs data or context parallelism"):
         strategy.setup_environment()
 
 

@@ -1,0 +1,203 @@
+"""Context parallelism in one process: where each rank's tokens lie (pure arithmetic), what is refused before anything
+moves, and the whole split (masks, pieces, positions, loss, logits) on a one-rank group, where it must change nothing.
+The exchange between ranks is tested for real in tests/distributed/test_context_parallel.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_tp.context_parallel import (
+    context_parallel_problem,
+    decoder_stack,
+    gathered_positions,
+    install_context_parallel,
+    local_positions,
+    padded_length,
+)
+from lightning_tp.fsdp import block_classes
+from tests.helpers.models import (
+    VOCAB,
+    build_causal_lm,
+    lm_batches,
+    packed_lm_batches,
+    padded_lm_batches,
+    tiny_config,
+    tiny_vlm_config,
+)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_each_position_is_on_exactly_one_rank_and_the_work_is_balanced(cp_size: int) -> None:
+    length = 2 * cp_size * 5
+    ranks = [local_positions(length, cp_size, rank) for rank in range(cp_size)]
+    assert sorted(torch.cat(ranks).tolist()) == list(range(length))
+    assert torch.equal(gathered_positions(length, cp_size), torch.cat(ranks))
+    # Under a causal mask a query at position p reads p + 1 keys: every rank reads the same number.
+    work = {int((positions + 1).sum()) for positions in ranks}
+    assert len(work) == 1, work
+    # Rank 0 holds the first and the last piece.
+    assert ranks[0][0] == 0 and ranks[0][-1] == length - 1
+
+
+def test_padded_length_rounds_up() -> None:
+    assert [padded_length(n, 4) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_supported_models_pass_the_check() -> None:
+    for kind in ("qwen3", "llama", "gemma2", "granite_swa", "qwen3_moe", "opt"):
+        assert context_parallel_problem(_meta_model(tiny_config(kind))) is None, kind
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: torch.nn.Linear(2, 2), "not a Transformers model"),
+        (lambda: _meta_model(tiny_config("qwen3", output_router_logits=True)), "output_router_logits"),
+        (lambda: _meta_model(tiny_config("qwen3", is_causal=False)), "does not use causal attention"),
+        (lambda: _meta_model(tiny_config("mpt")), "takes no ['position_ids']"),
+    ],
+)
+def test_what_cannot_be_split_is_refused_by_name(build, fragment: str) -> None:
+    problem = context_parallel_problem(build())
+    assert problem is not None and fragment in problem, problem
+
+
+def test_other_attention_implementations_are_refused_by_name() -> None:
+    model = _meta_model(tiny_config("qwen3"))
+    model.config._attn_implementation = "flex_attention"
+    problem = context_parallel_problem(model)
+    assert "attn_implementation='flex_attention'" in problem and "'sdpa' or 'eager'" in problem
+
+
+def test_layers_that_mix_the_sequence_without_attention_are_refused_by_name() -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "qwen3_next",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    problem = context_parallel_problem(_meta_model(config))
+    assert "['linear_attention']" in problem
+
+
+def test_vision_language_models_are_refused_by_name() -> None:
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config("llava"))
+    assert "composite" in context_parallel_problem(model)
+
+
+def test_the_decoder_stack_holds_the_embedding_and_the_layers() -> None:
+    for kind, expected in (("qwen3", "Qwen3Model"), ("opt", "OPTDecoder"), ("gpt2", "GPT2Model")):
+        assert type(decoder_stack(_meta_model(tiny_config(kind)))).__name__ == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The split on one rank: every piece of the machinery runs (masks at global positions, two pieces per rank, padding,
+# the loss's shift and normalisation, logits gathered without labels), and the model must compute what it computes
+# without it.
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _split_copy(model, mesh, multiple: int = 2):
+    split = copy.deepcopy(model)
+    install_context_parallel(split, mesh, multiple=multiple, blocks=block_classes(split))
+    return split
+
+
+CASES = {
+    "qwen3": ("qwen3", lambda: lm_batches(1)[0]),
+    "qwen3_odd_length": ("qwen3", lambda: {k: v[:, :13] for k, v in lm_batches(1)[0].items()}),
+    "llama_padded": ("llama", lambda: padded_lm_batches(1)[0]),
+    "qwen3_packed": ("qwen3", lambda: packed_lm_batches(1)[0]),
+    "gemma2_sliding_softcap": ("gemma2", lambda: lm_batches(1)[0]),
+    "granite_swa_sinks_padded": ("granite_swa", lambda: padded_lm_batches(1)[0]),
+    "opt": ("opt", lambda: lm_batches(1)[0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str) -> None:
+    kind, batch = CASES[name]
+    batch = batch()
+    model = build_causal_lm(tiny_config(kind))
+    split = _split_copy(model, one_rank_mesh, multiple=4)  # 4: the odd lengths are padded
+    out, ref = split(**batch), model(**batch)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name_, a), b in zip(split.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=lambda m, n=name_: f"{n}: {m}")
+    # Without labels the logits are the whole sequence's (gathered, padding removed).
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(split(**no_labels).logits, model(**no_labels).logits, atol=1e-5, rtol=0)
+
+
+def test_the_model_gets_its_own_config(one_rank_mesh) -> None:
+    """A config shared with another model (a policy and its reference) is not changed under it."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("qwen3")
+    first, second = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+    install_context_parallel(first, one_rank_mesh, multiple=2, blocks=block_classes(first))
+    assert second.config._attn_implementation == "sdpa"
+    assert first.model.layers[0].self_attn.config is first.config
+    assert first.config._attn_implementation.startswith("lightning_tp_cp_")
+
+
+def test_generate_runs_the_whole_sequence(one_rank_mesh) -> None:
+    model = build_causal_lm(tiny_config("qwen3")).eval()
+    split = _split_copy(model, one_rank_mesh)
+    prompt = torch.arange(10).reshape(2, 5) + 3
+    with torch.no_grad():
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+        got = split.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def test_inputs_it_cannot_split_are_refused_by_name(one_rank_mesh) -> None:
+    split = _split_copy(build_causal_lm(tiny_config("qwen3")), one_rank_mesh)
+    ids = torch.arange(8).reshape(1, 8)
+    with pytest.raises(ValueError, match="a prepared .* mask cannot be split"):
+        split(input_ids=ids, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="multi-axis positions"):
+        split(input_ids=ids, position_ids=torch.zeros(3, 1, 8, dtype=torch.long))
+
+
+def test_layers_with_attention_code_of_their_own_are_found_in_the_first_forward(one_rank_mesh) -> None:
+    """Falcon's attention does not go through Transformers' attention interface: its layers would attend within
+    their chunk, so the first split forward raises, naming them."""
+    split = _split_copy(build_causal_lm(tiny_config("falcon")), one_rank_mesh)
+    with pytest.raises(ValueError, match=r"decoder layers \['h.0 \(FalconDecoderLayer\)'"):
+        split(input_ids=torch.arange(8).reshape(1, 8) + 3)
