@@ -42,12 +42,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from lightning_tp.compat import assert_async, attention_implementation, set_attention_implementation
 
-#: The attention implementations context parallelism runs inside, and the format of the mask each takes: ``bool``
-#: (``True`` attends) or ``additive`` (0 or the dtype's minimum, added to the scores).
-INNER_MASK_FORMATS: Mapping[str, str] = {"sdpa": "bool", "eager": "additive"}
+#: The attention implementations context parallelism runs inside, and the score a masked key gets in the additive
+#: mask each is given: ``-inf`` for ``sdpa`` (a query row with no key left gives zeros, as SDPA's boolean masks do on
+#: one process), the dtype's minimum for ``eager`` (as Transformers' ``eager_mask``). Additive float masks, built once
+#: per forward and piece and shared by the layers: SDPA converts a boolean mask to floats in every call, and its
+#: CPU and memory-efficient kernels keep each layer's copy for the backward.
+INNER_MASK_FORMATS: Mapping[str, str] = {"sdpa": "-inf", "eager": "min"}
 #: Layer types (``config.layer_types``) whose sequence mixing is attention, which the split handles. Any other type
 #: (linear attention, state-space and convolution layers) mixes the sequence without keys and values to exchange.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -56,7 +60,7 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
 #: The decoder stack's arguments that pass a cache (Transformers 5.24 renamed ``past_key_values`` to ``cache``).
 CACHE_INPUTS = ("cache", "past_key_values")
-#: The attribute a context-parallel mask carries: the :class:`BatchSplit` of the forward that made it.
+#: The attribute a context-parallel mask carries: its :class:`MaskTag`.
 SPLIT_ATTR = "_lightning_tp_cp_split"
 #: Set on a model whose sequences are split, to its :class:`ContextParallel`.
 CP_MARKER = "_lightning_tp_cp"
@@ -107,6 +111,15 @@ class Piece:
         return self.global_start + self.length
 
 
+@dataclass(frozen=True, eq=False)
+class MaskTag:
+    """What a mask made for a split forward is: that forward's split, and whether the mask is plain causal (then it
+    holds no values: each piece's mask follows from the positions, or is a kernel's lower-right causal flag)."""
+
+    split: BatchSplit
+    causal: bool
+
+
 @dataclass(eq=False)
 class BatchSplit:
     """One forward's split: lengths, this rank's positions, the packed-sequence ids of the whole sequence, and what
@@ -119,9 +132,9 @@ class BatchSplit:
     gathered: torch.Tensor  # global position of each gathered index
     pieces: tuple[Piece, ...]
     doc_ids: torch.Tensor | None = None  # (batch, padded_len): which packed sequence each token belongs to
+    padding: bool = False  # the batch came with a padding mask
     called: set[int] = field(default_factory=set)
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    windows: set[int] = field(default_factory=set)
 
     @property
     def local_len(self) -> int:
@@ -338,6 +351,7 @@ class ContextParallel:
             gathered=gathered,
             pieces=(Piece(0, starts[0], piece), Piece(piece, starts[1], piece)),
             doc_ids=doc_ids,
+            padding=attention_mask is not None,
         )
         self.current = split
         if kwargs.get("input_ids") is not None:
@@ -404,6 +418,7 @@ class ContextParallel:
         from transformers.masking_utils import (
             ALL_MASK_ATTENTION_FUNCTIONS,
             and_masks,
+            causal_mask_function,
             packed_sequence_mask_function,
             padding_mask_function,
         )
@@ -426,14 +441,17 @@ class ContextParallel:
                 f"{kv_length} keys (offset {kv_offset}), where the split has {split.local_len} local queries and "
                 f"{split.padded_len} keys. Its mask code is not Transformers' standard one."
             )
-        if kwargs.get("local_size") is not None:
-            split.windows.add(int(kwargs["local_size"]))
+        device = split.positions.device
+        if mask_function is causal_mask_function and not split.padding and split.doc_ids is None:
+            # Plain causal: no values (a view of one element); each piece's mask follows from the positions.
+            mask = torch.ones((), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
+            setattr(mask, SPLIT_ATTR, MaskTag(split, causal=True))
+            return mask
         function = mask_function
-        if attention_mask is not None:
+        if split.padding:  # the whole sequence's padding mask (without one: all ones, nothing to apply)
             function = and_masks(function, padding_mask_function(attention_mask))
         if split.doc_ids is not None:
             function = and_masks(function, packed_sequence_mask_function(split.doc_ids))
-        device = split.positions.device
         try:
             mask = function(
                 torch.arange(batch_size, device=device)[:, None, None, None],
@@ -446,8 +464,8 @@ class ContextParallel:
                 "Context parallelism evaluates the model's mask functions on index tensors; this model's mask "
                 f"function could not be ({type(err).__name__}: {err})."
             ) from err
-        mask = mask.expand(batch_size, 1, q_length, kv_length)
-        setattr(mask, SPLIT_ATTR, split)
+        mask = mask.expand(batch_size, 1, q_length, kv_length)  # a view where the batch does not matter
+        setattr(mask, SPLIT_ATTR, MaskTag(split, causal=False))
         return mask
 
     def attention(
@@ -464,8 +482,8 @@ class ContextParallel:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(self.inner, _eager_attention(module))
-        split = getattr(attention_mask, SPLIT_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
-        if split is None:
+        tag = getattr(attention_mask, SPLIT_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
+        if tag is None:
             if self.current is not None:
                 raise ValueError(
                     f"Context parallelism: {type(module).__name__} got an attention mask that is not the split one "
@@ -478,6 +496,7 @@ class ContextParallel:
                 f"Context parallelism: {type(module).__name__} attends bidirectionally (`is_causal=False`), which the "
                 "load-balanced split does not support."
             )
+        split = tag.split
         if query.shape[KEY_SEQUENCE_DIM] != split.local_len:
             raise ValueError(
                 f"Context parallelism: {type(module).__name__} got {query.shape[KEY_SEQUENCE_DIM]} queries, where this "
@@ -486,14 +505,17 @@ class ContextParallel:
         split.called.add(id(module))
         keys, values = self._gather(key, value, split)
         window = kwargs.get("sliding_window")
-        fmt = INNER_MASK_FORMATS[self.inner]
         outputs = []
         for index, piece in enumerate(split.pieces):
             rows = slice(piece.local_start, piece.local_start + piece.length)
             # Keys after the piece are masked for every query in it (causal): not computed at all. With a sliding
             # window, neither are the keys before it.
             low = max(0, piece.global_start - int(window) + 1) if isinstance(window, int) and window > 0 else 0
-            mask = self._piece_mask(attention_mask, split, index, low, fmt, query.dtype)
+            if tag.causal and low == 0 and self.inner == "sdpa" and uses_lower_right_kernel(query.device):
+                # CUDA's flash kernel aligns a causal mask to the last key: no mask in memory at all.
+                mask = causal_lower_right(piece.length, piece.global_end)
+            else:
+                mask = self._piece_mask(attention_mask, tag, index, low, query.dtype)
             out, _ = inner(
                 module,
                 query[:, :, rows],
@@ -517,29 +539,33 @@ class ContextParallel:
             return keys, values
         return self.gather(key, split, dim=KEY_SEQUENCE_DIM), self.gather(value, split, dim=KEY_SEQUENCE_DIM)
 
-    def _piece_mask(
-        self, mask: torch.Tensor, split: BatchSplit, index: int, low: int, fmt: str, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """The mask of one piece against keys ``[low, piece end)``, in the inner implementation's format; once per
-        mask, piece and window in a forward (the layers of one type share it). Checks, on the device, that the keys
-        left out are masked for every query of the piece."""
-        key = (id(mask), index, low, fmt, dtype)
+    def _piece_mask(self, mask: torch.Tensor, tag: MaskTag, index: int, low: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask of one piece against keys ``[low, piece end)``; once per mask, piece and window in a
+        forward (the layers of one type share it). Checks, on the device, that the keys left out are masked for every
+        query of the piece."""
+        split = tag.split
+        key = (None if tag.causal else id(mask), index, low, dtype)
         cached = split.masks.get(key)
         if cached is not None:
             return cached
         piece = split.pieces[index]
-        rows = mask[:, :, piece.local_start : piece.local_start + piece.length]
-        outside = torch.cat([rows[..., :low], rows[..., piece.global_end :]], dim=-1)
-        assert_async(
-            ~outside.any(),
-            "context parallelism: the model's mask lets a query attend to a later key (not causal) or to one "
-            "outside its sliding window",
-        )
-        kept = rows[..., low : piece.global_end]
-        if fmt == "additive":
-            kept = torch.zeros(kept.shape, dtype=dtype, device=kept.device).masked_fill_(~kept, torch.finfo(dtype).min)
-        split.masks[key] = kept
-        return kept
+        if tag.causal:
+            queries = torch.arange(piece.global_start, piece.global_end, device=mask.device)
+            keys = torch.arange(low, piece.global_end, device=mask.device)
+            kept = (keys[None, :] <= queries[:, None])[None, None]
+        else:
+            rows = mask[:, :, piece.local_start : piece.local_start + piece.length]
+            outside = torch.cat([rows[..., :low], rows[..., piece.global_end :]], dim=-1)
+            assert_async(
+                ~outside.any(),
+                "context parallelism: the model's mask lets a query attend to a later key (not causal) or to one "
+                "outside its sliding window",
+            )
+            kept = rows[..., low : piece.global_end]
+        masked = float("-inf") if INNER_MASK_FORMATS[self.inner] == "-inf" else torch.finfo(dtype).min
+        additive = torch.zeros(kept.shape, dtype=dtype, device=mask.device).masked_fill_(~kept, masked)
+        split.masks[key] = additive
+        return additive
 
     # --------------------------------------------------------------- the model's outputs
 
@@ -662,6 +688,12 @@ def _whole_positions(
         tail = position_ids[:, -1:] + torch.arange(1, missing + 1, device=position_ids.device)
         position_ids = torch.cat([position_ids, tail], dim=-1)
     return position_ids
+
+
+def uses_lower_right_kernel(device: torch.device) -> bool:
+    """Whether SDPA takes a causal mask aligned to the last key without materialising it on ``device``: CUDA's flash
+    kernel does; on the CPU, torch builds the mask in every call (a cached additive mask costs less there)."""
+    return device.type == "cuda"
 
 
 def _own_config(model: nn.Module) -> None:

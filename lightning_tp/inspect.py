@@ -1,8 +1,9 @@
-"""``python -m lightning_tp.inspect MODEL --tp-size 4 [--dp-shard-size 2] [--lora-r 16]``: will this model shard, and
-what will each rank hold? Builds the model on the meta device from its config (no weights, no GPU, no processes),
-resolves its plan as the strategy would, and prints each planned module with its per-rank shape, what stays
-replicated, rules that matched nothing, divisibility problems with the sizes that would work, and per-rank memory for
-parameters, gradients and AdamW states. Exit code 0 when the layout is valid, 1 with the reasons when not.
+"""``python -m lightning_tp.inspect MODEL --tp-size 4 [--cp-size 2] [--dp-shard-size 2] [--lora-r 16]``: will this
+model shard, and what will each rank hold? Builds the model on the meta device from its config (no weights, no GPU,
+no processes), resolves its plan as the strategy would, and prints each planned module with its per-rank shape, what
+stays replicated, rules that matched nothing, divisibility problems with the sizes that would work, what context
+parallelism exchanges, and per-rank memory for parameters, gradients and AdamW states. Exit code 0 when the layout is
+valid, 1 with the reasons when not.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Report:
     #: The model's parts (see :func:`model_parts`): (name, sharded parameters, parameters, elements, elements per
     #: rank under TP). A vision tower without plan entries: no sharded parameters, replicated over the TP group.
     parts: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    #: Context parallelism: what each rank holds of a sequence and what its attention exchanges.
+    context_parallel: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -67,9 +70,14 @@ def _fsdp_shape(shape: tuple[int, ...], dp_shard: int) -> tuple[int, ...]:
 
 
 def inspect_model(
-    model: nn.Module, *, tp_size: int, dp_shard_size: int = 1, tp_plan: str | dict[str, Any] = "auto"
+    model: nn.Module,
+    *,
+    tp_size: int,
+    dp_shard_size: int = 1,
+    cp_size: int = 1,
+    tp_plan: str | dict[str, Any] = "auto",
 ) -> Report:
-    """The report for a (meta) model: no process group needed."""
+    """The report for a (meta) model: no process group needed. FSDP2 shards over ``dp_shard_size x cp_size``."""
     report = Report()
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
@@ -108,7 +116,7 @@ def inspect_model(
         style = styles.get(name)
         is_bias = name.rpartition(".")[2] == "bias"  # Transformers replicates a row-wise `bias` by its name
         tp_local = local_shape(shape, style, tp_size, is_bias=is_bias) if style else shape
-        local = _fsdp_shape(tp_local, dp_shard_size)
+        local = _fsdp_shape(tp_local, dp_shard_size * cp_size)
         if tp_local != shape:
             sharded_shapes[name] = tp_local
             report.rows.append((name, style, shape, local))
@@ -118,6 +126,10 @@ def inspect_model(
         counts["params"] += numel
         counts["trainable"] += numel if param.requires_grad else 0
     report.parts = _parts(model, sharded_shapes)
+    if cp_size > 1:
+        report.context_parallel, problem = _context_parallel(model, tp_size=tp_size, cp_size=cp_size)
+        if problem is not None:
+            report.problems.append(f"cp_size={cp_size}: {problem}.")
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         report.memory[dtype] = {
             "parameters": counts["params"] * size,
@@ -159,6 +171,34 @@ def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[
             f"activations of up to {most} head(s) per rank instead of {kv_heads / tp_size:g}.",
         ]
     return lines
+
+
+def _context_parallel(model: nn.Module, *, tp_size: int, cp_size: int) -> tuple[list[str], str | None]:
+    """What a rank holds of each sequence with ``cp_size`` ranks splitting it, and the bytes its attention exchanges
+    (see :mod:`lightning_tp.context_parallel`); and why the model cannot be split, if it cannot."""
+    from lightning_tp.context_parallel import context_parallel_problem
+
+    problem = context_parallel_problem(model)
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    layers = getattr(config, "num_hidden_layers", None)
+    lines = [
+        f"Each sequence is split into {2 * cp_size} pieces; each rank holds 2 of them (one from the front, its mirror "
+        f"from the back), 1/{cp_size} of the tokens and of the activations (lengths are padded to a multiple of "
+        f"{2 * cp_size}, times tp_size under sequence parallelism).",
+    ]
+    if isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(layers, int):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        local_kv = max(kv_head_layout(heads, kv_heads, tp_size=tp_size, rank=r).local_kv_heads for r in range(tp_size))
+        per_token = 2 * local_kv * head_dim  # keys and values, per layer
+        lines.append(
+            f"Each of the {layers} attention layers all-gathers its keys and values over the CP group: "
+            f"{per_token:,} values per token of the sequence ({local_kv} KV head(s) x {head_dim} x K and V per TP "
+            f"rank), {(cp_size - 1) / cp_size:.0%} of them from other ranks; the backward reduce-scatters their "
+            f"gradients. Per 1,024 tokens and layer, bf16: {per_token * 1024 * 2 / 2**20:.2f} MiB gathered."
+        )
+    return lines, problem
 
 
 def model_parts(model: nn.Module) -> list[str]:
@@ -220,7 +260,7 @@ def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targe
     return model
 
 
-def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:
+def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: int = 1) -> str:
     sources = {
         "model": "the model's own (its config's `base_model_tp_plan`)",
         "derived": "derived from the module structure (its config has no `base_model_tp_plan`; "
@@ -229,7 +269,7 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:
     }
     base, _, extra = report.source.partition(" + ")
     lines = [
-        f"Layout: tp={tp_size} x dp_shard={dp_shard_size}",
+        f"Layout: tp={tp_size}" + (f" x cp={cp_size}" if cp_size > 1 else "") + f" x dp_shard={dp_shard_size}",
         f"Plan: {sources.get(base, base)}" + (", overridden by `tp_plan`" if extra else ""),
         "",
     ]
@@ -254,13 +294,20 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int) -> str:
             lines.append(f"  {name:<60} " + ", ".join(f"{a} {c} -> {p}" for a, (c, p) in counts.items()))
     if report.kv_replication:
         lines += ["", *report.kv_replication]
+    if report.context_parallel:
+        lines += ["", f"Context parallelism (cp={cp_size}):", *(f"  {line}" for line in report.context_parallel)]
     lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
     lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
     if len(report.replicated) > 40:
         lines.append(f"  ... and {len(report.replicated) - 40} more")
     if report.unmatched:
         lines += ["", "Rules of the model's plan that match nothing:"] + [f"  {key}" for key in report.unmatched]
-    lines += ["", "Per-rank memory (MiB):", f"  {'':<6} {'parameters':>12} {'gradients':>12} {'AdamW states':>14}"]
+    shards = f", FSDP2 over dp_shard x cp = {dp_shard_size * cp_size}" if cp_size > 1 else ""
+    lines += [
+        "",
+        f"Per-rank memory (MiB{shards}):",
+        f"  {'':<6} {'parameters':>12} {'gradients':>12} {'AdamW states':>14}",
+    ]
     for dtype, values in report.memory.items():
         lines.append(
             f"  {dtype:<6} {values['parameters'] / 2**20:>12.1f} {values['gradients'] / 2**20:>12.1f} "
@@ -279,12 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a local directory with config.json, or a hub id (needs the network)")
     parser.add_argument("--tp-size", type=int, required=True)
     parser.add_argument("--dp-shard-size", type=int, default=1)
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks splitting each sequence")
     parser.add_argument("--lora-r", type=int, default=None, help="add LoRA adapters of this rank")
     parser.add_argument("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     args = parser.parse_args(argv)
     model = build_meta_model(args.model, lora_r=args.lora_r, lora_targets=args.lora_targets)
-    report = inspect_model(model, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size)
-    print(format_report(report, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size))
+    report = inspect_model(model, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size)
+    print(format_report(report, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size))
     return 0 if not [p for p in report.problems if not p.startswith("warning:")] else 1
 
 

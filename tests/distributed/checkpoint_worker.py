@@ -5,9 +5,10 @@ Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncat
 
 Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, file://
 URLs), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
-``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves) and ``vlm`` (LLaVA: resume,
-export); ``crash`` (2 processes: a save killed midway; the launch fails on purpose); ``one`` (1 process: TP 2 -> 1);
-``2d`` (4 processes: TP 2 -> 2-D, and a truncated checkpoint).
+``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves), ``vlm`` (LLaVA: resume,
+export) and ``cp`` (cp 2 -> TP 2, 1 -> cp 2); ``crash`` (2 processes: a save killed midway; the launch fails on
+purpose); ``one`` (1 process: TP 2 -> 1, cp 2 -> 1); ``2d`` (4 processes: TP 2 -> 2-D, and a truncated checkpoint),
+``tp4`` and ``cp_2d`` (TP 2 -> cp 2 x tp 2).
 """
 
 from __future__ import annotations
@@ -161,6 +162,28 @@ def vlm(ctx: Context) -> dict[str, Any]:
         logits = module.model(**vlm_batches("llava", 1)[0]).logits.detach().cpu().clone()
     resumed, _ = run(out / "vlm_mid")
     return {"vlm": {"reference": module.losses, "resumed": resumed.losses, "logits": logits}}
+
+
+@SCENARIOS.register("cp")
+def context_parallel(ctx: Context) -> dict[str, Any]:
+    """Context parallelism across layouts: cp 2 trains and checkpoints at the end of epoch 0, and the checkpoint
+    resumes on TP 2 (cp 1); the one-process checkpoint (``--from``) resumes on cp 2."""
+    assert ctx.source is not None, "cp needs --from (the one-process checkpoint)"
+    out = ctx.out
+    module = ResumeModule(stateful_data=False)
+    fit(module, cp_size=2, tp_size=1, callbacks=[SaveAt(epochs={0: out / "cp2_epoch0"})])
+    return {
+        "cp_uninterrupted": module.losses,
+        "cp_logits": probe_logits(module.model),  # a forward without labels: the whole sequence's logits
+        "cp_to_tp2": resumed_losses(out / "cp2_epoch0", stateful_data=False),
+        "single_to_cp": resumed_losses(ctx.source, cp_size=2, tp_size=1, stateful_data=False),
+    }
+
+
+@SCENARIOS.register("cp_2d")
+def context_parallel_2d(ctx: Context) -> dict[str, Any]:
+    """A TP 2 checkpoint (``--from``) resumed on cp 2 x tp 2."""
+    return {"cp_tp2": resumed_losses(ctx.source, cp_size=2, tp_size=2, stateful_data=False)}
 
 
 @SCENARIOS.register("tied")

@@ -5,6 +5,7 @@ same loop run whole on this process. Prints one JSON line per case on rank 0."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import sys
 
@@ -114,6 +115,9 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print(json.dumps(result), flush=True)
     finally:
+        # The models' reference cycles freed first, while gloo's threads can still drop the tensors they hold (left to
+        # the interpreter's exit, a launch aborts now and then: "terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -24,7 +24,7 @@ from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 #: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
-TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm"]
+TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp"]
 EXACT = 1e-6  # the same layout: the same operations, in the same order
 ACROSS = 1e-5  # another layout: TP splits the matmuls, so fp32 rounding differs (as in the parity tests)
 
@@ -71,7 +71,7 @@ def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("ckpt_tp2")
     scenarios = selected_scenarios(request.session.items, launch="ckpt_tp2", fixture="tp2", default=TP2_SCENARIOS)
     source = []
-    if "from_single" in scenarios:  # the one-process checkpoint it resumes from
+    if {"from_single", "cp"} & set(scenarios):  # the one-process checkpoint they resume from
         source = ["--from", str(request.getfixturevalue("single")["checkpoint"])]
     torchrun(WORKER, 2, str(out), *scenarios, "--label", "tp2", *source)
     return {"out": out, "ranks": _load(out, "tp2", 2)}
@@ -113,6 +113,27 @@ def test_exact_resume_from_a_single_file_checkpoint(tp2: dict[str, Any]) -> None
 def test_one_process_checkpoint_resumes_on_tp2(tp2: dict[str, Any], single: dict[str, Any]) -> None:
     for result in tp2["ranks"]:
         _assert_close(result["from_single"], single["resumed"], ACROSS)
+
+
+@pytest.mark.scenarios("ckpt_tp2", "cp")
+def test_context_parallel_checkpoints_resume_across_cp_sizes(
+    tp2: dict[str, Any], single: dict[str, Any], four: list[dict[str, Any]], crashed: Path
+) -> None:
+    """cp 2 trains as one process does; its epoch-0 checkpoint resumes on TP 2 and on one process; the one-process
+    checkpoint resumes on cp 2; a TP 2 checkpoint resumes on cp 2 x tp 2; each within fp32 rounding of one process
+    resuming its own."""
+    for result in tp2["ranks"]:
+        _assert_close(result["cp_uninterrupted"], single["uninterrupted"], ACROSS)
+        _assert_close(result["cp_to_tp2"], single["resumed"], ACROSS)
+        _assert_close(result["single_to_cp"], single["resumed"], ACROSS)
+    for result in four:
+        _assert_close(result["cp_tp2"], single["resumed"], ACROSS)
+    out = tp2["out"]
+    torchrun(WORKER, 1, str(out), "one", "--label", "one_from_cp2", "--from", str(out / "cp2_epoch0"))
+    (result,) = _load(out, "one_from_cp2", 1)
+    _assert_close(result["resumed"], single["resumed"], ACROSS)
+    # Both ranks' logits of a forward without labels are the whole sequence's, and they agree.
+    torch.testing.assert_close(tp2["ranks"][0]["cp_logits"], tp2["ranks"][1]["cp_logits"], atol=0, rtol=0)
 
 
 @pytest.mark.scenarios("ckpt_tp2", "lora")
@@ -165,6 +186,7 @@ def four(crashed: Path, truncated: Path) -> list[dict[str, Any]]:
         str(crashed),
         "2d",
         "tp4",
+        "cp_2d",
         "--label",
         "2d",
         "--from",

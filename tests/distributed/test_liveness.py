@@ -29,7 +29,11 @@ def test_every_mesh_group_gets_the_timeout(results: list[dict]) -> None:
         timeouts = result["group_timeouts"]
         # Groups the mesh creates get the timeout asked for; axes over the whole world reuse the world group (whose
         # timeout Lightning set from the strategy's).
-        assert {name: t for name, (t, _, world) in timeouts.items() if not world} == {"dp_replicate": 21, "tp": 21}
+        assert {name: t for name, (t, _, world) in timeouts.items() if not world} == {
+            "dp_replicate": 21,
+            "cp": 21,
+            "tp": 21,
+        }
         assert {name for name, (_, size, world) in timeouts.items() if world and size == 2} == {"dp_shard", "dp"}
 
 
@@ -39,7 +43,15 @@ def test_every_mesh_group_gets_the_timeout_2d(two_d_results: list[dict]) -> None
     for result in two_d_results:
         timeouts = result["group_timeouts"]
         assert "crash" not in timeouts, timeouts
-        assert timeouts == {"dp_replicate": (7.0, 1), "dp_shard": (7.0, 2), "tp": (7.0, 2), "dp": (7.0, 2)}
+        assert timeouts == {
+            "dp_replicate": (7.0, 1),
+            "dp_shard": (7.0, 2),
+            "cp": (7.0, 1),
+            "tp": (7.0, 2),
+            "dp": (7.0, 2),
+            # cp 2 x tp 2: FSDP2's flattened dp_shard x cp axis is a new group of 2, with the timeout too.
+            "dp_shard_cp": (7.0, 2),
+        }
 
 
 def test_rank0_write_longer_than_the_timeout_succeeds(results: list[dict]) -> None:

@@ -10,6 +10,7 @@ import torch
 from tests.helpers.cases import (
     BF16_CASES,
     CASES,
+    CP_2D_CASES,
     ERROR_CASES,
     FSDP_ONLY_CASES,
     TP4_CASES,
@@ -24,45 +25,15 @@ from tests.helpers.models import (
     reference_run,
     tiny_config,
 )
+from tests.helpers.parity import assert_parity, reference_of
 from tests.helpers.selection import scenario_result as _result
-
-SGD_TOL = 1e-5  # fp32, the issue's bound for 5 SGD steps
-ADAMW_TOL = 1e-4  # AdamW divides by sqrt(v): tiny gradient differences grow a little
-
-
-def _reference(name: str) -> dict:
-    case = CASES[name]
-    return reference_run(case.module(reference=True), case.batches(), clip=case.clip, accumulate=case.accumulate)
-
-
-def _assert_parity(result: dict, ref: dict, name: str) -> None:
-    tol = ADAMW_TOL if CASES[name].optimizer == "adamw" else SGD_TOL
-    assert len(result["losses"]) == len(ref["losses"]) and len(result["grad_norms"]) == len(ref["grad_norms"])
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=SGD_TOL, rtol=0)
-    # The first step's gradients are the same computation; after AdamW steps the weights differ by ~1e-6.
-    grad_norms, ref_norms = torch.tensor(result["grad_norms"]), torch.tensor(ref["grad_norms"])
-    torch.testing.assert_close(grad_norms[:1], ref_norms[:1], atol=0, rtol=1e-5)
-    torch.testing.assert_close(grad_norms, ref_norms, atol=0, rtol=1e-5 if tol == SGD_TOL else 1e-4)
-    assert result["state"].keys() == ref["state"].keys()
-    for key, value in ref["state"].items():
-        torch.testing.assert_close(result["state"][key], value, atol=tol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
-    # Every parameter is a DTensor: what lets foreach/fused optimizers and clipping run.
-    assert result["all_dtensor"]
-    # Tied embeddings stay one parameter through sharding (and meta-device materialisation), untied ones two: as the
-    # same model on one process.
-    assert result["tied"] is ref["tied"]
-    # At every optimizer step each sharded gradient is laid out as its parameter (same mesh, same placements), and
-    # there were sharded gradients to check.
-    layouts = result["grad_layouts"]
-    assert len(layouts) == len(ref["grad_norms"]), layouts
-    assert all(step["checked"] > 0 and step["mismatched"] == [] for step in layouts), layouts
 
 
 @pytest.mark.parametrize("name", TP_PARITY_CASES)
 @pytest.mark.scenarios("tp2", "{name}")
 def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     result = _result(tp2_results, name)
-    _assert_parity(result, _reference(name), name)
+    assert_parity(result, reference_of(name), name)
     assert result["sampler"] == {"num_replicas": 1, "rank": 0}
     # Both ranks of the TP group saw the same losses.
     assert tp2_results[1][name]["losses"] == result["losses"]
@@ -70,12 +41,16 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    [name for name in TWO_D_CASES if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES | TP4_CASES],
+    [
+        name
+        for name in TWO_D_CASES
+        if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES | TP4_CASES | set(CP_2D_CASES)
+    ],
 )
 @pytest.mark.scenarios("2d", "{name}")
 def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """dp_shard 2 x tp 2: each data-parallel rank trains on half of the global batch."""
-    _assert_parity(_result(two_d_results, name), _reference(name), name)
+    assert_parity(_result(two_d_results, name), reference_of(name), name)
     samplers = [r[name]["sampler"] for r in two_d_results]
     assert samplers == [{"num_replicas": 2, "rank": rank // 2} for rank in range(4)]
 
@@ -84,7 +59,7 @@ def test_2d_matches_single_process(two_d_results: list[dict], name: str) -> None
 @pytest.mark.scenarios("2d", "{name}")
 def test_tp4_matches_single_process(two_d_results: list[dict], name: str) -> None:
     """TP 4 over the tiny Qwen3's 2 KV heads: each rank computes the one KV head its query head reads."""
-    _assert_parity(_result(two_d_results, name), _reference(name), name)
+    assert_parity(_result(two_d_results, name), reference_of(name), name)
     assert [r[name]["sampler"] for r in two_d_results] == [{"num_replicas": 1, "rank": 0}] * 4
 
 
@@ -94,7 +69,7 @@ def test_plain_module_under_fsdp_alone_matches_single_process(layout_results: li
     """tp_size=1: FSDP2 over every rank. training_step calls `self.model(x)`, which gathers its own parameters."""
     results = layout_results
     for name in FSDP_ONLY_CASES:
-        _assert_parity(_result(results, name), _reference(name), name)
+        assert_parity(_result(results, name), reference_of(name), name)
         samplers = [r[name]["sampler"] for r in results]
         assert samplers == [{"num_replicas": len(results), "rank": rank} for rank in range(len(results))]
 
@@ -176,7 +151,7 @@ def _check_features(results: list[dict], dp_size: int) -> None:
         assert result["validate"]["val_samples"] == samples
         assert result["validate"]["val_metric"] == samples
         assert result["logged"]["samples_metric"] == samples
-        assert result["logged"]["mesh_axes"] == ("dp_replicate", "dp_shard", "tp")
+        assert result["logged"]["mesh_axes"] == ("dp_replicate", "dp_shard", "cp", "tp")
         # Decisions are taken over every rank: all ranks True -> True; only rank 0 -> False with all=True.
         assert result["decisions"] == [True, False, True]
         # The second setup (fit after validate/predict) found the model sharded and left it as it was.

@@ -125,7 +125,7 @@ def run_case(ctx: Context, name: str) -> dict:
             adapter["logits"] = model(input_ids=PROBE).logits.detach().cpu().clone()
         adapter["dir"] = str(out / f"{name}_adapter")
         adapter["merged"] = str(out / f"{name}_merged")
-    return {
+    result = {
         "adapter": adapter,
         "initial_state": initial,
         "reduce_scatters": counter.calls,
@@ -143,12 +143,22 @@ def run_case(ctx: Context, name: str) -> dict:
         "placements": {
             n: [str(x) for x in p.placements] for n, p in model.named_parameters() if isinstance(p, DTensor)
         },
+        "mesh_axes": sorted({p.device_mesh.mesh_dim_names for p in model.parameters() if isinstance(p, DTensor)}),
         "num_params": len(list(module.parameters())),
         "grad_layouts": module.grad_layouts,
         "trainable": sum(p.requires_grad for p in module.parameters()),
         "optimizer_states": len(t.optimizers[0].state),
         "frozen_with_grad": sum(p.grad is not None for p in module.parameters() if not p.requires_grad),
     }
+    result["split"] = split = {}
+    if "_cp2" in name:  # the logits of a forward without labels (gathered over the CP group), and the token counts
+        model.eval()
+        with torch.no_grad():
+            split["logits"] = model(input_ids=PROBE).logits.detach().cpu().clone()
+        split["throughput"] = {
+            k: float(v) for k, v in t.callback_metrics.items() if k.startswith(("tokens_per_sec", "step_time"))
+        }
+    return result
 
 
 for _name in CASES:
@@ -335,6 +345,10 @@ def run_group_timeouts(ctx: Context) -> dict:
     mesh, dp_mesh = sizes.build_device_mesh("cpu", timeout=timedelta(seconds=7))
     groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
     groups["dp"] = dp_mesh.get_group()
+    if dist.get_world_size() == 4:
+        cp_layout = ParallelLayout.resolve(4, tp_size=2, cp_size=2)
+        cp_mesh, _ = cp_layout.build_device_mesh("cpu", timeout=timedelta(seconds=7))
+        groups["dp_shard_cp"] = cp_mesh["dp_shard_cp"].get_group()
     return {
         name: (group._get_backend(torch.device("cpu")).options._timeout.total_seconds(), group.size())
         for name, group in groups.items()

@@ -16,6 +16,8 @@ from tests.helpers.models import (
     build_vlm,
     lm_batches,
     mlp_batches,
+    packed_lm_batches,
+    padded_lm_batches,
     tiny_config,
     vlm_batches,
 )
@@ -464,6 +466,40 @@ CASES: dict[str, Case] = {
         partial(lm_batches, 4),
         strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
     ),
+    # Context parallelism: each sequence split over 2 ranks (2 processes: cp 2; 4 processes: cp 2 x tp 2, cp 2 x dp 2).
+    # Foreach AdamW with clipping; left padding with an odd length (padded to the split's multiple); packed sequences
+    # (position ids restarting); Gemma 2's sliding-window layers and softcapping (eager); activation checkpointing;
+    # LoRA on every linear layer.
+    "qwen3_cp2": lm(
+        "qwen3", 4, optimizer="adamw", lr=1e-3, opt_kwargs={"foreach": True}, clip=0.5, strategy_kwargs={"cp_size": 2}
+    ),
+    "llama_cp2_padded": Case(
+        partial(build_causal_lm, tiny_config("llama")), partial(padded_lm_batches, 3), strategy_kwargs={"cp_size": 2}
+    ),
+    "qwen3_cp2_packed": Case(
+        partial(build_causal_lm, tiny_config("qwen3")), partial(packed_lm_batches, 3), strategy_kwargs={"cp_size": 2}
+    ),
+    "gemma2_cp2": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2}),
+    "qwen3_cp2_activation_checkpointing": lm(
+        "qwen3", 3, strategy_kwargs={"cp_size": 2, "activation_checkpointing": True}
+    ),
+    "qwen3_cp2_lora": Case(
+        partial(_lora, "qwen3"), partial(lm_batches, 3), optimizer="adamw", lr=1e-2, strategy_kwargs={"cp_size": 2}
+    ),
+    # cp 2 x tp 2 (plain; with sequence and loss parallelism on padded batches; Gemma 2 with loss parallelism), and
+    # cp 2 x dp_shard 2 (FSDP2 over all 4 ranks).
+    "qwen3_cp2_tp2": lm("qwen3", 3, strategy_kwargs={"cp_size": 2}),
+    "llama_cp2_tp2_sp_lp": Case(
+        partial(build_causal_lm, tiny_config("llama")),
+        partial(padded_lm_batches, 3),
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        clip=0.5,
+        strategy_kwargs={"cp_size": 2, "sequence_parallel": True, "loss_parallel": True},
+    ),
+    "gemma2_cp2_tp2_lp": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2, "loss_parallel": True}),
+    "qwen3_cp2_dp2": lm("qwen3", 3, strategy_kwargs={"cp_size": 2, "tp_size": 1}),
 }
 
 #: Cases that must fail, with the strategy kwargs / model that trigger it and a fragment the message must contain.
@@ -501,6 +537,13 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
         partial(build_causal_lm, tiny_config("qwen3")),
         {"cpu_offload": True, "tp_size": 1},
         "on `accelerator='cpu'`",
+    ),
+    # Context parallelism refuses, before anything moves, what it cannot split.
+    "cp_plain_module": (_mlp, {"tp_plan": MLP_PLAN, "cp_size": 2}, "cp_size=2 splits the sequences"),
+    "cp_router_loss": (
+        partial(build_causal_lm, tiny_config("qwen3_moe", output_router_logits=True)),
+        {"cp_size": 2},
+        "cp_size=2: Qwen3MoeForCausalLM adds its router's load-balancing loss",
     ),
 }
 
@@ -550,6 +593,11 @@ TWO_D_CASES = [
     "qwen3_kv1",
     "qwen3_tp4",
     "qwen3_lora_tp4",
+    # Context parallelism with TP or data parallelism.
+    "qwen3_cp2_tp2",
+    "llama_cp2_tp2_sp_lp",
+    "gemma2_cp2_tp2_lp",
+    "qwen3_cp2_dp2",
 ]
 #: Cases that only make sense with data parallelism.
 DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
@@ -559,9 +607,15 @@ BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
 FSDP_ONLY_CASES = {"mlp_fsdp_only"}
 #: Cases with tp_size=4: TP over all 4 ranks of the 2-D launch, checked on their own.
 TP4_CASES = {"qwen3_tp4", "qwen3_lora_tp4"}
-TP_PARITY_CASES = [name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES | TP4_CASES]
+#: Context parallelism on 2 processes (cp 2) and on 4 (with TP 2 or dp 2): checked in test_context_parallel.py.
+CP_CASES = [name for name in CASES if "_cp2" in name and name not in TWO_D_CASES]
+CP_2D_CASES = [name for name in CASES if "_cp2" in name and name in TWO_D_CASES]
+TP_PARITY_CASES = [
+    name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES | TP4_CASES | set(CP_CASES) | set(CP_2D_CASES)
+]
 TP_CASES = [
     *TP_PARITY_CASES,
+    *CP_CASES,
     *FSDP_ONLY_CASES,
     "features",
     "save_failure",

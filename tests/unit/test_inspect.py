@@ -89,3 +89,24 @@ def test_vision_language_model_parts(config_dirs, capsys, kind, vision):
         assert "tied" in rows["lm_head"]
     else:
         assert "sharded (1 of 1" in rows["lm_head"]
+
+
+def test_context_parallel_layout_is_explained(config_dirs, capsys):
+    """cp 2 x tp 2: what each rank holds of a sequence and what each attention layer gathers; FSDP2 shards over
+    dp_shard x cp, so the per-rank memory is that of tp 2 x dp_shard 2."""
+    assert main([str(config_dirs / "qwen3"), "--tp-size", "2", "--cp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Layout: tp=2 x cp=2 x dp_shard=1" in out and "Context parallelism (cp=2):" in out
+    assert "split into 4 pieces" in out and "1/2 of the tokens" in out
+    # 2 KV heads over tp 2: 1 per rank, x head_dim 16 x K and V = 32 values per token and layer.
+    assert "Each of the 2 attention layers all-gathers its keys and values" in out and "32 values per token" in out
+    assert "[64, 64] -> [16, 64]" in out  # q_proj: tp 2, then FSDP2 over cp 2
+    model = build_meta_model(str(config_dirs / "qwen3"))
+    with_cp = inspect_model(model, tp_size=2, cp_size=2).memory["fp32"]
+    with_dp = inspect_model(model, tp_size=2, dp_shard_size=2).memory["fp32"]
+    assert with_cp == with_dp
+
+
+def test_context_parallel_refusals_are_problems(config_dirs, capsys):
+    assert main([str(config_dirs / "gemma3"), "--tp-size", "1", "--cp-size", "2"]) == 1
+    assert "cp_size=2: Gemma3ForConditionalGeneration is a composite" in capsys.readouterr().out

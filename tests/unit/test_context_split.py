@@ -164,6 +164,18 @@ def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str) -> None
         torch.testing.assert_close(split(**no_labels).logits, model(**no_labels).logits, atol=1e-5, rtol=0)
 
 
+def test_the_lower_right_causal_kernel_path_gives_the_same_numbers(one_rank_mesh, monkeypatch) -> None:
+    """On CUDA a plain causal piece goes to SDPA as `causal_lower_right` (no mask in memory); torch runs the same on
+    the CPU (materialising it), so the path is checked here."""
+    import lightning_tp.context_parallel as context_parallel
+
+    monkeypatch.setattr(context_parallel, "uses_lower_right_kernel", lambda device: True)
+    batch = lm_batches(1)[0]
+    model = build_causal_lm(tiny_config("qwen3"))
+    split = _split_copy(model, one_rank_mesh)
+    torch.testing.assert_close(split(**batch).loss, model(**batch).loss, atol=1e-6, rtol=0)
+
+
 def test_the_model_gets_its_own_config(one_rank_mesh) -> None:
     """A config shared with another model (a policy and its reference) is not changed under it."""
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,253 @@
+"""What context parallelism buys and costs: the activation memory each rank keeps for the backward against the
+sequence length at cp 1, 2 and 4, the longest sequence that fits a fixed activation budget per rank, the step time, and
+the collectives against the theory, in one 4-process launch.
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/context_parallel.py --out benchmarks/context_parallel.json
+
+The three layouts run on the same 4 processes, so FSDP2 shards the weights over 4 ranks in each and only the
+activations differ: cp 1 is dp 4 (each rank trains a whole sequence: one process's activations), cp 2 is dp 2 x cp 2,
+cp 4 splits one sequence over all 4 ranks. Each data-parallel replica trains one sequence of ``--lengths`` tokens.
+
+- **Activation memory**: the bytes of the tensors autograd saves for the backward during one forward (unique storages,
+  parameters left out; ``torch.autograd.graph.saved_tensors_hooks``), the largest of the ranks: what the forward
+  leaves alive until the backward, exact and independent of the allocator and of the machine's load. The gathered
+  keys and values and the attention masks are in it.
+- **Longest sequence in the budget**: the length is doubled from 512 while the activations fit ``--budget-mib``, then
+  bisected to 1/16 of the last doubling (every probe measured).
+- **Step time**: forward, backward and SGD step, median of ``--steps`` after a warm-up, the slowest rank; tokens/s per
+  rank is the tokens of all replicas over the step time and the 4 ranks. On this 2-core machine 4 processes share 2
+  cores, so times are relative only.
+- **Collectives**: counted by ``benchmarks/comm.py`` (bytes as nccl-tests count them), minus those of cp 1 at the same
+  length (FSDP2's, the same in every layout). Theory, per step: each layer all-gathers its keys and values once
+  (``2 x kv_heads x head_dim`` values per token of the whole sequence, gathered output) and reduce-scatters their
+  gradients once, and the loss is summed over the group (one float).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.comm import count_collectives  # noqa: E402
+
+
+def build(*, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=1 << 17,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def saved_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """The bytes autograd saves for the backward in one forward (unique storages, parameters left out), and the
+    loss, whose backward then runs (and frees them)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, nn.Parameter):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(**batch).loss
+    return sum(storages.values()), loss
+
+
+def largest(value: float) -> float:
+    out = torch.tensor(float(value))
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.item()
+
+
+class Layout:
+    """One cp size on the 4 ranks: its sharded model, optimizer and the sequences of its data-parallel replica."""
+
+    def __init__(self, base: nn.Module, cp_size: int, *, vocab: int) -> None:
+        import lightning_tp
+
+        self.cp_size = cp_size
+        self.dp_size = dist.get_world_size() // cp_size
+        self.model = lightning_tp.parallelize(copy.deepcopy(base), tp_size=1, cp_size=cp_size)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.replica = dist.get_rank() // cp_size  # the ranks of a CP group are consecutive (cp inside dp)
+        self.vocab = vocab
+
+    def batch(self, length: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1000 + self.replica)
+        ids = torch.randint(0, self.vocab, (1, length), generator=generator)
+        return {"input_ids": ids, "labels": ids}
+
+    def activations(self, length: int) -> int:
+        batch = self.batch(length)
+        nbytes, loss = saved_bytes(self.model, batch)
+        loss.backward()
+        self.optimizer.zero_grad()
+        return int(largest(nbytes))
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        self.model(**batch).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def step_time(self, length: int, *, steps: int) -> float:
+        batch = self.batch(length)
+        self.step(batch)  # warm-up
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            self.step(batch)
+            times.append(largest(time.perf_counter() - start))
+        return statistics.median(times)
+
+    def longest_in(self, budget: int, *, start: int = 512, limit: int = 1 << 16) -> dict[str, int]:
+        """The longest length (a multiple of ``2 x cp``) whose activations fit ``budget`` bytes, measured."""
+        fits, length = 0, start
+        while length <= limit and self.activations(length) <= budget:
+            fits, length = length, length * 2
+        if fits == 0:
+            return {"tokens": 0, "probes_up_to": start}
+        low, high = fits, min(length, limit * 2)
+        step = max((high - low) // 16, 2 * self.cp_size)
+        while high - low > step:
+            middle = (low + high) // 2 // (2 * self.cp_size) * (2 * self.cp_size)
+            if self.activations(middle) <= budget:
+                low = middle
+            else:
+                high = middle
+        return {"tokens": low, "resolution": step}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for cp, rows in report["memory"].items():
+        lengths = [row["tokens"] for row in rows]
+        ax.plot(lengths, [row["activation_mib"] for row in rows], marker="o", label=f"cp {cp}")
+    ax.axhline(report["config"]["budget_mib"], color="grey", linestyle="--", linewidth=1, label="budget")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("activations kept for the backward, per rank (MiB)")
+    ax.set_title(report["config"]["model"], fontsize=9)
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--timed-lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--budget-mib", type=float, default=256.0)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    assert dist.get_world_size() == 4, "launch with --nproc-per-node 4 (cp 1, 2 and 4 on the same ranks)"
+    base = build(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab)
+    layouts = {cp: Layout(base, cp, vocab=args.vocab) for cp in (1, 2, 4)}
+    head_dim = args.hidden // args.heads
+    memory: dict[int, list[dict]] = {}
+    for cp, layout in layouts.items():
+        memory[cp] = [
+            {"tokens": n, "activation_mib": layout.activations(n) / 2**20} for n in args.lengths if n % (2 * cp) == 0
+        ]
+    for cp in (2, 4):  # the ratio to one process's (cp 1) at each length
+        for row, whole in zip(memory[cp], memory[1], strict=True):
+            row["over_cp1"] = row["activation_mib"] / whole["activation_mib"]
+    budget = int(args.budget_mib * 2**20)
+    longest = {cp: layout.longest_in(budget) for cp, layout in layouts.items()}
+    timing: dict[int, list[dict]] = {}
+    collectives: dict[int, list[dict]] = {}
+    for n in args.timed_lengths:
+        base_counts = count_collectives(lambda n=n: layouts[1].step(layouts[1].batch(n)))
+        for cp, layout in layouts.items():
+            seconds = layout.step_time(n, steps=args.steps)
+            tokens = layout.dp_size * n
+            timing.setdefault(cp, []).append(
+                {"tokens": n, "step_s": seconds, "tokens_per_s_per_rank": tokens / seconds / dist.get_world_size()}
+            )
+            if cp == 1:
+                continue
+            counts = count_collectives(lambda n=n, layout=layout: layout.step(layout.batch(n)))
+            added = {
+                kind: {
+                    "count": value["count"] - base_counts.get("total", base_counts).get(kind, {}).get("count", 0),
+                    "bytes": value["bytes"] - base_counts.get("total", base_counts).get(kind, {}).get("bytes", 0),
+                }
+                for kind, value in counts.get("total", counts).items()
+            }
+            kv_bytes = 2 * args.kv_heads * head_dim * n * 4  # K and V of the whole sequence, fp32, per layer
+            collectives.setdefault(cp, []).append(
+                {
+                    "tokens": n,
+                    "added": {kind: value for kind, value in added.items() if value["count"] or value["bytes"]},
+                    "theory": {
+                        "all_gather": {"count": args.layers, "bytes": args.layers * kv_bytes},
+                        "reduce_scatter": {"count": args.layers, "bytes": args.layers * kv_bytes},
+                        "all_reduce": {"count": 1, "bytes": 4},
+                    },
+                }
+            )
+    report = {
+        "config": {
+            "model": f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} query / {args.kv_heads} KV "
+            f"heads, vocab {args.vocab}, sdpa, fp32; batch 1 per replica; gloo, 4 processes, one thread each",
+            "budget_mib": args.budget_mib,
+            "lengths": args.lengths,
+        },
+        "memory": memory,
+        "longest_sequence_in_budget": longest,
+        "longest_over_cp1": {cp: longest[cp]["tokens"] / max(longest[1]["tokens"], 1) for cp in (2, 4)},
+        "timing": timing,
+        "collectives_added_by_cp": collectives,
+    }
+    if dist.get_rank() == 0:
+        text = json.dumps(report, indent=2)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text + "\n")
+            plot(report, args.out.with_suffix(".png"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
