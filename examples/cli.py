@@ -3,6 +3,7 @@
     python examples/cli.py fit --config examples/configs/tp.yaml        # TP 2 on 2 CPU processes
     python examples/cli.py fit --config examples/configs/2d.yaml        # dp_shard 2 x tp 2 on 4 processes
     python examples/cli.py fit --config examples/configs/lora.yaml      # LoRA, TP 2
+    python examples/cli.py fit --config examples/configs/cp.yaml        # context parallelism: cp 2 on 2 processes
     python examples/cli.py fit --config examples/configs/tp.yaml --print_config
 
 `--trainer.strategy=tp` works too (the name `lightning_tp` registers), and every constructor argument of

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_tp  # noqa: E402
 from lightning_tp.fabric import TensorParallelStrategy  # noqa: E402
-from tests.helpers.models import build_causal_lm, lm_batches, tiny_config  # noqa: E402
+from tests.helpers.models import build_causal_lm, lm_batches, padded_lm_batches, tiny_config  # noqa: E402
 from tests.helpers.scenarios import Scenarios  # noqa: E402
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])
@@ -386,6 +386,27 @@ def resume_at_url(out: Path, checkpoints: Path) -> dict[str, Any]:
 def resume_2d_to_hsdp(out: Path, checkpoints: Path) -> dict[str, Any]:
     """Saved on dp_shard 2 x tp 2, resumed on dp_replicate 2 x tp 2 (4 ranks)."""
     return _resume(out, first={"tp_size": 2}, second={"tp_size": 2, "dp_shard_size": 1, "dp_replicate_size": 2})
+
+
+@case
+def resume_cp_to_tp(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Context parallelism: trained and saved at cp 2 (each sequence split over the 2 ranks), resumed on TP 2."""
+    return _resume(out, first={"cp_size": 2, "tp_size": 1}, second={"tp_size": 2})
+
+
+@case
+def context_parallel_2d(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """cp 2 x tp 2 with sequence and loss parallelism, padded batches of an odd length."""
+    batches = padded_lm_batches(STEPS)
+    fabric = one_process()
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    reference = train(fabric, model, optimizer, batches, clip=0.5)
+
+    fabric = sharded(tp_size=2, cp_size=2, sequence_parallel=True, loss_parallel=True)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, adamw(model))
+    return {"reference": reference, **train(fabric, model, optimizer, batches, clip=0.5)}
 
 
 @case

@@ -68,6 +68,21 @@ def case_tp_from_sizes() -> dict:
     )
 
 
+@SCENARIOS.register("cp_from_sizes")
+def case_cp_from_sizes() -> dict:
+    """Context parallelism over both ranks (each sequence split over them; both read the same batches): the same
+    loop as one process, with clipping by the global norm."""
+    import lightning_tp
+
+    model = build_causal_lm(tiny_config("qwen3"))
+    reference = copy.deepcopy(model)
+    batches = lm_batches(STEPS)
+    lightning_tp.parallelize(model, tp_size=1, cp_size=2)
+    return _compare(
+        "cp_from_sizes", model, reference, _train(model, batches, clip=True), _train(reference, batches, clip=True)
+    )
+
+
 @SCENARIOS.register("fsdp_from_mesh")
 def case_fsdp_from_mesh() -> dict:
     """FSDP2 over both ranks from a mesh the script built: each rank takes its half of every batch (the sampler over

@@ -22,9 +22,10 @@ TP2_CASES = [
     "resume_tp_to_fsdp",
     "resume_full_file",
     "resume_at_url",
+    "resume_cp_to_tp",
     "bad_input",
 ]
-TWO_D_CASES = ["adamw_clip", "dataloader", "bf16_mixed", "accumulate", "resume_2d_to_hsdp"]
+TWO_D_CASES = ["adamw_clip", "dataloader", "bf16_mixed", "accumulate", "resume_2d_to_hsdp", "context_parallel_2d"]
 
 #: fp32, a few AdamW steps: TP reorders sums (see NOTES: ~1e-5 after 3 AdamW steps).
 LOSS_TOL = 2e-5
@@ -134,6 +135,7 @@ def test_sequence_and_loss_parallel(tp2: list[dict]) -> None:
         ("tp2", "resume_tp_to_fsdp"),
         ("tp2", "resume_full_file"),
         ("tp2", "resume_at_url"),
+        ("tp2", "resume_cp_to_tp"),
         ("two_d", "resume_2d_to_hsdp"),
     ],
 )
@@ -149,6 +151,13 @@ def test_resume_on_another_layout_and_export(layout: str, name: str, request: py
         if rank == 0:
             assert result["export_diff"] == 0.0  # `python -m lightning_tp.export` reads a Fabric checkpoint
             assert result["reference_diff"] < 1e-3  # AdamW at lr 1e-2 amplifies reordered sums
+
+
+def test_context_parallel_with_tp_sequence_and_loss_parallelism(two_d: list[dict]) -> None:
+    """cp 2 x tp 2 in Fabric: each padded sequence split over the CP ranks, the same losses and norms as one
+    process."""
+    for result in (r["context_parallel_2d"] for r in two_d):
+        _assert_parity(result)
 
 
 def test_bad_input_raises_on_every_rank(tp2: list[dict]) -> None:

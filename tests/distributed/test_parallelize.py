@@ -1,5 +1,5 @@
 """``lightning_tp.parallelize`` without Lightning: a plain PyTorch loop under torchrun trains at parity with one
-process, from sizes (TP) and from a mesh the script built (FSDP2 with activation checkpointing)."""
+process, from sizes (TP; context parallelism) and from a mesh the script built (FSDP2 with activation checkpointing)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def plain_results() -> dict[str, dict]:
     return {r["case"]: r for r in results}
 
 
-@pytest.mark.parametrize("case", ["tp_from_sizes", "fsdp_from_mesh"])
+@pytest.mark.parametrize("case", ["tp_from_sizes", "cp_from_sizes", "fsdp_from_mesh"])
 def test_plain_pytorch_loop_matches_one_process(plain_results: dict[str, dict], case: str) -> None:
     result = plain_results[case]
     assert result["names_match"] and result["all_dtensors"]
