@@ -68,14 +68,29 @@ def saved_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, 
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, nn.Parameter):
+        if isinstance(tensor, nn.Parameter):
+            return tensor
+        try:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # a view of FSDP2's unsharded parameter storage (an "invalid python storage")
+            pass
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(**batch).loss
     return sum(storages.values()), loss
+
+
+def predicted_mib(whole_mib: float, tokens: int, cp_size: int, *, layers: int, kv_heads: int, head_dim: int) -> float:
+    """What a rank should keep at ``cp_size``: one process's activations over ``cp_size``, plus what the split adds:
+    the attention masks (fp32, once per forward: each of the rank's two pieces of ``c`` queries against the keys up to
+    its end, ``c (r + 1) c`` and ``c (2 cp - r) c`` values, ``4 c^2 (2 cp + 1)`` bytes on every rank) and each layer's
+    gathered keys and values (``2 x tokens x kv_heads x head_dim``, fp32)."""
+    piece = tokens // (2 * cp_size)
+    masks = 4 * piece * piece * (2 * cp_size + 1)
+    gathered = layers * 2 * tokens * kv_heads * head_dim * 4
+    return whole_mib / cp_size + (masks + gathered) / 2**20
 
 
 def largest(value: float) -> float:
@@ -150,15 +165,19 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    whole = {row["tokens"]: row["activation_mib"] for row in report["memory"]["1"]}
     for cp, rows in report["memory"].items():
         lengths = [row["tokens"] for row in rows]
-        ax.plot(lengths, [row["activation_mib"] for row in rows], marker="o", label=f"cp {cp}")
+        (line,) = ax.plot(lengths, [row["activation_mib"] for row in rows], marker="o", label=f"cp {cp}")
+        if cp != "1":  # the goal: one process's activations over cp
+            ideal = [whole[n] / int(cp) for n in lengths]
+            ax.plot(lengths, ideal, linestyle=":", color=line.get_color(), label=f"cp 1 / {cp}")
     ax.axhline(report["config"]["budget_mib"], color="grey", linestyle="--", linewidth=1, label="budget")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("activations kept for the backward, per rank (MiB)")
-    ax.set_title(report["config"]["model"], fontsize=9)
+    ax.set_title(report["config"]["model"].split(";")[0], fontsize=9)
     ax.grid(True, which="both", linewidth=0.3)
     ax.legend()
     fig.tight_layout()
@@ -177,21 +196,33 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=256.0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot-only", action="store_true", help="redraw --out's PNG from its JSON, run nothing")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     assert dist.get_world_size() == 4, "launch with --nproc-per-node 4 (cp 1, 2 and 4 on the same ranks)"
     base = build(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab)
-    layouts = {cp: Layout(base, cp, vocab=args.vocab) for cp in (1, 2, 4)}
     head_dim = args.hidden // args.heads
+    layouts = {cp: Layout(base, cp, vocab=args.vocab) for cp in (1, 2, 4)}
     memory: dict[int, list[dict]] = {}
     for cp, layout in layouts.items():
         memory[cp] = [
             {"tokens": n, "activation_mib": layout.activations(n) / 2**20} for n in args.lengths if n % (2 * cp) == 0
         ]
-    for cp in (2, 4):  # the ratio to one process's (cp 1) at each length
+    for cp in (2, 4):  # the ratio to one process's (cp 1) at each length, and what the theory predicts
         for row, whole in zip(memory[cp], memory[1], strict=True):
             row["over_cp1"] = row["activation_mib"] / whole["activation_mib"]
+            row["predicted_mib"] = predicted_mib(
+                whole["activation_mib"],
+                row["tokens"],
+                cp,
+                layers=args.layers,
+                kv_heads=args.kv_heads,
+                head_dim=head_dim,
+            )
     budget = int(args.budget_mib * 2**20)
     longest = {cp: layout.longest_in(budget) for cp, layout in layouts.items()}
     timing: dict[int, list[dict]] = {}

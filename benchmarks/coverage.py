@@ -13,7 +13,8 @@ documented per-family exceptions of :data:`EXCEPTIONS`. Case ``tp2`` (2 KV heads
 token batches (fp32, eager attention) sharded with ``lightning_tp.parallelize`` at TP 2, against the same model
 trained whole on the same process (every rank runs the reference: its numbers are the same on each), and reports the
 largest loss gap over the steps and the largest parameter gap after them. Case ``kv_replication`` does the same with
-one KV head, i.e. a TP size above the KV-head count: refused until KV heads can be replicated.
+one KV head, i.e. a TP size above the KV-head count: refused until KV heads can be replicated. Case ``cp2`` trains the
+``tp2`` model with context parallelism instead (``cp_size=2``, no TP): each sequence split over the 2 ranks.
 
 The largest TP size of the *published default* config (``ConfigClass()``, built on the meta device) is the largest
 ``t <= 64`` that divides every dim its plan splits (found from the plan's styles, as ``lightning_tp.styles`` says
@@ -59,9 +60,12 @@ FP64_TOL = 1e-6
 #: The statuses of a case that trained: "parity in fp64" when its fp32 gaps were rounding the model amplified.
 TRAINED = ("parity", "parity in fp64", "not at parity")
 #: ``uneven_vocab``: TP 2 with a vocabulary of 127, which the "uneven vocab" TP sizes assume splits at parity.
-CASES = ("tp2", "kv_replication", "uneven_vocab")
-#: KV heads of the tiny config per case (4 query heads; TP 2 throughout).
-CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1, "uneven_vocab": 2}
+CASES = ("tp2", "kv_replication", "uneven_vocab", "cp2")
+#: KV heads of the tiny config per case (4 query heads; TP 2 throughout, but ``cp2``).
+CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1, "uneven_vocab": 2, "cp2": 2}
+#: The sizes ``parallelize`` gets per case (the others: TP over both ranks). ``cp2``: context parallelism, each
+#: sequence split over the 2 ranks (FSDP2 over them), no TP.
+CASE_LAYOUT: dict[str, dict[str, int]] = {"cp2": {"tp_size": 1, "cp_size": 2}}
 #: The vocabulary of a case that splits it unevenly (the others: ``VOCAB``).
 CASE_VOCAB = {"uneven_vocab": 127}
 
@@ -487,7 +491,7 @@ def run_case(family: str, case: str, *, tp_size: int, all_ready: Callable[[bool]
         return result
     model, reference, batches, ref_losses = prepared
     try:
-        lightning_tp.parallelize(model, tp_size=tp_size)
+        lightning_tp.parallelize(model, **CASE_LAYOUT.get(case, {"tp_size": tp_size}))
     except ValueError as err:  # the package's refusals, raised on every rank before any collective
         return {**result, "status": "refused", "detail": _first_line(err).removeprefix("ValueError: ")}
     try:
@@ -519,7 +523,7 @@ def _fp64_gaps(family: str, case: str, *, tp_size: int, all_ready: Callable[[boo
         return {"ok": False, "detail": scratch.get("detail") or "float64 run failed before sharding"}
     model, _, batches, _ = prepared
     whole = copy.deepcopy(model)
-    lightning_tp.parallelize(model, tp_size=tp_size)
+    lightning_tp.parallelize(model, **CASE_LAYOUT.get(case, {"tp_size": tp_size}))
     for m in (model, whole):
         m.train()
         _loss(m, batches[0]).backward()
@@ -632,6 +636,7 @@ def summary(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         "uneven_vocab": dict(
             Counter(r.get("cases", {}).get("uneven_vocab", {}).get("status") for r in rows.values()).most_common()
         ),
+        "cp2": dict(Counter(r.get("cases", {}).get("cp2", {}).get("status") for r in rows.values()).most_common()),
         "trained_with_attention_whole": sorted(f for f, c in ran.items() if not c.get("attention_split", True)),
         "worst_gaps": {f: {"loss_gap": ran[f]["loss_gap"], "param_gap": ran[f].get("param_gap")} for f in worst},
     }
@@ -658,12 +663,14 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         "KV heads too). 'TP 2 > KV heads': the same "
         "run with 1 KV head (regenerate with `--cases kv_replication --merge`); it trains where the plan gathers K/V "
         "or leaves the attention whole. 'split at TP 2': the share of parameter elements the plan splits, and "
-        "'attention whole' where it splits no query projection (the MLP or experts alone).",
+        "'attention whole' where it splits no query projection (the MLP or experts alone). 'cp 2': the same model "
+        "with context parallelism instead (`cp_size=2`, no TP: each sequence split over the 2 ranks; regenerate with "
+        "`--cases cp2 --merge`).",
         "",
         "| count | |",
         "| --- | --- |",
     ]
-    for key in ("status", "plan_source_of_trained", "plan_source_of_refused", "kv_replication", "uneven_vocab"):
+    for key in ("status", "plan_source_of_trained", "plan_source_of_refused", "kv_replication", "uneven_vocab", "cp2"):
         lines.append(f"| {key.replace('_', ' ')} | {', '.join(f'{k}: {v}' for k, v in stats[key].items())} |")
     for key in ("refused_by_reason", "skipped_by_reason"):
         for reason, count in stats[key].items():
@@ -678,8 +685,8 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
     lines += ["", "## Families", ""]
     lines += [
         "| family | model class | plan source | max TP with KV replication | max TP without | TP 2 (gaps loss / param) "
-        "| split at TP 2 | TP 2 > KV heads |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| split at TP 2 | TP 2 > KV heads | cp 2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for family, row in rows.items():
         tp2 = row.get("cases", {}).get("tp2", {})
@@ -692,6 +699,7 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
             _case_cell(tp2) if tp2.get("status") in (*TRAINED, "error") else tp2.get("status", ""),
             _split_cell(tp2),
             _case_cell(row.get("cases", {}).get("kv_replication")),
+            _case_cell(row.get("cases", {}).get("cp2")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     md.write_text("\n".join(lines) + "\n")

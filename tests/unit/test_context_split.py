@@ -143,14 +143,37 @@ CASES = {
     "gemma2_sliding_softcap": ("gemma2", lambda: lm_batches(1)[0]),
     "granite_swa_sinks_padded": ("granite_swa", lambda: padded_lm_batches(1)[0]),
     "opt": ("opt", lambda: lm_batches(1)[0]),
+    "llama4_chunked_padded": ("llama4_text", lambda: padded_lm_batches(1)[0]),
 }
+
+
+def _llama4_text():
+    """Llama 4's text model with chunked attention (chunks of 5) on three of its four layers, dense MLPs."""
+    from transformers import Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        interleave_moe_layer_step=0,
+        moe_layers=[],
+        attention_chunk_size=5,
+        no_rope_layers=[1, 1, 1, 0],
+    )
+    config._attn_implementation = "sdpa"
+    return build_causal_lm(config)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str) -> None:
     kind, batch = CASES[name]
     batch = batch()
-    model = build_causal_lm(tiny_config(kind))
+    model = _llama4_text() if kind == "llama4_text" else build_causal_lm(tiny_config(kind))
     split = _split_copy(model, one_rank_mesh, multiple=4)  # 4: the odd lengths are padded
     out, ref = split(**batch), model(**batch)
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=0)
