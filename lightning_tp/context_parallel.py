@@ -32,9 +32,11 @@ Decoding with a cache (``generate``) runs without the split: every rank of the g
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from lightning_tp.compat import assert_async, attention_implementation, set_attention_implementation
+from lightning_tp.compat import attention_implementation, set_attention_implementation
 
 #: The attention implementations context parallelism runs inside, and the score a masked key gets in the additive
 #: mask each is given: ``-inf`` for ``sdpa`` (a query row with no key left gives zeros, as SDPA's boolean masks do on
@@ -69,6 +71,9 @@ SEQUENCE_DIM = 1
 KEY_SEQUENCE_DIM = 2
 
 _names = itertools.count()
+#: The splits by the name their model's config selects. Transformers' interfaces are global registries: they hold a
+#: function that looks the split up here, weakly, so that a model (and its split, masks and groups) can be freed.
+_SPLITS: weakref.WeakValueDictionary[str, ContextParallel] = weakref.WeakValueDictionary()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -134,6 +139,7 @@ class BatchSplit:
     doc_ids: torch.Tensor | None = None  # (batch, padded_len): which packed sequence each token belongs to
     padding: bool = False  # the batch came with a padding mask
     called: set[int] = field(default_factory=set)
+    outside: list[torch.Tensor] = field(default_factory=list)  # per piece mask: whether it allows a key left out
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -230,12 +236,26 @@ def context_parallel_problem(model: nn.Module) -> str | None:
             f"{name} computes its loss with {getattr(current, '__name__', current)!r}, not Transformers' causal-LM "
             "loss, whose labels the split shifts before cutting them"
         )
+    from lightning_tp.fsdp import block_classes
+
+    own_code = sorted(
+        {cls.__module__ for cls in block_classes(model) if not hasattr(sys.modules.get(cls.__module__), _INTERFACE)}
+    )
+    if own_code:
+        return (
+            f"{name}'s decoder layers ({own_code[0]}) compute attention with code of their own, not through "
+            "Transformers' attention interface, so their keys and values cannot be exchanged"
+        )
     base = decoder_stack(model)
     parameters = inspect.signature(base.forward).parameters
     missing = [arg for arg in ("position_ids", "attention_mask") if arg not in parameters]
     if missing:
         return f"{type(base).__name__}.forward takes no {missing}; the split passes the whole sequence's positions"
     return None
+
+
+#: The name a modeling file imports to dispatch attention through Transformers' interface (``AttentionInterface``).
+_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 
 
 def decoder_stack(model: nn.Module, blocks: set[type] | None = None) -> nn.Module:
@@ -282,14 +302,22 @@ class ContextParallel:
         self.inner = attention_implementation(model.config)
         self.name = f"lightning_tp_cp_{next(_names)}"
         base = decoder_stack(model, blocks)
-        self.layers = {name: layer for name, layer in base.named_modules() if type(layer) in blocks}
+        self.blocks = blocks
         self.current: BatchSplit | None = None
         self.labelled = False
+        self.unsplit = False
         self.entered = True
+        self.rows_checked = False
         self.stack_name = type(base).__name__
         self.checked = False
         self._layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._forward_parameters = inspect.signature(base.forward).parameters
+        self._positions_from_mask = positions_from_mask(base)
+
+    def __deepcopy__(self, memo: dict) -> ContextParallel:
+        """A deep copy of the model (a frozen reference, an EMA copy) shares its split: the same group and sizes, and
+        state that lives for one forward at a time (its config's copy selects the same implementation)."""
+        return self
 
     # --------------------------------------------------------------- the decoder stack's inputs
 
@@ -299,8 +327,8 @@ class ContextParallel:
         if args:  # called positionally: name the arguments as the forward does
             kwargs = {**dict(zip(self._forward_parameters, args, strict=False)), **kwargs}
             args = ()
-        if any(kwargs.get(name) is not None for name in CACHE_INPUTS) or kwargs.get("use_cache"):
-            self.current = None  # decoding with a cache: the whole sequence on every rank
+        if any(kwargs.get(name) is not None for name in CACHE_INPUTS) or kwargs.get("use_cache") or self.unsplit:
+            self.current = None  # decoding (a cache, or the last positions' logits): the whole sequence on every rank
             return args, kwargs
         if kwargs.get("output_router_logits"):
             raise ValueError(
@@ -312,6 +340,8 @@ class ContextParallel:
         if tokens is None:
             raise ValueError("Context parallelism splits `input_ids` or `inputs_embeds`; the model got neither.")
         batch, length = tokens.shape[:2]
+        if not self.rows_checked:
+            self._check_same_rows(tokens)
         for name, value in kwargs.items():
             per_token = isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[:2] == (batch, length)
             if per_token and name not in SEQUENCE_INPUTS:
@@ -320,6 +350,13 @@ class ContextParallel:
                     f"parallelism knows how to split {list(SEQUENCE_INPUTS)} only. Drop `{name}`, or run without "
                     "`cp_size`."
                 )
+        given_mask = kwargs.get("attention_mask") is not None
+        if self._positions_from_mask and kwargs.get("position_ids") is None and given_mask:
+            raise ValueError(
+                f"Context parallelism: {self._positions_from_mask} derives the positions from `attention_mask` (a "
+                "left-padded row starts at position 0), which each rank's chunk cannot do alone. Pass `position_ids` "
+                "with the mask, e.g. `(attention_mask.cumsum(-1) - 1).clamp(min=0)`."
+            )
         padded = padded_length(length, self.multiple)
         device = tokens.device
         positions, order, gathered = self._layout(padded, device)
@@ -329,7 +366,9 @@ class ContextParallel:
         if attention_mask is None:
             from transformers.masking_utils import find_packed_sequence_indices
 
-            doc_ids = find_packed_sequence_indices(position_ids.expand(batch, -1))
+            doc_ids = find_packed_sequence_indices(position_ids[:, :length].expand(batch, -1))
+            if doc_ids is not None:  # the padding joins the last sequence
+                doc_ids = _pad_sequence(doc_ids, padded, value=None)
             whole_mask = torch.ones(batch, padded, dtype=torch.bool, device=device)
         else:
             if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
@@ -366,6 +405,25 @@ class ContextParallel:
             kwargs["use_cache"] = False  # training needs no cache; a cache would hold the local keys only
         return args, kwargs
 
+    def _check_same_rows(self, tokens: torch.Tensor) -> None:
+        """The first split forward: the ranks of the group must hold the same rows (a loader that splits the data
+        over every rank, not over the data-parallel ones, gives each its own). One all-gather of the batch's shape and
+        a checksum; every rank raises the same error, before the exchanges that would otherwise mismatch."""
+        self.rows_checked = True
+        flat = tokens.detach().double().flatten()
+        checksum = (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)).sum()
+        mine = torch.tensor([*tokens.shape[:2], checksum.item()], dtype=torch.float64, device=tokens.device)
+        everyone = mine.new_empty(self.size * mine.numel())
+        dist.all_gather_single(everyone, mine, group=self.group)
+        rows = everyone.view(self.size, -1).tolist()
+        if any(row != rows[0] for row in rows):
+            raise ValueError(
+                "Context parallelism: the ranks of a CP group got different batches (batch, length, checksum by "
+                f"rank: {rows}), but they must read the same rows and split each sequence. Split the data over the "
+                "data-parallel ranks only: Lightning's sampler does (`use_distributed_sampler=True`), or use "
+                "`strategy.distributed_sampler_kwargs` / `strategy.dp_mesh`, not the global rank."
+            )
+
     def check_layers(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of the decoder stack: after the first split forward, every decoder layer must have exchanged
         keys and values (a layer that mixes the sequence some other way saw its chunk only). The same on every rank:
@@ -373,11 +431,23 @@ class ContextParallel:
         split = self.current
         if self.checked or split is None:
             return output
+        layers = {name: layer for name, layer in module.named_modules() if type(layer) in self.blocks}
         missing = [
             f"{name} ({type(layer).__name__})"
-            for name, layer in self.layers.items()
+            for name, layer in layers.items()
             if not any(id(m) in split.called for m in layer.modules())
         ]
+        outside = torch.stack(split.outside).any() if split.outside else torch.zeros((), dtype=torch.bool)
+        # One all-reduce, once: whether any rank's pieces met a mask that lets a query see past the keys it was given
+        # (the check runs on each rank's own pieces, so the ranks decide together).
+        flag = outside.to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            raise ValueError(
+                "Context parallelism: this model's attention mask lets a query attend to a later key (it is not "
+                "causal) or to one outside the sliding window its attention declares; the pieces cannot be computed "
+                "against the keys before their end. This model cannot run with `cp_size > 1`."
+            )
         if missing:
             raise ValueError(
                 f"Context parallelism: the decoder layers {missing[:4]}{' ...' if len(missing) > 4 else ''} did not "
@@ -557,12 +627,8 @@ class ContextParallel:
             kept = (keys[None, :] <= queries[:, None])[None, None]
         else:
             rows = mask[:, :, piece.local_start : piece.local_start + piece.length]
-            outside = torch.cat([rows[..., :low], rows[..., piece.global_end :]], dim=-1)
-            assert_async(
-                ~outside.any(),
-                "context parallelism: the model's mask lets a query attend to a later key (not causal) or to one "
-                "outside its sliding window",
-            )
+            if not self.checked:  # decided with the other ranks at the end of the first split forward
+                split.outside.append(torch.cat([rows[..., :low], rows[..., piece.global_end :]], dim=-1).any())
             kept = rows[..., low : piece.global_end]
         masked = float("-inf") if INNER_MASK_FORMATS[self.inner] == "-inf" else torch.finfo(dtype).min
         additive = torch.zeros(kept.shape, dtype=dtype, device=mask.device).masked_fill_(~kept, masked)
@@ -572,8 +638,12 @@ class ContextParallel:
     # --------------------------------------------------------------- the model's outputs
 
     def note_labels(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of the model users call: whether this forward computes a loss."""
+        """Forward pre-hook of the model users call: whether this forward computes a loss, and whether it keeps the
+        logits of its last positions only (``logits_to_keep``: ``generate`` without a cache, per-token
+        log-probabilities of a completion), which are not this rank's to compute: such a forward runs unsplit."""
         self.labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        keep = kwargs.get("logits_to_keep")
+        self.unsplit = keep is not None and not (isinstance(keep, int) and keep == 0)
         self.entered = False
 
     def gather_logits(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -581,17 +651,23 @@ class ContextParallel:
         the logits: those of the whole sequence (padding removed), on every rank, differentiably (a loss computed from
         them on every rank of the group gets the gradient of one copy once FSDP2 averages). With labels they stay
         this rank's, the point of the split."""
+        self.unsplit = False
+        split, self.current = self.current, None  # the forward is over (a recompute reads its masks' tag)
         if not self.entered:
             raise ValueError(
                 f"Context parallelism: {type(module).__name__}'s forward did not call {self.stack_name}, whose inputs "
                 "the split cuts; this model's forward is not Transformers' usual one. Run it without `cp_size`."
             )
-        split = self.current
-        logits = getattr(output, "logits", None)
-        if split is None or self.labelled or not isinstance(logits, torch.Tensor) or logits.ndim < 2:
+        if split is None or self.labelled:
             return output
-        if logits.shape[SEQUENCE_DIM] == split.local_len:  # not `logits_to_keep`-cut
-            output.logits = self.gather(logits, split).narrow(SEQUENCE_DIM, 0, split.seq_len)
+        as_tuple = isinstance(output, tuple)  # `return_dict=False`: the logits come first without a loss
+        logits = output[0] if as_tuple else getattr(output, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.ndim < 2 or logits.shape[SEQUENCE_DIM] != split.local_len:
+            return output
+        logits = self.gather(logits, split).narrow(SEQUENCE_DIM, 0, split.seq_len)
+        if as_tuple:
+            return (logits, *output[1:])
+        output.logits = logits
         return output
 
     # --------------------------------------------------------------- the loss
@@ -638,8 +714,9 @@ def install_context_parallel(
     from transformers.modeling_utils import AttentionInterface
 
     cp = ContextParallel(model, mesh, multiple=multiple, blocks=blocks)
-    AttentionInterface.register(cp.name, cp.attention)
-    AttentionMaskInterface.register(cp.name, cp.mask)
+    _SPLITS[cp.name] = cp
+    AttentionInterface.register(cp.name, functools.partial(_dispatch, cp.name, "attention"))
+    AttentionMaskInterface.register(cp.name, functools.partial(_dispatch, cp.name, "mask"))
     # The model's modules read the implementation from the config at every forward. A config is often shared (two
     # models built from one object: a policy and its frozen reference), so this model gets its own copy first.
     _own_config(model)
@@ -665,10 +742,14 @@ def context_parallel_of(model: nn.Module) -> ContextParallel | None:
 
 
 def _pad_sequence(tensor: torch.Tensor, length: int, *, value: Any) -> torch.Tensor:
-    """``tensor`` (batch, seq, ...) padded at the end of its sequence dim to ``length``."""
+    """``tensor`` (batch, seq, ...) padded at the end of its sequence dim to ``length``, with ``value`` (``None``:
+    the last entry repeated)."""
     missing = length - tensor.shape[SEQUENCE_DIM]
     if missing == 0:
         return tensor
+    if value is None:
+        last = tensor.narrow(SEQUENCE_DIM, tensor.shape[SEQUENCE_DIM] - 1, 1)
+        return torch.cat([tensor, last.expand(*tensor.shape[:SEQUENCE_DIM], missing, *tensor.shape[2:])], SEQUENCE_DIM)
     pad = [0, 0] * (tensor.ndim - 1 - SEQUENCE_DIM) + [0, missing]
     return nn.functional.pad(tensor, pad, value=value)
 
@@ -677,19 +758,16 @@ def _whole_positions(
     position_ids: torch.Tensor | None, batch: int, length: int, padded: int, device: torch.device
 ) -> torch.Tensor:
     """The position ids of the whole (padded) sequence: as given, or ``0 .. length - 1`` as Transformers counts them
-    without a cache; the padding continues from the last position."""
+    without a cache; the padding repeats the last position (a causal mask hides it, and learned position tables end
+    at the model's longest sequence)."""
     if position_ids is None:
-        return torch.arange(padded, device=device).unsqueeze(0)
+        return _pad_sequence(torch.arange(length, device=device).unsqueeze(0), padded, value=None)
     if position_ids.ndim != 2 or position_ids.shape[-1] != length:
         raise ValueError(
             f"Context parallelism takes `position_ids` of shape (batch, seq) with seq = {length}, got shape "
             f"{tuple(position_ids.shape)} (multi-axis positions such as M-RoPE's are not supported)."
         )
-    missing = padded - length
-    if missing:
-        tail = position_ids[:, -1:] + torch.arange(1, missing + 1, device=position_ids.device)
-        position_ids = torch.cat([position_ids, tail], dim=-1)
-    return position_ids
+    return _pad_sequence(position_ids, padded, value=None)
 
 
 #: Keyword arguments of Transformers' ``sdpa_attention_forward`` that do more than torch's SDPA (a bias, softcapping,
@@ -725,6 +803,13 @@ def _grouped_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _dispatch(name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    split = _SPLITS.get(name)
+    if split is None:  # pragma: no cover - the model that selects the name holds its split
+        raise RuntimeError(f"Context parallelism: the split {name!r} of a freed model was called.")
+    return getattr(split, method)(*args, **kwargs)
+
+
 def uses_lower_right_kernel(device: torch.device) -> bool:
     """Whether SDPA takes a causal mask aligned to the last key without materialising it on ``device``: CUDA's flash
     kernel does; on the CPU, torch builds the mask in every call (a cached additive mask costs less there)."""
@@ -738,6 +823,20 @@ def _own_config(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module, "config", None) is shared:
             module.config = own
+
+
+def positions_from_mask(stack: nn.Module) -> str | None:
+    """The class of the decoder stack (or of a module directly in it) that derives position ids from the attention
+    mask when it gets none (OPT and BioGPT count a left-padded row from its first real token), read from their
+    ``forward``'s code; ``None`` for the usual ``0 .. length - 1``."""
+    for module in (stack, *stack.children()):
+        try:
+            source = inspect.getsource(type(module).forward)
+        except (OSError, TypeError):
+            continue
+        if "cumsum" in source and "attention_mask" in source:
+            return type(module).__name__
+    return None
 
 
 def _describe(value: Any) -> str:

@@ -67,11 +67,63 @@ def apply_fsdp(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for submodule in module.modules():
+    # Innermost first (``fsdp_blocks`` may name a class inside another, an MLP in a decoder layer): FSDP2 shards each
+    # parameter once, in the first unit that holds it.
+    for submodule in reversed(list(module.modules())):
         if submodule is not module and type(submodule) in blocks:
             fully_shard(submodule, **kwargs)
+            give_every_parameter_a_gradient(submodule)
     fully_shard(module, **kwargs)
     return module
+
+
+class _GradientForEveryParameter(torch.autograd.Function):
+    """The identity on an FSDP2 unit's inputs. Its backward runs once the unit's own backward is done, just before
+    FSDP2's (which sits on the same inputs, one step further): it gives each trainable parameter of the unit that got
+    no gradient a zero one. FSDP2 reduce-scatters only the parameters that have a gradient, so a mixture-of-experts
+    layer whose router sent none of a rank's tokens to some expert (data parallelism and context parallelism give every
+    rank other tokens) would make that rank's reduce-scatter smaller than its peers': gloo aborts ("Received data size
+    doesn't match expected size"), NCCL may hang or mix up the buffers."""
+
+    @staticmethod
+    def forward(ctx, holders, *tensors):  # type: ignore[override]
+        ctx.holders = holders
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        for holder in ctx.holders:
+            for param in holder.parameters(recurse=False):  # unsharded: FSDP2 has not resharded them yet
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        return (None, *grads)
+
+
+def give_every_parameter_a_gradient(unit: nn.Module) -> None:
+    """See :class:`_GradientForEveryParameter`, for the parameters of ``unit`` that no FSDP2 unit inside it holds
+    (those are its own units' business). A forward pre-hook after FSDP2's own (which is prepended), so that its
+    function is applied after FSDP2's."""
+    inner = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
+    holders = [m for m in unit.modules() if not any(m in set(i.modules()) for i in inner)]
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_grad_enabled():
+            return None
+        found = [(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        found += [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not found:
+            return None
+        tensors = [args[i] if positional else kwargs[i] for positional, i in found]
+        outputs = _GradientForEveryParameter.apply(holders, *tensors)
+        args, kwargs = list(args), dict(kwargs)
+        for (positional, i), out in zip(found, outputs, strict=True):
+            if positional:
+                args[i] = out
+            else:
+                kwargs[i] = out
+        return tuple(args), kwargs
+
+    unit.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def fsdp_units(root: nn.Module) -> list[nn.Module]:

@@ -443,7 +443,7 @@ def apply_context_parallel(
     multiple = 2 * layout.cp_size * (layout.tp_size if options.sequence_parallel else 1)
     wrappers = {id(peft_model.get_base_model()): peft_model for peft_model in peft_models(root)}
     for target in targets.models:
-        blocks = block_classes(target.module, options.fsdp_blocks)
+        blocks = block_classes(target.module)  # the decoder layers (`fsdp_blocks` may name other classes too)
         outer = wrappers.get(id(target.module))
         install_context_parallel(target.module, cp_mesh, multiple=multiple, blocks=blocks, outer=outer)
 

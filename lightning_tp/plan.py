@@ -211,14 +211,18 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
                 refused[key] = style
         else:
             check_style(key, style)
-    if refused:
+    if refused and tp_size == 1:
+        # TP over one rank splits nothing: the rules are dropped and the modules run whole (FSDP2 or context
+        # parallelism alone still apply).
+        plan = {key: style for key, style in plan.items() if key not in refused}
+    elif refused:
         reasons = "; ".join(f"{key!r}: {style!r} ({REFUSED_STYLES[style]})" for key, style in refused.items())
         raise ValueError(
             f"{model_name}'s plan uses styles this strategy does not support: {reasons}. To keep those modules whole, "
             f"pass tp_plan={ {key: 'replicate' for key in refused} }."
         )
 
-    if not plan:
+    if not plan and tp_size > 1:  # over one rank no plan is needed: every parameter stays whole
         if no_plan_reason is not None and not overrides:
             raise ValueError(no_plan_reason)
         if is_transformers_model(module):

@@ -73,9 +73,10 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             replicate across groups).
         cp_size: Ranks per context-parallel group: each splits every sequence of the rows its ranks all read (axis
             ``cp``, between the data-parallel axes and ``tp``; 1/cp of the activations per rank). Attention exchanges
-            keys and values; ``model(input_ids=..., labels=...).loss`` is the loss of the whole sequence, the other
-            outputs (``logits``, hidden states) are this rank's tokens. FSDP2 shards over ``dp_shard x cp``. Text
-            causal LMs with ``sdpa`` or ``eager`` attention; see :mod:`lightning_tp.context_parallel`.
+            keys and values; ``model(input_ids=..., labels=...).loss`` is the loss of the whole sequence, and the
+            logits and hidden states of such a forward are this rank's tokens (a forward without labels gathers the
+            logits of the whole sequence). FSDP2 shards over ``dp_shard x cp``. Text causal LMs with ``sdpa`` or
+            ``eager`` attention; see :mod:`lightning_tp.context_parallel`.
         parallelism_config: An ``accelerate.ParallelismConfig`` to take ``tp_size``, ``dp_shard_size``,
             ``dp_replicate_size`` and ``cp_size`` from, instead of passing them.
         activation_checkpointing: Recompute each decoder layer's activations in backward (Transformers' own

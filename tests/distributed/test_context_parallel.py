@@ -58,3 +58,16 @@ def test_cp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
 def test_cp2_with_tp_or_data_parallelism_matches_single_process(two_d_results: list[dict], name: str) -> None:
     dp_size = 2 if CASES[name].strategy_kwargs.get("tp_size") == 1 else 1
     _check(two_d_results, name, dp_size=dp_size)
+
+
+@pytest.mark.scenarios("tp2", "cp_rows_differ")
+def test_ranks_of_a_cp_group_with_different_rows_raise_on_every_rank(tp2_results: list[dict]) -> None:
+    """A loader that gives the two ranks of a CP group different rows: the first forward checks the batches (one
+    all-gather of shape and checksum) and every rank raises the same error within seconds."""
+    errors = [r["cp_rows_differ"] for r in tp2_results]
+    for error in errors:
+        assert error["type"] == "ValueError", error
+        assert "the ranks of a CP group got different batches" in error["message"]
+        assert "over the data-parallel ranks only" in error["message"]
+        assert error["seconds"] < 30, error
+    assert len({e["message"] for e in errors}) == 1

@@ -327,6 +327,31 @@ def run_sequence_parallel_odd_on_one_group(ctx: Context) -> dict:
         return {"type": type(err).__name__, "message": str(err), "seconds": time.monotonic() - start}
 
 
+@SCENARIOS.register("cp_rows_differ")
+def run_cp_rows_differ(ctx: Context) -> dict:
+    """Context parallelism where the two ranks of the CP group get different rows (a loader split over every rank):
+    every rank raises the same clear error in the first forward, none waits in the key/value exchange."""
+    import time
+    from datetime import timedelta
+
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    class OtherRowsOnRankOne(ParityModule):
+        def compute_loss(self, batch: dict) -> torch.Tensor:
+            if self.trainer.strategy.cp_mesh.get_local_rank() == 1:
+                batch = {k: v.flip(0) for k, v in batch.items()}
+            return super().compute_loss(batch)
+
+    module = OtherRowsOnRankOne(partial(build_causal_lm, tiny_config("qwen3")))
+    strategy = TensorParallelStrategy(tp_size=1, cp_size=2, timeout=timedelta(seconds=60))
+    start = time.monotonic()
+    try:
+        trainer(strategy, max_steps=1).fit(module, DataLoader(lm_batches(1), batch_size=None))
+        return {"type": None, "message": "no error", "seconds": time.monotonic() - start}
+    except Exception as err:
+        return {"type": type(err).__name__, "message": str(err), "seconds": time.monotonic() - start}
+
+
 @SCENARIOS.register("group_timeouts")
 def run_group_timeouts(ctx: Context) -> dict:
     """The timeout of each group of a mesh built for a 7 s strategy timeout."""

@@ -195,6 +195,19 @@ LLAVA_VISION_PLAN = {
 }
 
 
+def _longcat_moe() -> Any:
+    """LongCat-Flash's tiny config from the coverage benchmark (latent attention, routed and identity experts)."""
+    from benchmarks import coverage
+
+    return build_causal_lm(coverage.tiny_config("longcat_flash"))
+
+
+def _coverage_batches() -> list:
+    from benchmarks import coverage
+
+    return coverage.lm_batches(coverage.VOCAB)
+
+
 def lora_case(kind: str, steps: int = 3, **lora_kwargs: Any) -> Case:
     return Case(partial(_lora, kind, **lora_kwargs), partial(lm_batches, steps), optimizer="adamw", lr=1e-2)
 
@@ -468,8 +481,8 @@ CASES: dict[str, Case] = {
     ),
     # Context parallelism: each sequence split over 2 ranks (2 processes: cp 2; 4 processes: cp 2 x tp 2, cp 2 x dp 2).
     # Foreach AdamW with clipping; left padding with an odd length (padded to the split's multiple); packed sequences
-    # (position ids restarting); Gemma 2's sliding-window layers and softcapping (eager); activation checkpointing;
-    # LoRA on every linear layer.
+    # (position ids restarting); Gemma 2's sliding-window layers and softcapping (eager); activation checkpointing
+    # with FSDP2 units that are not decoder layers (the MLPs); LoRA on every linear layer.
     "qwen3_cp2": lm(
         "qwen3", 4, optimizer="adamw", lr=1e-3, opt_kwargs={"foreach": True}, clip=0.5, strategy_kwargs={"cp_size": 2}
     ),
@@ -481,8 +494,17 @@ CASES: dict[str, Case] = {
     ),
     "gemma2_cp2": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2}),
     "qwen3_cp2_activation_checkpointing": lm(
-        "qwen3", 3, strategy_kwargs={"cp_size": 2, "activation_checkpointing": True}
+        "qwen3",
+        3,
+        strategy_kwargs={
+            "cp_size": 2,
+            "activation_checkpointing": True,
+            "fsdp_blocks": ["Qwen3DecoderLayer", "Qwen3MLP"],
+        },
     ),
+    # Mixture of experts with zero-computation (identity) experts: one rank's tokens leave an expert without any, so
+    # its weights get no gradient there (FSDP2 reduce-scatters only what has one: the ranks' collectives mismatched).
+    "longcat_moe_cp2": Case(_longcat_moe, _coverage_batches, strategy_kwargs={"cp_size": 2}),
     "qwen3_cp2_lora": Case(
         partial(_lora, "qwen3"), partial(lm_batches, 3), optimizer="adamw", lr=1e-2, strategy_kwargs={"cp_size": 2}
     ),
@@ -622,6 +644,7 @@ TP_CASES = [
     "collectives",
     "vlm_generate",
     "loss_parallel_checks",
+    "cp_rows_differ",
     *(f"error:{name}" for name in ERROR_CASES),
 ]
 #: Launch name -> (its fixture in tests/distributed/conftest.py, every scenario it runs in a full run).

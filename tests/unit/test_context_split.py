@@ -65,7 +65,7 @@ def test_supported_models_pass_the_check() -> None:
         (lambda: torch.nn.Linear(2, 2), "not a Transformers model"),
         (lambda: _meta_model(tiny_config("qwen3", output_router_logits=True)), "output_router_logits"),
         (lambda: _meta_model(tiny_config("qwen3", is_causal=False)), "does not use causal attention"),
-        (lambda: _meta_model(tiny_config("mpt")), "takes no ['position_ids']"),
+        (lambda: _meta_model(tiny_config("mpt")), "compute attention with code of their own"),
     ],
 )
 def test_what_cannot_be_split_is_refused_by_name(build, fragment: str) -> None:
@@ -230,9 +230,78 @@ def test_inputs_it_cannot_split_are_refused_by_name(one_rank_mesh) -> None:
         split(input_ids=ids, position_ids=torch.zeros(3, 1, 8, dtype=torch.long))
 
 
-def test_layers_with_attention_code_of_their_own_are_found_in_the_first_forward(one_rank_mesh) -> None:
-    """Falcon's attention does not go through Transformers' attention interface: its layers would attend within
-    their chunk, so the first split forward raises, naming them."""
-    split = _split_copy(build_causal_lm(tiny_config("falcon")), one_rank_mesh)
-    with pytest.raises(ValueError, match=r"decoder layers \['h.0 \(FalconDecoderLayer\)'"):
+def test_layers_with_attention_code_of_their_own_are_refused_or_found_in_the_first_forward(one_rank_mesh) -> None:
+    """Falcon's modeling file has no attention dispatch through Transformers' interface: refused before anything moves.
+    A layer that has it but does not use it would attend within its chunk: the first split forward raises, naming
+    it (here a decoder layer whose attention calls SDPA itself)."""
+    assert "compute attention with code of their own" in context_parallel_problem(_meta_model(tiny_config("falcon")))
+    model = build_causal_lm(tiny_config("qwen3"))
+    attention = model.model.layers[1].self_attn
+
+    def own_attention(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        return attention.o_proj(hidden_states), None
+
+    attention.forward = own_attention
+    split = _split_copy(model, one_rank_mesh)
+    with pytest.raises(ValueError, match=r"decoder layers \['layers.1 \(Qwen3DecoderLayer\)'\]"):
         split(input_ids=torch.arange(8).reshape(1, 8) + 3)
+
+
+def test_forwards_keeping_the_last_logits_run_unsplit(one_rank_mesh) -> None:
+    """`logits_to_keep` (GRPO's per-token log-probabilities of a completion, `generate` without a cache) asks for the
+    last positions, which are not this rank's: such a forward runs the whole sequence, as with a cache."""
+    model = build_causal_lm(tiny_config("qwen3")).eval()
+    split = _split_copy(model, one_rank_mesh, multiple=4)
+    ids = torch.arange(26).reshape(2, 13) % 90 + 3
+    with torch.no_grad():
+        torch.testing.assert_close(
+            split(input_ids=ids, logits_to_keep=3).logits, model(input_ids=ids, logits_to_keep=3).logits
+        )
+        expected = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, use_cache=False
+        )
+        got = split.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, use_cache=False
+        )
+    assert torch.equal(got, expected)
+
+
+def test_tuple_outputs_and_padding_past_the_learned_positions(one_rank_mesh) -> None:
+    """`return_dict=False` gets the whole sequence's logits too; GPT-2 at its longest sequence (15 positions here),
+    padded to 16, repeats its last position for the padding instead of reading past its position table."""
+    model = build_causal_lm(tiny_config("gpt2", n_positions=15)).eval()
+    split = _split_copy(model, one_rank_mesh, multiple=4)
+    ids = torch.arange(30).reshape(2, 15) % 90 + 3
+    with torch.no_grad():
+        torch.testing.assert_close(split(input_ids=ids, return_dict=False)[0], model(input_ids=ids).logits)
+        torch.testing.assert_close(split(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss)
+
+
+def test_models_that_count_positions_from_the_mask_need_position_ids(one_rank_mesh) -> None:
+    """OPT numbers a left-padded row from its first real token: the split cannot from its chunk, so a mask without
+    `position_ids` is refused (whatever the mask holds: the decision is the same on every rank), and with the
+    positions OPT would count the split matches one process."""
+    model = build_causal_lm(tiny_config("opt"))
+    split = _split_copy(model, one_rank_mesh)
+    batch = padded_lm_batches(1)[0]
+    with pytest.raises(ValueError, match="OPTDecoder derives the positions from `attention_mask`"):
+        split(**batch)
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    torch.testing.assert_close(split(**batch, position_ids=positions).loss, model(**batch).loss, atol=1e-6, rtol=0)
+
+
+def test_a_split_model_deep_copies_and_is_freed(one_rank_mesh) -> None:
+    """A deep copy (a frozen reference) shares the split and computes the same; Transformers' registries hold the
+    split weakly, so a model dropped is freed with it."""
+    import gc
+    import weakref
+
+    model = build_causal_lm(tiny_config("qwen3"))
+    split = _split_copy(model, one_rank_mesh)
+    copied = copy.deepcopy(split)
+    batch = lm_batches(1)[0]
+    torch.testing.assert_close(copied(**batch).loss, model(**batch).loss, atol=1e-6, rtol=0)
+    layer = weakref.ref(split.model.layers[0])
+    del split, copied
+    gc.collect()
+    assert layer() is None
