@@ -48,7 +48,14 @@ from lightning_tp.lora import (
     peft_models,
 )
 from lightning_tp.loss_parallel import install_loss_parallel, loss_parallel_plan
-from lightning_tp.plan import ResolvedPlan, check_style, is_transformers_model, resolve_plan, uneven_kv_projections
+from lightning_tp.plan import (
+    ResolvedPlan,
+    check_style,
+    is_transformers_model,
+    no_plan,
+    resolve_plan,
+    uneven_kv_projections,
+)
 from lightning_tp.random_init import random_state_of_rank_zero
 from lightning_tp.sequence_parallel import sequence_parallel_plan
 from lightning_tp.tensor_parallel import (
@@ -239,7 +246,7 @@ def apply_parallelisms(
     take_rank_zero_weights([t.module for t in targets.models if t.presharded_mesh is None] + targets.extras)
     # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss
     #    parallelism with it, since it changes what the TP'd `lm_head` returns.
-    apply_tp(targets, tp_mesh=tp_mesh, device=device, loss_parallel=options.loss_parallel)
+    apply_tp(targets, tp_mesh=tp_mesh, device=device, loss_parallel=options.loss_parallel and layout.tp_size > 1)
     # 5. Context parallelism after TP: it wraps the model's attention and loss functions, whatever TP made of the
     #    projections around them (each rank's attention sees its TP heads of its CP chunk), and its hooks sit on the
     #    decoder stack, outside the layers that activation checkpointing recomputes and FSDP2 wraps.
@@ -319,7 +326,12 @@ def resolve_targets(
                     f"`tp_plan` overrides are ignored for {type(module).__name__}: Transformers sharded it at load "
                     "time with its own plan. Load it without `distributed_config` to apply them."
                 )
-        plan = resolve_plan(module, "auto" if presharded_mesh is not None else options.tp_plan, tp_size=layout.tp_size)
+        if layout.tp_size == 1 and options.tp_plan == "auto" and presharded_mesh is None:
+            plan = no_plan(module)  # a model without a plan (or with styles refused) trains with FSDP2 or CP alone
+        else:
+            plan = resolve_plan(
+                module, "auto" if presharded_mesh is not None else options.tp_plan, tp_size=layout.tp_size
+            )
         if layout.cp_size > 1 and (problem := context_parallel_problem(module)) is not None:
             raise ValueError(f"cp_size={layout.cp_size}: {problem}.")
         uneven = uneven_kv_projections(module, plan, layout.tp_size) if layout.fsdp_size > 1 else []
@@ -382,6 +394,10 @@ def rewrite_for_regions(
                 f"{asked} rewrites the plan, but {type(module).__name__} was sharded by Transformers at load "
                 "time. Load it without `distributed_config`."
             )
+        return plan
+    if layout.tp_size == 1:
+        if asked:
+            rank_zero_warn(f"{asked} is ignored: tp_size=1 splits nothing over a TP group.")
         return plan
     if options.sequence_parallel and has_peft(module):
         raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")

@@ -211,18 +211,14 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
                 refused[key] = style
         else:
             check_style(key, style)
-    if refused and tp_size == 1:
-        # TP over one rank splits nothing: the rules are dropped and the modules run whole (FSDP2 or context
-        # parallelism alone still apply).
-        plan = {key: style for key, style in plan.items() if key not in refused}
-    elif refused:
+    if refused:
         reasons = "; ".join(f"{key!r}: {style!r} ({REFUSED_STYLES[style]})" for key, style in refused.items())
         raise ValueError(
             f"{model_name}'s plan uses styles this strategy does not support: {reasons}. To keep those modules whole, "
             f"pass tp_plan={ {key: 'replicate' for key in refused} }."
         )
 
-    if not plan and tp_size > 1:  # over one rank no plan is needed: every parameter stays whole
+    if not plan:
         if no_plan_reason is not None and not overrides:
             raise ValueError(no_plan_reason)
         if is_transformers_model(module):
@@ -275,6 +271,13 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     _check_even_splits(module, resolved.styles, tp_size)
     _check_local_heads(module, resolved.local_heads, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
+
+
+def no_plan(module: nn.Module) -> ResolvedPlan:
+    """The plan of TP over one rank, which splits nothing: no rules (the model's own, which may be refused or missing,
+    are not applied), its tied weights found as :func:`resolve_plan` finds them."""
+    params = {name: None for name, _ in module.named_parameters(remove_duplicate=False)}
+    return ResolvedPlan(tied=_tied_aliases(module, params))
 
 
 def _check_local_heads(
