@@ -42,24 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.comm import count_collectives  # noqa: E402
-
-
-def build(*, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int) -> nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=1 << 17,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+from benchmarks.kv_heads import build  # noqa: E402
 
 
 def saved_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor]:
@@ -204,7 +187,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     assert dist.get_world_size() == 4, "launch with --nproc-per-node 4 (cp 1, 2 and 4 on the same ranks)"
-    base = build(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab)
+    base = build(
+        args.kv_heads, hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, max_positions=1 << 17
+    )
     head_dim = args.hidden // args.heads
     layouts = {cp: Layout(base, cp, vocab=args.vocab) for cp in (1, 2, 4)}
     memory: dict[int, list[dict]] = {}

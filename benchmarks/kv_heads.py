@@ -32,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.comm import count_collectives  # noqa: E402
 
 
-def build(kv_heads: int, *, hidden: int, layers: int, heads: int, vocab: int) -> torch.nn.Module:
+def build(
+    kv_heads: int, *, hidden: int, layers: int, heads: int, vocab: int, max_positions: int = 4096
+) -> torch.nn.Module:
+    """A Llama-style model of these sizes (untied, SDPA), seeded: the benchmarks' common model."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
@@ -43,7 +46,7 @@ def build(kv_heads: int, *, hidden: int, layers: int, heads: int, vocab: int) ->
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)

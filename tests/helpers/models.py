@@ -54,6 +54,17 @@ def tiny_config(kind: str, **overrides: Any):
         cfg = GraniteSWAConfig(
             **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1}
         )
+    elif kind == "llama4_text":  # chunked attention (chunks of 5) on 3 of its 4 layers, dense MLPs
+        from transformers import Llama4TextConfig
+
+        cfg = Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 2},
+            intermediate_size_mlp=128,
+            interleave_moe_layer_step=0,
+            moe_layers=[],
+            attention_chunk_size=5,
+            no_rope_layers=[1, 1, 1, 0],
+        )
     elif kind == "gemma2":  # sliding-window and full layers alternating, logit softcapping (eager), tied
         cfg = Gemma2Config(**{**common, "num_key_value_heads": 2, "sliding_window": 5})
     elif kind in DERIVED_KINDS:

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_tp.context_parallel import (
     context_parallel_problem,
@@ -28,6 +27,7 @@ from tests.helpers.models import (
     tiny_config,
     tiny_vlm_config,
 )
+from tests.helpers.process_group import one_rank_mesh as one_rank_mesh_of_gloo
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
@@ -119,14 +119,8 @@ def test_the_decoder_stack_holds_the_embedding_and_the_layers() -> None:
 
 @pytest.fixture(scope="module")
 def one_rank_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh_of_gloo() as mesh:
+        yield mesh
 
 
 def _split_copy(model, mesh, multiple: int = 2):
@@ -147,33 +141,11 @@ CASES = {
 }
 
 
-def _llama4_text():
-    """Llama 4's text model with chunked attention (chunks of 5) on three of its four layers, dense MLPs."""
-    from transformers import Llama4TextConfig
-
-    config = Llama4TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        intermediate_size_mlp=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        interleave_moe_layer_step=0,
-        moe_layers=[],
-        attention_chunk_size=5,
-        no_rope_layers=[1, 1, 1, 0],
-    )
-    config._attn_implementation = "sdpa"
-    return build_causal_lm(config)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str) -> None:
     kind, batch = CASES[name]
     batch = batch()
-    model = _llama4_text() if kind == "llama4_text" else build_causal_lm(tiny_config(kind))
+    model = build_causal_lm(tiny_config(kind))
     split = _split_copy(model, one_rank_mesh, multiple=4)  # 4: the odd lengths are padded
     out, ref = split(**batch), model(**batch)
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=0)

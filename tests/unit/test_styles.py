@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -17,6 +16,7 @@ from lightning_tp.inspect import inspect_model, local_shape
 from lightning_tp.lora import extend_plan_to_adapters
 from lightning_tp.styles import STYLES
 from tests.helpers.models import build_causal_lm, tiny_config
+from tests.helpers.process_group import one_rank_mesh as one_rank_mesh_of_gloo
 
 
 def registered_styles() -> dict:
@@ -49,15 +49,8 @@ def test_supported_and_refused_are_views_of_the_table():
 
 @pytest.fixture(scope="module")
 def one_rank_mesh():
-    """A one-process gloo group (an in-memory store, no port) and its 1-D mesh, torn down after the module."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh_of_gloo() as mesh:
+        yield mesh
 
 
 def _params():
