@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,8 +47,9 @@ from benchmarks.kv_heads import build  # noqa: E402
 
 
 def saved_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """The bytes autograd saves for the backward in one forward (unique storages, parameters left out), and the
-    loss, whose backward then runs (and frees them)."""
+    """The bytes autograd saves for the backward in one forward (unique storages; weights left out: a parameter or a
+    view of one, such as the transposed weight a matmul saves, which FSDP2 frees after each block's forward and
+    gathers again), and the loss, whose backward then runs (and frees them)."""
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -55,9 +57,12 @@ def saved_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, 
             return tensor
         try:
             storage = tensor.untyped_storage()
+        except RuntimeError:  # a DTensor's wrapper (its local tensor is what is saved)
+            return tensor
+        # The weights gathered now (plain tensors; the sharded ones are DTensors).
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters() if not isinstance(p, DTensor)}
+        if storage.data_ptr() not in weights:
             storages[storage.data_ptr()] = storage.nbytes()
-        except RuntimeError:  # a view of FSDP2's unsharded parameter storage (an "invalid python storage")
-            pass
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -260,7 +265,7 @@ def main() -> None:
         print(text)
         if args.out is not None:
             args.out.write_text(text + "\n")
-            plot(report, args.out.with_suffix(".png"))
+            plot(json.loads(text), args.out.with_suffix(".png"))  # the file's form: lengths as string keys
     dist.destroy_process_group()
 
 

@@ -789,8 +789,9 @@ def _grouped_sdpa(
     """One piece through torch's SDPA with its own grouped-query attention, on the CPU. Transformers'
     ``sdpa_attention_forward`` repeats the KV heads to the query heads whenever a mask is given (CUDA's
     memory-efficient kernel has no GQA), and SDPA keeps the repeated copy for the backward: for the pieces' keys, the
-    query-head count times the gathered keys, in every layer (measured: 3/4 of the memory context parallelism added
-    at cp 4, 8k tokens). torch's CPU kernels take the mask and the grouping together (same values)."""
+    query-head count times the gathered keys, in every layer (in ``benchmarks/context_parallel.py`` at cp 4 and 8k
+    tokens, 75 MiB: more than its masks and gathered keys together). torch's CPU kernels take the mask and the
+    grouping together (same values)."""
     out = nn.functional.scaled_dot_product_attention(
         query,
         key,
