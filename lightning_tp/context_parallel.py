@@ -64,8 +64,6 @@ SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask
 CACHE_INPUTS = ("cache", "past_key_values")
 #: The attribute a context-parallel mask carries: its :class:`MaskTag`.
 SPLIT_ATTR = "_lightning_tp_cp_split"
-#: Set on a model whose sequences are split, to its :class:`ContextParallel`.
-CP_MARKER = "_lightning_tp_cp"
 #: Sequence dim of the activations (batch, seq, ...) and of the attention's keys (batch, heads, seq, head_dim).
 SEQUENCE_DIM = 1
 KEY_SEQUENCE_DIM = 2
@@ -198,7 +196,8 @@ class _SumOverContext(torch.autograd.Function):
 def context_parallel_problem(model: nn.Module) -> str | None:
     """Why ``model`` cannot run with its sequences split, or ``None``. Reads the model's structure and config only,
     so every rank decides the same before any collective."""
-    from lightning_tp.loss_parallel import causal_lm_loss
+    from lightning_tp.fsdp import block_classes
+    from lightning_tp.loss_parallel import computes_causal_lm_loss
     from lightning_tp.plan import is_transformers_model
 
     name = type(model).__name__
@@ -230,23 +229,20 @@ def context_parallel_problem(model: nn.Module) -> str | None:
             f"{name} adds its router's load-balancing loss (`output_router_logits=True`), which is computed over the "
             "local chunk's tokens; set `output_router_logits=False`"
         )
-    current = model.loss_function
-    if current is not causal_lm_loss and getattr(current, "__name__", None) != "ForCausalLMLoss":
+    if not computes_causal_lm_loss(model):
+        current = model.loss_function
         return (
             f"{name} computes its loss with {getattr(current, '__name__', current)!r}, not Transformers' causal-LM "
             "loss, whose labels the split shifts before cutting them"
         )
-    from lightning_tp.fsdp import block_classes
-
-    own_code = sorted(
-        {cls.__module__ for cls in block_classes(model) if not hasattr(sys.modules.get(cls.__module__), _INTERFACE)}
-    )
+    blocks = block_classes(model)
+    own_code = sorted({cls.__module__ for cls in blocks if not hasattr(sys.modules.get(cls.__module__), _INTERFACE)})
     if own_code:
         return (
             f"{name}'s decoder layers ({own_code[0]}) compute attention with code of their own, not through "
             "Transformers' attention interface, so their keys and values cannot be exchanged"
         )
-    base = decoder_stack(model)
+    base = decoder_stack(model, blocks)
     parameters = inspect.signature(base.forward).parameters
     missing = [arg for arg in ("position_ids", "attention_mask") if arg not in parameters]
     if missing:
@@ -288,12 +284,13 @@ def decoder_stack(model: nn.Module, blocks: set[type] | None = None) -> nn.Modul
 class ContextParallel:
     """The split of one model's sequences over a CP group, installed by :func:`install_context_parallel`.
 
-    ``multiple``: what the padded length must be divisible by (``2 x cp``, times ``tp`` under sequence parallelism,
-    which splits each rank's tokens again). ``blocks``: the decoder layer classes, each of whose instances must
-    exchange keys and values in the first split forward.
+    ``stack``: the model's decoder stack (:func:`decoder_stack`). ``multiple``: what the padded length must be
+    divisible by (``2 x cp``, times ``tp`` under sequence parallelism, which splits each rank's tokens again).
+    ``blocks``: the decoder layer classes, each of whose instances must exchange keys and values in the first split
+    forward.
     """
 
-    def __init__(self, model: nn.Module, mesh: Any, *, multiple: int, blocks: set[type]) -> None:
+    def __init__(self, model: nn.Module, stack: nn.Module, mesh: Any, *, multiple: int, blocks: set[type]) -> None:
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
@@ -301,18 +298,17 @@ class ContextParallel:
         self.multiple = multiple
         self.inner = attention_implementation(model.config)
         self.name = f"lightning_tp_cp_{next(_names)}"
-        base = decoder_stack(model, blocks)
         self.blocks = blocks
         self.current: BatchSplit | None = None
         self.labelled = False
         self.unsplit = False
         self.entered = True
         self.rows_checked = False
-        self.stack_name = type(base).__name__
+        self.stack_name = type(stack).__name__
         self.checked = False
         self._layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._forward_parameters = inspect.signature(base.forward).parameters
-        self._positions_from_mask = positions_from_mask(base)
+        self._forward_parameters = inspect.signature(stack.forward).parameters
+        self._positions_from_mask = positions_from_mask(stack)
 
     def __deepcopy__(self, memo: dict) -> ContextParallel:
         """A deep copy of the model (a frozen reference, an EMA copy) shares its split: the same group and sizes, and
@@ -350,8 +346,8 @@ class ContextParallel:
                     f"parallelism knows how to split {list(SEQUENCE_INPUTS)} only. Drop `{name}`, or run without "
                     "`cp_size`."
                 )
-        given_mask = kwargs.get("attention_mask") is not None
-        if self._positions_from_mask and kwargs.get("position_ids") is None and given_mask:
+        attention_mask = kwargs.get("attention_mask")
+        if self._positions_from_mask and kwargs.get("position_ids") is None and attention_mask is not None:
             raise ValueError(
                 f"Context parallelism: {self._positions_from_mask} derives the positions from `attention_mask` (a "
                 "left-padded row starts at position 0), which each rank's chunk cannot do alone. Pass `position_ids` "
@@ -361,7 +357,6 @@ class ContextParallel:
         device = tokens.device
         positions, order, gathered = self._layout(padded, device)
         position_ids = _whole_positions(kwargs.get("position_ids"), batch, length, padded, device)
-        attention_mask = kwargs.get("attention_mask")
         doc_ids = None
         if attention_mask is None:
             from transformers.masking_utils import find_packed_sequence_indices
@@ -613,8 +608,8 @@ class ContextParallel:
 
     def _piece_mask(self, mask: torch.Tensor, tag: MaskTag, index: int, low: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask of one piece against keys ``[low, piece end)``; once per mask, piece and window in a
-        forward (the layers of one type share it). Checks, on the device, that the keys left out are masked for every
-        query of the piece."""
+        forward (the layers of one type share it). In the first split forward it also records whether the mask lets a
+        query of the piece attend to a key left out (decided with the other ranks in :meth:`check_layers`)."""
         split = tag.split
         key = (None if tag.causal else id(mask), index, low, dtype)
         cached = split.masks.get(key)
@@ -713,7 +708,8 @@ def install_context_parallel(
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    cp = ContextParallel(model, mesh, multiple=multiple, blocks=blocks)
+    base = decoder_stack(model, blocks)
+    cp = ContextParallel(model, base, mesh, multiple=multiple, blocks=blocks)
     _SPLITS[cp.name] = cp
     AttentionInterface.register(cp.name, functools.partial(_dispatch, cp.name, "attention"))
     AttentionMaskInterface.register(cp.name, functools.partial(_dispatch, cp.name, "mask"))
@@ -721,20 +717,14 @@ def install_context_parallel(
     # models built from one object: a policy and its frozen reference), so this model gets its own copy first.
     _own_config(model)
     set_attention_implementation(model.config, cp.name)
-    base = decoder_stack(model, blocks)
+    # The hooks below hold the split (the registries only weakly): it lives and dies with the model.
     base.register_forward_pre_hook(cp.split_inputs, with_kwargs=True)
     base.register_forward_hook(cp.check_layers, with_kwargs=True)
     model.loss_function = cp.loss(model.loss_function)
     outer = model if outer is None else outer
     outer.register_forward_pre_hook(cp.note_labels, with_kwargs=True)
     outer.register_forward_hook(cp.gather_logits, with_kwargs=True)
-    setattr(model, CP_MARKER, cp)
     return cp
-
-
-def context_parallel_of(model: nn.Module) -> ContextParallel | None:
-    """The split installed on ``model``, if any."""
-    return getattr(model, CP_MARKER, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -859,7 +849,6 @@ __all__ = [
     "INNER_MASK_FORMATS",
     "BatchSplit",
     "ContextParallel",
-    "context_parallel_of",
     "context_parallel_problem",
     "gathered_positions",
     "install_context_parallel",

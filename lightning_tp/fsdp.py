@@ -104,7 +104,8 @@ def give_every_parameter_a_gradient(unit: nn.Module) -> None:
     (those are its own units' business). A forward pre-hook after FSDP2's own (which is prepended), so that its
     function is applied after FSDP2's."""
     inner = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
-    holders = [m for m in unit.modules() if not any(m in set(i.modules()) for i in inner)]
+    inside = {id(m) for unit_inside in inner for m in unit_inside.modules()}
+    holders = [m for m in unit.modules() if id(m) not in inside]
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():

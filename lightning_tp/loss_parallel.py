@@ -244,22 +244,27 @@ def _gather_logits_without_labels(module: nn.Module, args: tuple, kwargs: dict, 
     return output
 
 
-def _check_causal_lm_loss(model: nn.Module) -> Any:
-    """The model's loss function, which must be Transformers' causal-LM loss (or ours, installed already)."""
+def computes_causal_lm_loss(model: nn.Module) -> bool:
+    """Whether the model's loss function is Transformers' causal-LM loss (or ours, installed already)."""
     from transformers import PreTrainedModel
 
-    ForCausalLMLoss = causal_lm_loss_function()
     # `PreTrainedModel.loss_function` is a property: an instance's `_loss_function` when set, else
     # `LOSS_MAPPING[self.loss_type]` (from the class name: `...ForCausalLM`, and `...ForConditionalGeneration`
     # also map to `ForCausalLMLoss`). Its setter stores `_loss_function` on the instance.
     current = model.loss_function if isinstance(model, PreTrainedModel) else None
-    if current is not causal_lm_loss and current is not ForCausalLMLoss:
+    return current is causal_lm_loss or current is causal_lm_loss_function()
+
+
+def _check_causal_lm_loss(model: nn.Module) -> Any:
+    """The model's loss function, which must be Transformers' causal-LM loss (or ours, installed already)."""
+    if not computes_causal_lm_loss(model):
+        current = getattr(model, "loss_function", None)
         raise ValueError(
             f"loss_parallel: {type(model).__name__} does not compute Transformers' causal-LM loss (its "
             f"`loss_function` is {getattr(current, '__name__', current)!r}), so there is nothing to replace. Pass "
             "the `...ForCausalLM` model itself (not a wrapper), or call `vocab_parallel_cross_entropy` on its logits."
         )
-    return current
+    return model.loss_function
 
 
 def lm_head_style(input_layouts: Placement | None = None) -> ColwiseParallel:
