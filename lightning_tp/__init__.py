@@ -4,11 +4,12 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tp import fabric
+from lightning_tp.expert_parallel import expert_load
 from lightning_tp.grad import clip_grad_norm_, grad_norm
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
 from lightning_tp.lora import save_merged
-from lightning_tp.monitor import ThroughputMonitor
+from lightning_tp.monitor import ExpertLoadMonitor, ThroughputMonitor
 from lightning_tp.parallelize import ParallelOptions, parallelize
 from lightning_tp.plan import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
 from lightning_tp.strategy import TensorParallelStrategy
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "REFUSED_STYLES",
     "SUPPORTED_STYLES",
+    "ExpertLoadMonitor",
     "ParallelLayout",
     "ParallelOptions",
     "ResolvedPlan",
@@ -26,6 +28,7 @@ __all__ = [
     "ThroughputMonitor",
     "apply_tensor_parallel",
     "clip_grad_norm_",
+    "expert_load",
     "from_pretrained",
     "grad_norm",
     "load_sharded",

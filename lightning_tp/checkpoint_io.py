@@ -84,11 +84,13 @@ def decide_on_main(decide: Callable[[], T], *, what: str | Path) -> T:
 
 
 def layout_sizes(layout: ParallelLayout) -> dict[str, int]:
-    """The sizes a checkpoint records (``cp`` only when above 1: checkpoints written before it existed compare
-    equal)."""
+    """The sizes a checkpoint records (``cp`` and ``ep`` only when above 1: checkpoints written before they existed
+    compare equal)."""
     sizes = {"tp": layout.tp_size, "dp_shard": layout.dp_shard_size, "dp_replicate": layout.dp_replicate_size}
     if layout.cp_size > 1:
         sizes["cp"] = layout.cp_size
+    if layout.ep_size > 1:
+        sizes["ep"] = layout.ep_size
     return sizes
 
 

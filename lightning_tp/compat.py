@@ -234,6 +234,14 @@ def transformers_apply_tensor_parallelism() -> Callable[..., Any]:
     return apply_tensor_parallelism
 
 
+def transformers_apply_expert_parallelism() -> Callable[..., Any]:
+    """Transformers' expert parallelism (``grouped_gemm`` weights, ``ep_dispatch_experts`` all-to-all dispatch) on a
+    built model: internal, like its TP."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    return apply_expert_parallelism
+
+
 def attention_implementation(config: Any) -> str | None:
     """The attention implementation a Transformers config selects (``config._attn_implementation``: the models read
     it at every forward; ``attn_implementation`` is only the constructor's argument)."""

@@ -80,6 +80,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         dp_shard_size: int | None = None,
         dp_replicate_size: int = 1,
         cp_size: int = 1,
+        ep_size: int = 1,
         parallelism_config: Any | None = None,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
@@ -113,6 +114,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
+            ep_size=ep_size,
             parallelism_config=parallelism_config,
             tp_plan=tp_plan,
             fsdp_blocks=fsdp_blocks,
@@ -161,6 +163,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             layout=self.layout,
             options=self.parallel_options(),
             device=self.root_device,
+            expert_mesh=self.expert_mesh,
             convert_module=lambda converted: converted,  # Fabric's precision plugin cast it before `setup_module`
         )
         return module

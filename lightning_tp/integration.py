@@ -36,6 +36,7 @@ class StrategyOptions:
     dp_replicate_size: int
     parallel: ParallelOptions
     cp_size: int = 1
+    ep_size: int = 1
     save_distributed_checkpoint: bool = True
     save_frozen_weights: bool = True
 
@@ -49,6 +50,7 @@ class StrategyOptions:
         parallelism_config: Any | None,
         tp_plan: Literal["auto"] | Mapping[str, Any],
         cp_size: int = 1,
+        ep_size: int = 1,
         fsdp_blocks: Sequence[str] | None,
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
@@ -69,6 +71,13 @@ class StrategyOptions:
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
         )
+        if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+            raise ValueError(f"`ep_size` must be a positive integer, got {ep_size!r}.")
+        if tp_size is not None and ep_size > 1 and ep_size % tp_size:
+            raise ValueError(
+                f"ep_size={ep_size} must be a multiple of tp_size={tp_size}: an EP group holds whole TP groups (whose "
+                "ranks share one batch). Use a multiple of tp_size."
+            )  # the rest (the ranks it borrows) is checked against the world size in `layout`
         options = ParallelOptions(tp_plan=tp_plan, fsdp_blocks=tuple(fsdp_blocks) if fsdp_blocks else None, **parallel)
         if not save_frozen_weights and not save_distributed_checkpoint:
             raise ValueError(
@@ -80,6 +89,7 @@ class StrategyOptions:
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
+            ep_size=ep_size,
             parallel=options,
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_frozen_weights=save_frozen_weights,
@@ -92,6 +102,7 @@ class StrategyOptions:
             dp_shard_size=self.dp_shard_size,
             dp_replicate_size=self.dp_replicate_size,
             cp_size=self.cp_size,
+            ep_size=self.ep_size,
         )
 
 
@@ -102,6 +113,7 @@ class MeshMixin:
     _BUILT_IN = "`setup_environment`"
     _layout: ParallelLayout | None = None
     _dp_mesh: DeviceMesh | None = None
+    _expert_mesh: DeviceMesh | None = None
     _device_mesh: DeviceMesh | None
 
     @property
@@ -128,6 +140,14 @@ class MeshMixin:
         """The 1-D context-parallel sub-mesh of this rank: the ranks that split each of its sequences (they read the
         same rows)."""
         return self.device_mesh[CP_AXIS]
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The expert mesh (``dp_replicate``, ``efsdp``, ``ep``) over the same ranks, with ``ep_size > 1``; else
+        ``None``. ``expert_mesh["ep"]``: the ranks this rank's experts exchange tokens with."""
+        if self._device_mesh is None:
+            return self.device_mesh  # raises the clear error: nothing is built yet
+        return self._expert_mesh
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -159,6 +179,11 @@ class MeshMixin:
             self.root_device.type,  # type: ignore[attr-defined]
             timeout=self._timeout,  # type: ignore[attr-defined]
         )
+        if layout.ep_size > 1:
+            self._expert_mesh = layout.build_expert_mesh(
+                self.root_device.type,  # type: ignore[attr-defined]
+                timeout=self._timeout,  # type: ignore[attr-defined]
+            )
 
 
 def sizes_from_parallelism_config(

@@ -7,11 +7,17 @@ because Transformers' and PEFT's TP code looks the axis up by that name.
 
 FSDP2 shards the parameters over ``dp_shard`` x ``cp`` (the flattened ``dp_shard_cp`` axis, as torchtitan does): the
 ranks of a CP group hold the same weights and reduce their gradients together, so they may as well shard them.
+
+Expert parallelism (``ep_size > 1``) borrows its axis from the ranks below ``dp_replicate`` (``dp_shard`` x ``cp`` x
+``tp``), as Transformers' ``DistributedConfig(ep_size)`` and torchtitan do: the same ranks laid out again as the
+expert mesh (``dp_replicate``, ``efsdp``, ``ep``), ``ep`` innermost so that an EP group holds whole TP groups. Each
+rank of an EP group holds ``1/ep`` of the experts, whole; FSDP2 shards them further over ``efsdp`` (the ranks holding
+the same experts: ``dp_shard x cp x tp / ep``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +38,11 @@ MESH_AXES = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, CP_AXIS, TP_AXIS)
 DP_AXIS = "dp"
 #: The flattened ``dp_shard`` x ``cp`` axis that FSDP2 shards over (built only when ``cp_size > 1``).
 DP_SHARD_CP_AXIS = "dp_shard_cp"
+#: The expert mesh's axes (built only when ``ep_size > 1``): ``ep`` splits the experts, ``efsdp`` shards each rank's
+#: experts with FSDP2 (the ranks holding the same ones), ``dp_replicate`` as on the dense mesh.
+EP_AXIS = "ep"
+EFSDP_AXIS = "efsdp"
+EXPERT_MESH_AXES = (DP_REPLICATE_AXIS, EFSDP_AXIS, EP_AXIS)
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,23 @@ class ParallelLayout:
     dp_shard_size: int = 1
     dp_replicate_size: int = 1
     cp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "dp_shard_size", "dp_replicate_size", "cp_size"):
+        for name in ("tp_size", "dp_shard_size", "dp_replicate_size", "cp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if self.ep_size > 1:
+            below = self.dp_shard_size * self.cp_size * self.tp_size
+            good = [n for n in range(self.tp_size, below + 1, self.tp_size) if below % n == 0]
+            if self.ep_size % self.tp_size or below % self.ep_size:
+                raise ValueError(
+                    f"ep_size={self.ep_size} must be a multiple of tp_size={self.tp_size} (an EP group holds whole TP "
+                    f"groups, whose ranks share one batch) and divide dp_shard_size * cp_size * tp_size = "
+                    f"{self.dp_shard_size} * {self.cp_size} * {self.tp_size} = {below} (the ranks it borrows). "
+                    f"Use ep_size in {good}."
+                )
 
     @property
     def world_size(self) -> int:
@@ -69,6 +91,16 @@ class ParallelLayout:
         """Ranks that FSDP2 shards each parameter over (``dp_shard`` x ``cp``)."""
         return self.dp_shard_size * self.cp_size
 
+    @property
+    def efsdp_size(self) -> int:
+        """Ranks that hold the same experts and FSDP2-shard them (``dp_shard x cp x tp / ep``)."""
+        return self.dp_shard_size * self.cp_size * self.tp_size // self.ep_size
+
+    @property
+    def expert_batches(self) -> int:
+        """Distinct token sets an EP group routes between (its TP groups: the ranks of a TP group share one)."""
+        return self.ep_size // self.tp_size
+
     @classmethod
     def resolve(
         cls,
@@ -78,6 +110,7 @@ class ParallelLayout:
         dp_shard_size: int | None = None,
         dp_replicate_size: int = 1,
         cp_size: int = 1,
+        ep_size: int = 1,
     ) -> ParallelLayout:
         """Fill in the sizes left as ``None`` from ``world_size`` and check that they multiply to it.
 
@@ -90,7 +123,7 @@ class ParallelLayout:
         for name, value in (("tp_size", tp_size), ("dp_shard_size", dp_shard_size)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
-        for name, value in (("dp_replicate_size", dp_replicate_size), ("cp_size", cp_size)):
+        for name, value in (("dp_replicate_size", dp_replicate_size), ("cp_size", cp_size), ("ep_size", ep_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if tp_size is None:
@@ -116,13 +149,15 @@ class ParallelLayout:
                     f"dp_replicate_size={dp_replicate_size}."
                 )
             dp_shard_size = world_size // tp_size // cp_size // dp_replicate_size
-        layout = cls(tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)
-        if layout.world_size != world_size:
+        dense = cls(tp_size=tp_size, dp_shard_size=dp_shard_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)
+        if dense.world_size != world_size:
             raise ValueError(
                 f"dp_replicate_size * dp_shard_size * cp_size * tp_size = {dp_replicate_size} * {dp_shard_size} * "
-                f"{cp_size} * {tp_size} = {layout.world_size}, but the world size is {world_size}. Make the sizes "
+                f"{cp_size} * {tp_size} = {dense.world_size}, but the world size is {world_size}. Make the sizes "
                 "multiply to the number of processes, or leave `dp_shard_size=None` to infer it."
             )
+        # The EP axis borrows ranks of the others: checked once their sizes are known.
+        layout = replace(dense, ep_size=ep_size) if ep_size > 1 else dense
         return layout
 
     def build_device_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> tuple[DeviceMesh, DeviceMesh]:
@@ -155,10 +190,28 @@ class ParallelLayout:
             flatten_mesh(mesh[(DP_SHARD_AXIS, CP_AXIS)], DP_SHARD_CP_AXIS, backend_override=shard_override)
         return mesh, dp_mesh
 
+    def build_expert_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
+        """The expert mesh (``dp_replicate``, ``efsdp``, ``ep``) over the same ranks as the dense one, for
+        ``ep_size > 1``: the ranks below ``dp_replicate`` laid out again, ``ep`` innermost (contiguous ranks, so that an
+        EP group holds whole TP groups and, with ``ep_size == tp_size``, is the TP group). Every rank must call it;
+        ``timeout`` as in :meth:`build_device_mesh`."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert self.ep_size > 1, "no expert mesh without expert parallelism"
+        shape = (self.dp_replicate_size, self.efsdp_size, self.ep_size)
+        options = group_options(timeout)
+        override = (
+            {name: options for name, size in zip(EXPERT_MESH_AXES, shape, strict=True) if size != self.world_size}
+            if options
+            else None
+        )
+        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_AXES, backend_override=override or None)
+
     def __str__(self) -> str:
         cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
+        ep = f", ep={self.ep_size} x efsdp={self.efsdp_size} for the experts" if self.ep_size > 1 else ""
         return (
-            f"dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size}{cp} x tp={self.tp_size} "
+            f"dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size}{cp} x tp={self.tp_size}{ep} "
             f"(world size {self.world_size})"
         )
 

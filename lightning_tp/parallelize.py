@@ -26,6 +26,12 @@ from lightning_tp.checkpoint import install_distributed_save_pretrained
 from lightning_tp.compat import buffer_dict, distributed_is_initialized, flatten_mesh, parameter_dict
 from lightning_tp.context_parallel import context_parallel_problem, install_context_parallel
 from lightning_tp.discovery import modules_outside, transformers_models
+from lightning_tp.expert_parallel import (
+    apply_expert_parallel,
+    expert_parallel_problem,
+    resolve_expert_plan,
+    shard_experts,
+)
 from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
 from lightning_tp.fsdp import fsdp_units as check_fsdp_units
 from lightning_tp.layout import (
@@ -34,6 +40,7 @@ from lightning_tp.layout import (
     DP_REPLICATE_AXIS,
     DP_SHARD_AXIS,
     DP_SHARD_CP_AXIS,
+    EP_AXIS,
     MESH_AXES,
     TP_AXIS,
     ParallelLayout,
@@ -57,6 +64,7 @@ from lightning_tp.plan import (
     uneven_kv_projections,
 )
 from lightning_tp.random_init import random_state_of_rank_zero
+from lightning_tp.router_loss import install_global_router_loss
 from lightning_tp.sequence_parallel import sequence_parallel_plan
 from lightning_tp.tensor_parallel import (
     SHARDED_MARKER,
@@ -179,6 +187,7 @@ def parallelize(
     dp_shard_size: int | None = None,
     dp_replicate_size: int = 1,
     cp_size: int = 1,
+    ep_size: int = 1,
     options: ParallelOptions | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
@@ -189,6 +198,8 @@ def parallelize(
     missing have size 1; see :meth:`ParallelLayout.build_device_mesh`), or the sizes, on the initialised world group.
     With ``cp_size > 1`` the ranks of a CP group must be given the same rows (split the data over the
     data-parallel mesh only); each forward then splits the sequence (see :mod:`lightning_tp.context_parallel`).
+    ``ep_size > 1`` splits a mixture-of-experts model's experts over that many ranks, borrowed from the data-parallel,
+    CP and TP ranks (see :mod:`lightning_tp.expert_parallel`); it may be given with ``mesh``.
     ``device``: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
     Every rank must call it, with the same arguments: it runs collectives.
     """
@@ -205,6 +216,7 @@ def parallelize(
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
+            ep_size=ep_size,
         )
         device = _device(device, mesh_type=_default_device_type())
         options.check_layout(layout, device=device)
@@ -215,6 +227,8 @@ def parallelize(
                 "Pass either `mesh` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`, `cp_size`)."
             )
         layout = layout_of(mesh)
+        if ep_size != 1:
+            layout = ParallelLayout(**{**vars(layout), "ep_size": ep_size})  # validated again with the EP axis
         device = _device(device, mesh_type=mesh.device_type)
         options.check_layout(layout, device=device)
     apply_parallelisms(module, mesh=mesh, layout=layout, options=options, device=device)
@@ -229,9 +243,12 @@ def apply_parallelisms(
     options: ParallelOptions,
     device: torch.device,
     convert_module: Callable[[nn.Module], nn.Module] | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> Targets:
     """The pipeline, in its one order. Modules handled by an earlier call (fit, then validate) are left alone.
-    ``convert_module``: the precision plugin's cast (Lightning's), instead of :func:`cast_precision`."""
+    ``convert_module``: the precision plugin's cast (Lightning's), instead of :func:`cast_precision`.
+    ``expert_mesh``: the mesh of :meth:`ParallelLayout.build_expert_mesh` (built here when ``ep_size > 1`` and it is
+    not given)."""
     tp_mesh = mesh[TP_AXIS]
     # 1. Resolve and check every plan before any weight moves or any collective runs: a bad plan raises the same error
     #    on every rank, where a rank failing mid-way would leave the others hanging in a collective.
@@ -247,11 +264,27 @@ def apply_parallelisms(
     # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss
     #    parallelism with it, since it changes what the TP'd `lm_head` returns.
     apply_tp(targets, tp_mesh=tp_mesh, device=device, loss_parallel=options.loss_parallel and layout.tp_size > 1)
+    #    A mixture-of-experts router's load-balancing loss is a product of means over the tokens: with data
+    #    parallelism each rank's would cover its own rows only, so it is computed over every data-parallel rank's.
+    if layout.dp_size > 1:
+        dp_mesh = data_parallel_mesh(mesh)
+        for target in targets.models:
+            if is_transformers_model(target.module):
+                install_global_router_loss(target.module, dp_mesh)
     # 5. Context parallelism after TP: it wraps the model's attention and loss functions, whatever TP made of the
     #    projections around them (each rank's attention sees its TP heads of its CP chunk), and its hooks sit on the
     #    decoder stack, outside the layers that activation checkpointing recomputes and FSDP2 wraps.
     if layout.cp_size > 1:
         apply_context_parallel(root, targets, cp_mesh=mesh[CP_AXIS], layout=layout, options=options)
+    # 5b. Expert parallelism after TP, which left the experts whole: each rank keeps its experts (a slice of the
+    #    identical copies, like TP's) and the experts module's tokens go to them by all-to-all. Before activation
+    #    checkpointing (the recomputed layer dispatches again) and FSDP2 (which shards each rank's experts over the
+    #    ranks holding the same ones, `efsdp`, and must see the final DTensors).
+    if layout.ep_size > 1:
+        expert_mesh = expert_mesh or layout.build_expert_mesh(mesh.device_type)
+        for target in targets.models:
+            if target.plan.experts:
+                apply_expert_parallel(target.module, target.plan, ep_mesh=expert_mesh[EP_AXIS], tp_mesh=tp_mesh)
     # 6. Activation checkpointing per decoder layer, after TP (the recomputed forward runs the TP layers) and before
     #    FSDP2 (whose hooks then wrap the checkpointed layer and gather its weights again for the recompute).
     if options.activation_checkpointing:
@@ -260,7 +293,7 @@ def apply_parallelisms(
     #    together), after TP: it shards the TP shards further (2-D) and must see the final DTensor parameters. HSDP
     #    when dp_replicate_size > 1.
     if layout.fsdp_size > 1:
-        apply_data_parallel(root, targets, mesh=mesh, layout=layout, options=options)
+        apply_data_parallel(root, targets, mesh=mesh, layout=layout, options=options, expert_mesh=expert_mesh)
     # 8. Models built on the meta device are materialised only now, already sharded, and filled from their checkpoint
     #    slice by slice: no rank ever holds the whole model. With CPU offload FSDP2 keeps the shards on the CPU.
     init_device = torch.device("cpu") if options.cpu_offload else device
@@ -299,6 +332,11 @@ def resolve_targets(
                 "being sharded: the LightningModule, or the module given to `fabric.setup`/`parallelize`)."
             )
         models = [root]
+        if layout.ep_size > 1:
+            raise ValueError(
+                f"ep_size={layout.ep_size} splits the experts of Transformers mixture-of-experts models; "
+                f"{type(root).__name__} holds none. Use `ep_size=1`."
+            )
         if layout.cp_size > 1:
             raise ValueError(
                 f"cp_size={layout.cp_size} splits the sequences of Transformers causal LMs; {type(root).__name__} "
@@ -334,6 +372,11 @@ def resolve_targets(
             )
         if layout.cp_size > 1 and (problem := context_parallel_problem(module)) is not None:
             raise ValueError(f"cp_size={layout.cp_size}: {problem}.")
+        if layout.ep_size > 1:
+            problem = expert_parallel_problem(module, layout=layout, options=options, presharded=presharded_mesh)
+            if problem is not None:
+                raise ValueError(f"ep_size={layout.ep_size}: {problem}.")
+            plan = resolve_expert_plan(module, plan, ep_size=layout.ep_size)
         uneven = uneven_kv_projections(module, plan, layout.tp_size) if layout.fsdp_size > 1 else []
         if uneven:
             raise ValueError(
@@ -477,7 +520,13 @@ def apply_activation_checkpointing(targets: Targets) -> None:
 
 
 def apply_data_parallel(
-    root: nn.Module, targets: Targets, *, mesh: DeviceMesh, layout: ParallelLayout, options: ParallelOptions
+    root: nn.Module,
+    targets: Targets,
+    *,
+    mesh: DeviceMesh,
+    layout: ParallelLayout,
+    options: ParallelOptions,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 over each model (its blocks one by one, then the model), and over each module outside the models as one
     group, so that every trainable parameter has its gradients reduced over the data-parallel ranks. A root that is
@@ -498,6 +547,10 @@ def apply_data_parallel(
     )
     blocks = list(options.fsdp_blocks) if options.fsdp_blocks else None
     for target in targets.models:
+        if target.plan.experts:
+            # Units of their own on the expert mesh, first: FSDP2 shards a parameter in the first unit holding it.
+            assert expert_mesh is not None, "expert parallelism without the expert mesh"
+            shard_experts(target.module, target.plan, expert_mesh=expert_mesh, layout=layout, **fsdp_options)
         if target.module is root and not is_transformers_model(root):
             # A plain module tree: the training loop calls its children, never the root's forward.
             apply_fsdp_per_child(root, fsdp_mesh, fsdp_blocks=blocks, **fsdp_options)

@@ -68,6 +68,14 @@ class ResolvedPlan:
     #: Attention modules whose K/V projections replicate KV heads (``colwise_kv_heads``): name -> (query heads, KV
     #: heads) of the whole model.
     kv_replicated: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Expert parallelism (``ep_size > 1``): the experts modules and their stacked weights, name -> expert-parallel
+    #: style (weights first). TP leaves everything under these modules whole; see :mod:`lightning_tp.expert_parallel`.
+    experts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def expert_modules(self) -> list[str]:
+        """The experts modules split over the EP ranks."""
+        return [name for name, style in self.experts.items() if facts(style).kind != "expert"]
 
     def kv_heads_of(self, name: str) -> tuple[int, int]:
         """The (query heads, KV heads) of the attention module holding ``name`` (a K/V projection or its adapter)."""

@@ -38,7 +38,7 @@ from lightning_tp.integration import (
     reduce_metrics_over,
     step_timeout_seconds,
 )
-from lightning_tp.monitor import ThroughputMonitor
+from lightning_tp.monitor import ExpertLoadMonitor, ThroughputMonitor
 from lightning_tp.parallelize import SUPPORTED_PRECISIONS, ParallelOptions, apply_parallelisms, place_on_device
 from lightning_tp.preemption import (
     DEFAULT_PREEMPTION_SIGNALS,
@@ -77,6 +77,11 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             logits and hidden states of such a forward are this rank's tokens (a forward without labels gathers the
             logits of the whole sequence). FSDP2 shards over ``dp_shard x cp``. Text causal LMs with ``sdpa`` or
             ``eager`` attention; see :mod:`lightning_tp.context_parallel`.
+        ep_size: Ranks per expert-parallel group (1: none). Each holds ``1/ep`` of every mixture-of-experts layer's
+            experts, whole, and tokens travel to their experts by all-to-all (the model's own ``ep_plan``; the TP plan
+            leaves the experts whole). The ranks are borrowed from ``dp_shard x cp x tp``: a multiple of
+            ``tp_size`` that divides it. FSDP2 shards each rank's experts over the ranks holding the same ones
+            (``dp_shard x cp x tp / ep``). Dropless, as on one process; see :mod:`lightning_tp.expert_parallel`.
         parallelism_config: An ``accelerate.ParallelismConfig`` to take ``tp_size``, ``dp_shard_size``,
             ``dp_replicate_size`` and ``cp_size`` from, instead of passing them.
         activation_checkpointing: Recompute each decoder layer's activations in backward (Transformers' own
@@ -128,6 +133,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         dp_shard_size: int | None = None,
         dp_replicate_size: int = 1,
         cp_size: int = 1,
+        ep_size: int = 1,
         parallelism_config: Any | None = None,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
@@ -155,6 +161,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
+            ep_size=ep_size,
             parallelism_config=parallelism_config,
             tp_plan=tp_plan,
             fsdp_blocks=fsdp_blocks,
@@ -205,6 +212,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             layout=self.layout,
             options=self._parallel,
             device=self.root_device,
+            expert_mesh=self.expert_mesh,
             convert_module=self.precision_plugin.convert_module,
         )
         reduce_metrics_over(self.model, self.dp_mesh.get_group())
@@ -227,6 +235,8 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         wanted = []
         if self._throughput_monitor:
             wanted.append((ThroughputMonitor, ThroughputMonitor))
+            if self.layout.ep_size > 1:
+                wanted.append((ExpertLoadMonitor, ExpertLoadMonitor))
         if self._preemption_signals:
             wanted.append((PreemptionCheckpoint, lambda: PreemptionCheckpoint(self._preemption_signals)))
         if self._step_timeout is not None:

@@ -45,7 +45,9 @@ class StyleFacts:
     Transformers' hook layer).
     ``rewritable``: sequence parallelism's rewrite (and the dense-layer rewrite) replaces it with torch's style of the
     same kind, or keeps it as is (a norm).
-    ``refused``: why this package refuses the style, and the fix; ``None``: applied.
+    ``expert_parallel``: an expert-parallel style of Transformers' ``ep_plan``, applied on the expert mesh (``ep``) by
+    :mod:`lightning_tp.expert_parallel` when ``ep_size > 1``; refused in a ``tp_plan``.
+    ``refused``: why this package refuses the style in a ``tp_plan``, and the fix; ``None``: applied.
     ``registered``: a style name Transformers registers; ``False``: this package's own style, applied by it.
     """
 
@@ -60,6 +62,7 @@ class StyleFacts:
     lora_half: Literal["lora_A", "lora_B"] | None = None
     sums_gradients: bool = False
     rewritable: bool = False
+    expert_parallel: bool = False
     refused: str | None = None
     registered: bool = True
 
@@ -93,8 +96,9 @@ _MOE = (
     "this strategy yet; map the rule to 'replicate' to keep that module whole"
 )
 _EP = (
-    "it is expert parallelism, which needs an expert-parallel mesh axis this strategy does not build; shard the "
-    "experts with `moe_tp_experts` instead"
+    "it is expert parallelism, applied on the expert mesh from the model's own expert-parallel plan "
+    "(`base_model_ep_plan`) when `ep_size > 1`, not as a TP rule; in a `tp_plan`, shard the experts with "
+    "`moe_tp_experts` instead"
 )
 
 #: The attributes an attention module keeps its head counts in (families spell them differently), GPT-2's
@@ -239,9 +243,19 @@ STYLES: dict[str, StyleFacts] = {
         registered=False,
     ),
     # Refused.
-    "ep_dispatch_experts": StyleFacts("expert-parallel token dispatch", kind="module", refused=_EP),
+    "ep_dispatch_experts": StyleFacts(
+        "experts module whose tokens go to the ranks holding their experts (all-to-all) and come back",
+        kind="module",
+        expert_parallel=True,
+        refused=_EP,
+    ),
     "grouped_gemm": StyleFacts(
-        "whole experts per rank on the expert-parallel axis", kind="expert", weight_dim=0, bias_split=True, refused=_EP
+        "stacked expert weight, whole experts per rank on the expert-parallel axis",
+        kind="expert",
+        weight_dim=0,
+        bias_split=True,
+        expert_parallel=True,
+        refused=_EP,
     ),
     "sequence_parallel": StyleFacts(
         "module runs on sequence shards",

@@ -65,7 +65,8 @@ def apply_tensor_parallel(
     slice_alibi_heads(module, plan.alibi_heads, tp_mesh=tp_mesh)
     if device is not None and not on_meta(module):
         module.to(device)
-    replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce)
+    # The experts of expert parallelism stay plain: the EP stage splits them over the expert mesh next.
+    replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce, keep=plan.expert_modules)
     keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
@@ -336,15 +337,19 @@ class _AllReduceGrad(torch.autograd.Function):
 
 
 def replicate_unsharded_parameters(
-    module: nn.Module, tp_mesh: DeviceMesh, *, grad_allreduce: Iterable[str] = ()
+    module: nn.Module, tp_mesh: DeviceMesh, *, grad_allreduce: Iterable[str] = (), keep: Iterable[str] = ()
 ) -> None:
     """Turn every plain parameter into a ``Replicate()`` DTensor on ``tp_mesh``; its module's forward then runs on the
     local tensor (a view: no copy, no communication). Modules named in ``grad_allreduce`` get their parameters'
-    gradients summed over the TP group in backward (Transformers' ``replicated_with_grad_allreduce``)."""
+    gradients summed over the TP group in backward (Transformers' ``replicated_with_grad_allreduce``). Modules in
+    ``keep`` (and everything under them) are left as they are."""
     summed = set(grad_allreduce)
+    kept = tuple(keep)
     replaced: dict[int, nn.Parameter] = {}  # a parameter shared by several modules (tied) is wrapped once
     modules = dict(module.named_modules())
     for name, submodule in modules.items():
+        if kept and (name in kept or name.startswith(tuple(f"{k}." for k in kept))):
+            continue
         local_names = []
         for param_name, param in list(parameter_dict(submodule).items()):
             if param is None:

@@ -11,6 +11,7 @@ from tests.helpers.cases import (
     BF16_CASES,
     CASES,
     CP_2D_CASES,
+    EP_2D_CASES,
     ERROR_CASES,
     FSDP_ONLY_CASES,
     TP4_CASES,
@@ -44,7 +45,7 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     [
         name
         for name in TWO_D_CASES
-        if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES | TP4_CASES | set(CP_2D_CASES)
+        if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES | TP4_CASES | set(CP_2D_CASES) | set(EP_2D_CASES)
     ],
 )
 @pytest.mark.scenarios("2d", "{name}")

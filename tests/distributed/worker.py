@@ -158,6 +158,22 @@ def run_case(ctx: Context, name: str) -> dict:
         split["throughput"] = {
             k: float(v) for k, v in t.callback_metrics.items() if k.startswith(("tokens_per_sec", "step_time"))
         }
+    if "_ep" in name:  # what each rank holds of the experts, their last load, the model exported on every rank
+        split["expert_numel"] = sum(
+            p.to_local().numel() for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n
+        )
+        split["expert_placements"] = sorted(
+            {
+                (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)))
+                for n, p in model.named_parameters()
+                if ".experts." in n
+            }
+        )
+        split["expert_load"] = {k: v.cpu() for k, v in lightning_tp.expert_load(model).items()}
+        split["logged"] = {k: float(v) for k, v in t.callback_metrics.items() if k.startswith("moe/")}
+        if "lora" not in name:
+            model.save_pretrained(out / f"{name}_export")
+            split["export"] = str(out / f"{name}_export")
     return result
 
 

@@ -522,6 +522,47 @@ CASES: dict[str, Case] = {
     ),
     "gemma2_cp2_tp2_lp": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2, "loss_parallel": True}),
     "qwen3_cp2_dp2": lm("qwen3", 3, strategy_kwargs={"cp_size": 2, "tp_size": 1}),
+    # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
+    # data-parallel ranks (tp 1: the experts' FSDP2 has one rank each; the router's load-balancing loss over the whole
+    # batch), ep 2 over the TP group (the ranks share one batch and each sends half of it), LoRA on the attention.
+    # On 4 (dp_shard 2 x tp 2): ep 2 (the experts sharded by FSDP2 over the 2 ranks holding the same ones; foreach
+    # AdamW and clipping over the two meshes), ep 4 (every expert on one rank), and HSDP (dp_replicate 2 x dp_shard 2).
+    "qwen3_moe_ep2": lm(
+        "qwen3_moe",
+        4,
+        config={"output_router_logits": True, "router_aux_loss_coef": 0.5},
+        strategy_kwargs={"tp_size": 1, "ep_size": 2},
+    ),
+    "mixtral_ep2_tp2": lm("mixtral", 4, strategy_kwargs={"ep_size": 2}),
+    "qwen3_moe_ep2_lora": Case(
+        partial(_lora, "qwen3_moe", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        partial(lm_batches, 3),
+        optimizer="adamw",
+        lr=1e-2,
+        strategy_kwargs={"tp_size": 1, "ep_size": 2},
+    ),
+    "qwen3_moe_ep2_tp2": lm(
+        "qwen3_moe",
+        4,
+        config={"output_router_logits": True, "router_aux_loss_coef": 0.5},
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        clip=0.5,
+        strategy_kwargs={"ep_size": 2},
+    ),
+    "mixtral_ep4_tp2": lm(
+        "mixtral", 4, config={"output_router_logits": True, "router_aux_loss_coef": 0.5}, strategy_kwargs={"ep_size": 4}
+    ),
+    "qwen3_moe_ep2_hsdp": lm(
+        "qwen3_moe",
+        3,
+        config={"output_router_logits": True, "router_aux_loss_coef": 0.5},
+        strategy_kwargs={"tp_size": 1, "dp_replicate_size": 2, "ep_size": 2},
+    ),
+    "qwen3_moe_ep4_activation_checkpointing": lm(
+        "qwen3_moe", 3, strategy_kwargs={"tp_size": 1, "ep_size": 4, "activation_checkpointing": True}
+    ),
 }
 
 #: Cases that must fail, with the strategy kwargs / model that trigger it and a fragment the message must contain.
@@ -562,6 +603,18 @@ ERROR_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str]] = {
     ),
     # Context parallelism refuses, before anything moves, what it cannot split.
     "cp_plain_module": (_mlp, {"tp_plan": MLP_PLAN, "cp_size": 2}, "cp_size=2 splits the sequences"),
+    # Expert parallelism refuses, before anything moves, what it cannot split.
+    "ep_dense_model": (partial(build_causal_lm, tiny_config("qwen3")), {"ep_size": 2}, "has no expert-parallel plan"),
+    "ep_uneven_experts": (
+        partial(build_causal_lm, tiny_config("qwen3_moe", num_experts=3)),
+        {"tp_size": 1, "ep_size": 2},
+        "has 3 experts, not divisible by ep_size=2",
+    ),
+    "ep_sequence_parallel": (
+        partial(build_causal_lm, tiny_config("qwen3_moe")),
+        {"ep_size": 2, "sequence_parallel": True},
+        "sequence_parallel=True is not supported with expert parallelism",
+    ),
     "cp_router_loss": (
         partial(build_causal_lm, tiny_config("qwen3_moe", output_router_logits=True)),
         {"cp_size": 2},
@@ -620,6 +673,11 @@ TWO_D_CASES = [
     "llama_cp2_tp2_sp_lp",
     "gemma2_cp2_tp2_lp",
     "qwen3_cp2_dp2",
+    # Expert parallelism with TP and data parallelism.
+    "qwen3_moe_ep2_tp2",
+    "mixtral_ep4_tp2",
+    "qwen3_moe_ep2_hsdp",
+    "qwen3_moe_ep4_activation_checkpointing",
 ]
 #: Cases that only make sense with data parallelism.
 DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
@@ -632,12 +690,25 @@ TP4_CASES = {"qwen3_tp4", "qwen3_lora_tp4"}
 #: Context parallelism on 2 processes (cp 2) and on 4 (with TP 2 or dp 2): checked in test_context_parallel.py.
 CP_CASES = [name for name in CASES if "_cp2" in name and name not in TWO_D_CASES]
 CP_2D_CASES = [name for name in CASES if "_cp2" in name and name in TWO_D_CASES]
+#: Expert parallelism on 2 processes and on 4: checked in test_expert_parallel.py.
+EP_CASES = [name for name in CASES if "_ep" in name and name not in TWO_D_CASES]
+EP_2D_CASES = [name for name in CASES if "_ep" in name and name in TWO_D_CASES]
 TP_PARITY_CASES = [
-    name for name in CASES if name not in DP_ONLY_CASES | FSDP_ONLY_CASES | TP4_CASES | set(CP_CASES) | set(CP_2D_CASES)
+    name
+    for name in CASES
+    if name
+    not in DP_ONLY_CASES
+    | FSDP_ONLY_CASES
+    | TP4_CASES
+    | set(CP_CASES)
+    | set(CP_2D_CASES)
+    | set(EP_CASES)
+    | set(EP_2D_CASES)
 ]
 TP_CASES = [
     *TP_PARITY_CASES,
     *CP_CASES,
+    *EP_CASES,
     *FSDP_ONLY_CASES,
     "features",
     "save_failure",

@@ -45,6 +45,14 @@ def tiny_config(kind: str, **overrides: Any):
             num_experts=4,
             num_experts_per_tok=2,
         )
+    elif kind == "mixtral":  # 4 experts of top-2, softmax router; sliding window off, GQA, untied
+        from transformers import MixtralConfig
+
+        cfg = MixtralConfig(
+            **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
     elif kind == "phi3":  # fused qkv/gate_up: colwise_gather_output + rowwise_split_input
         cfg = Phi3Config(
             **{**common, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
