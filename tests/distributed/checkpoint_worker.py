@@ -40,6 +40,8 @@ class Context:
     #: The checkpoint to resume from (``--from``), and a truncated copy of one (``--truncated``).
     source: Path | None
     truncated: Path | None
+    #: The one-process checkpoint of the tiny Qwen3-MoE (``--from-moe``).
+    source_moe: Path | None = None
 
 
 def fit(
@@ -57,7 +59,7 @@ def fit(
 
 
 def resumed_losses(path: Path | str, **kwargs: Any) -> dict[int, float]:
-    module = ResumeModule(**{k: kwargs.pop(k) for k in ("dropout", "lora", "stateful_data") if k in kwargs})
+    module = ResumeModule(**{k: kwargs.pop(k) for k in ("dropout", "lora", "stateful_data", "kind") if k in kwargs})
     fit(module, ckpt_path=path, **kwargs)
     return module.losses
 
@@ -273,6 +275,31 @@ def crash(ctx: Context) -> dict[str, Any]:
     raise AssertionError("the run was meant to be killed during its second save")
 
 
+@SCENARIOS.register("ep")
+def ep(ctx: Context) -> dict[str, Any]:
+    """Expert parallelism across layouts, on the tiny Qwen3-MoE: ep 2 (over the TP group) trains and checkpoints at
+    the end of epoch 0, and the checkpoint resumes on ep 2 and with the experts split TP-wise (ep 1); the one-process
+    checkpoint (``--from-moe``) resumes on ep 2 over the TP group and on ep 2 over the data-parallel ranks (tp 1)."""
+    assert ctx.source_moe is not None, "ep needs --from-moe (the one-process checkpoint)"
+    out, moe = ctx.out, {"kind": "qwen3_moe", "stateful_data": False}
+    module = ResumeModule(**moe)
+    fit(module, ep_size=2, callbacks=[SaveAt(epochs={0: out / "ep2_epoch0"})])
+    return {
+        "ep_uninterrupted": module.losses,
+        "ep_to_tp2": resumed_losses(out / "ep2_epoch0", **moe),
+        "ep_to_ep": resumed_losses(out / "ep2_epoch0", ep_size=2, **moe),
+        "single_to_ep": resumed_losses(ctx.source_moe, ep_size=2, **moe),
+        "single_to_ep_dp": resumed_losses(ctx.source_moe, ep_size=2, tp_size=1, **moe),
+        "dp_rank": dist.get_rank(),
+    }
+
+
+@SCENARIOS.register("one_moe")
+def one_moe(ctx: Context) -> dict[str, Any]:
+    """An ep 2 checkpoint of the tiny Qwen3-MoE -> 1 process."""
+    return {"resumed": resumed_losses(ctx.source, kind="qwen3_moe", stateful_data=False)}
+
+
 @SCENARIOS.register("one")
 def one(ctx: Context) -> dict[str, Any]:
     """TP 2 -> 1 process."""
@@ -319,10 +346,11 @@ def main() -> None:
     parser.add_argument("--label", required=True, help="the results file: OUT/{label}_rank{R}.pt")
     parser.add_argument("--from", dest="source", type=Path)
     parser.add_argument("--truncated", type=Path)
+    parser.add_argument("--from-moe", dest="source_moe", type=Path)
     args = parser.parse_args()
     SCENARIOS.check(args.scenarios)  # an unknown name: the same ValueError on every rank, before anything runs
     args.out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(out=args.out, source=args.source, truncated=args.truncated)
+    ctx = Context(out=args.out, source=args.source, truncated=args.truncated, source_moe=args.source_moe)
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     try:

@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("worker.py")
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("checkpoint")
-    for kind in ("qwen3", "tied"):
+    for kind in ("qwen3", "tied", "qwen3_moe"):
         build_causal_lm(tiny_config(kind)).save_pretrained(path / kind)
     for kind in ("gemma3", "llava"):  # written under their original layouts' names (`language_model.model.*`)
         build_vlm(kind).save_pretrained(path / kind)

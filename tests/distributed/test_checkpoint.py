@@ -24,7 +24,7 @@ from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 #: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
-TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp"]
+TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "ep"]
 EXACT = 1e-6  # the same layout: the same operations, in the same order
 ACROSS = 1e-5  # another layout: TP splits the matmuls, so fp32 rounding differs (as in the parity tests)
 
@@ -46,8 +46,8 @@ def _assert_close(actual: dict[int, float], expected: dict[int, float], tol: flo
     assert max(gaps.values()) <= tol, gaps
 
 
-def _single_process_fit(ckpt_path: Path | None = None, callbacks=()) -> dict[int, float]:
-    module = ResumeModule(stateful_data=False)
+def _single_process_fit(ckpt_path: Path | None = None, callbacks=(), kind: str = "qwen3") -> dict[int, float]:
+    module = ResumeModule(stateful_data=False, kind=kind)
     trainer = quiet_trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=list(callbacks))
     trainer.fit(module, ckpt_path=ckpt_path)
     return module.losses
@@ -67,12 +67,23 @@ def single(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> d
 
 
 @pytest.fixture(scope="module")
+def single_moe(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> dict[str, Any]:
+    """:func:`single` for the tiny Qwen3-MoE."""
+    out = tmp_path_factory.mktemp("single_moe")
+    uninterrupted = _single_process_fit(callbacks=[SaveAt(epochs={0: out / "epoch0.ckpt"})], kind="qwen3_moe")
+    resumed = _single_process_fit(out / "epoch0.ckpt", kind="qwen3_moe")
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "checkpoint": out / "epoch0.ckpt"}
+
+
+@pytest.fixture(scope="module")
 def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("ckpt_tp2")
     scenarios = selected_scenarios(request.session.items, launch="ckpt_tp2", fixture="tp2", default=TP2_SCENARIOS)
     source = []
     if {"from_single", "cp"} & set(scenarios):  # the one-process checkpoint they resume from
         source = ["--from", str(request.getfixturevalue("single")["checkpoint"])]
+    if "ep" in scenarios:
+        source += ["--from-moe", str(request.getfixturevalue("single_moe")["checkpoint"])]
     torchrun(WORKER, 2, str(out), *scenarios, "--label", "tp2", *source)
     return {"out": out, "ranks": _load(out, "tp2", 2)}
 
@@ -134,6 +145,38 @@ def test_context_parallel_checkpoints_resume_across_cp_sizes(
     _assert_close(result["resumed"], single["resumed"], ACROSS)
     # Both ranks' logits of a forward without labels are the whole sequence's, and they agree.
     torch.testing.assert_close(tp2["ranks"][0]["cp_logits"], tp2["ranks"][1]["cp_logits"], atol=0, rtol=0)
+
+
+@pytest.mark.scenarios("ckpt_tp2", "ep")
+def test_expert_parallel_checkpoints_resume_across_ep_sizes(tp2: dict[str, Any], single_moe: dict[str, Any]) -> None:
+    """ep 2 trains the tiny Qwen3-MoE as one process does; its epoch-0 checkpoint resumes on ep 2 and on one process;
+    the one-process checkpoint resumes on ep 2 over the TP group and over the data-parallel ranks (where each rank's
+    loss is its half of the batch: their mean is the global one)."""
+    for result in tp2["ranks"]:
+        _assert_close(result["ep_uninterrupted"], single_moe["uninterrupted"], ACROSS)
+        _assert_close(result["ep_to_ep"], single_moe["resumed"], ACROSS)
+        _assert_close(result["single_to_ep"], single_moe["resumed"], ACROSS)
+    halves = [r["single_to_ep_dp"] for r in tp2["ranks"]]
+    _assert_close({step: (halves[0][step] + halves[1][step]) / 2 for step in halves[0]}, single_moe["resumed"], ACROSS)
+    out = tp2["out"]
+    torchrun(WORKER, 1, str(out), "one_moe", "--label", "one_from_ep2", "--from", str(out / "ep2_epoch0"))
+    (result,) = _load(out, "one_from_ep2", 1)
+    _assert_close(result["resumed"], single_moe["resumed"], ACROSS)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect, found here: a resume onto `moe_tp_experts` (experts split TP-wise, the packed gate/up "
+    "weight a `_StridedShard` on the TP mesh) is off by ~1e-3 in the loss from any checkpoint, a one-process one "
+    "too, while an uninterrupted TP run is at parity; the cause is not isolated yet. Expert parallelism keeps the "
+    "experts whole and resumes within 1.5e-6.",
+)
+@pytest.mark.scenarios("ckpt_tp2", "ep")
+def test_expert_parallel_checkpoint_resumes_with_tp_split_experts(
+    tp2: dict[str, Any], single_moe: dict[str, Any]
+) -> None:
+    for result in tp2["ranks"]:
+        _assert_close(result["ep_to_tp2"], single_moe["resumed"], ACROSS)
 
 
 @pytest.mark.scenarios("ckpt_tp2", "lora")

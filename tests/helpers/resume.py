@@ -30,8 +30,11 @@ def samples() -> list[dict[str, torch.Tensor]]:
 class ResumeModule(L.LightningModule):
     """Records each step's local loss by global step; ``dropout`` makes the run depend on the random states."""
 
-    def __init__(self, *, dropout: float = 0.0, lora: bool = False, stateful_data: bool = True) -> None:
+    def __init__(
+        self, *, dropout: float = 0.0, lora: bool = False, stateful_data: bool = True, kind: str = "qwen3"
+    ) -> None:
         super().__init__()
+        self.kind = kind  # the tiny checkpoint it loads (tests/distributed/conftest.py writes them)
         self.dropout = dropout
         self.lora = lora
         self.stateful_data = stateful_data
@@ -44,7 +47,7 @@ class ResumeModule(L.LightningModule):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
-            Path(os.environ[CHECKPOINT_ENV]) / "qwen3", attention_dropout=self.dropout, dtype=torch.float32
+            Path(os.environ[CHECKPOINT_ENV]) / self.kind, attention_dropout=self.dropout, dtype=torch.float32
         )
         if self.lora:
             from peft import LoraConfig, get_peft_model
