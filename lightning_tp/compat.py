@@ -242,6 +242,12 @@ def transformers_apply_expert_parallelism() -> Callable[..., Any]:
     return apply_expert_parallelism
 
 
+def uses_experts_interface(experts: Any) -> bool:
+    """Whether an experts module goes through Transformers' experts interface (``@use_experts_implementation``, which
+    sets ``_is_expert_parallel``): its expert-parallel dispatch relies on it to skip the expert ids of other ranks."""
+    return hasattr(experts, "_is_expert_parallel")
+
+
 def attention_implementation(config: Any) -> str | None:
     """The attention implementation a Transformers config selects (``config._attn_implementation``: the models read
     it at every forward; ``attn_implementation`` is only the constructor's argument)."""

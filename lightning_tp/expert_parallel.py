@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_tp.compat import transformers_apply_expert_parallelism
+from lightning_tp.compat import transformers_apply_expert_parallelism, uses_experts_interface
+from lightning_tp.fsdp import apply_fsdp
 from lightning_tp.layout import DP_REPLICATE_AXIS, EFSDP_AXIS
 from lightning_tp.plan import ResolvedPlan, key_regex
 from lightning_tp.styles import style_names
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_tp.layout import ParallelLayout
-    from lightning_tp.parallelize import ParallelOptions
 
 #: The style names of an expert-parallel plan (the one table: :data:`lightning_tp.styles.STYLES`).
 EP_STYLES = style_names(expert_parallel=True)
@@ -50,7 +50,7 @@ _TOTAL_ATTRIBUTE = "_lightning_tp_num_experts"
 
 
 def expert_parallel_problem(
-    model: nn.Module, *, layout: ParallelLayout, options: ParallelOptions, presharded: object | None
+    model: nn.Module, *, layout: ParallelLayout, sequence_parallel: bool, presharded: object | None
 ) -> str | None:
     """Why ``model`` cannot have its experts split over the EP ranks with these options, or ``None``: decided from
     the configuration alone, the same on every rank."""
@@ -60,7 +60,7 @@ def expert_parallel_problem(
             f"{name} was sharded by Transformers at load time (its own TP plan, experts included). Load it without "
             "`distributed_config`: the strategy then splits the experts over the EP ranks"
         )
-    if options.sequence_parallel:
+    if sequence_parallel:
         return (
             "sequence_parallel=True is not supported with expert parallelism yet: it gives each TP rank its own "
             "tokens, which the dispatch takes for the TP group's shared ones. Drop one of them"
@@ -124,7 +124,7 @@ def _check_experts(
 ) -> None:
     name = type(model).__name__
     count = getattr(experts, "num_experts", None)
-    if not isinstance(count, int) or not hasattr(experts, "_is_expert_parallel"):
+    if not isinstance(count, int) or not uses_experts_interface(experts):
         raise ValueError(
             f"ep_size={ep_size}: {name}.{experts_name} ({type(experts).__name__}) is not an experts module of "
             "Transformers' experts interface (`num_experts` and `@use_experts_implementation`), which the "
@@ -219,8 +219,6 @@ def shard_experts(
     FSDP2 applies a divisor other than the group size as NCCL's pre-multiplied sum, which gloo rejects and which NCCL
     zeroes in bf16 up to torch 2.13 (pytorch/pytorch#190747): reduce with a sum and divide after. Not on one rank:
     there FSDP2 divides its copy of the gradient already, and would divide twice."""
-    from lightning_tp.fsdp import apply_fsdp
-
     axes = (DP_REPLICATE_AXIS, EFSDP_AXIS) if layout.dp_replicate_size > 1 else EFSDP_AXIS
     for name in plan.expert_modules:
         experts = apply_fsdp(module.get_submodule(name), expert_mesh[axes], blocks=set(), **fsdp_options)

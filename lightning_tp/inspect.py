@@ -45,6 +45,8 @@ class Report:
     parts: list[tuple[str, int, int, int, int]] = field(default_factory=list)
     #: Context parallelism: what each rank holds of a sequence and what its attention exchanges.
     context_parallel: list[str] = field(default_factory=list)
+    #: Expert parallelism: what each rank holds of the experts and what their all-to-alls carry.
+    expert_parallel: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -75,9 +77,11 @@ def inspect_model(
     tp_size: int,
     dp_shard_size: int = 1,
     cp_size: int = 1,
+    ep_size: int = 1,
     tp_plan: str | dict[str, Any] = "auto",
 ) -> Report:
-    """The report for a (meta) model: no process group needed. FSDP2 shards over ``dp_shard_size x cp_size``."""
+    """The report for a (meta) model: no process group needed. FSDP2 shards over ``dp_shard_size x cp_size``; with
+    ``ep_size > 1`` the experts go whole to the EP ranks, FSDP2 shards them over ``dp_shard x cp x tp / ep``."""
     report = Report()
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
@@ -94,6 +98,17 @@ def inspect_model(
             plan = extend_plan_to_adapters(model, plan)
     except ValueError as err:
         report.problems.append(str(err))
+    efsdp = 1
+    if ep_size > 1:
+        from lightning_tp.expert_parallel import resolve_expert_plan
+        from lightning_tp.layout import ParallelLayout
+
+        try:
+            layout = ParallelLayout(tp_size=tp_size, dp_shard_size=dp_shard_size, cp_size=cp_size, ep_size=ep_size)
+            efsdp = layout.efsdp_size
+            plan = resolve_expert_plan(model, plan, ep_size=ep_size)
+        except ValueError as err:
+            report.problems.append(str(err))
     report.problems += _uneven_splits(model, plan, tp_size)
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
@@ -115,6 +130,13 @@ def inspect_model(
         shape = tuple(param.shape)
         style = styles.get(name)
         is_bias = name.rpartition(".")[2] == "bias"  # Transformers replicates a row-wise `bias` by its name
+        if plan.experts.get(name) is not None:  # whole experts per EP rank, then FSDP2 over `efsdp`
+            style, tp_local = plan.experts[name], (math.ceil(shape[0] / ep_size), *shape[1:])
+            local = _fsdp_shape(tp_local, efsdp)
+            report.rows.append((name, style, shape, local))
+            counts["params"] += math.prod(local)
+            counts["trainable"] += math.prod(local) if param.requires_grad else 0
+            continue
         tp_local = local_shape(shape, style, tp_size, is_bias=is_bias) if style else shape
         local = _fsdp_shape(tp_local, dp_shard_size * cp_size)
         if tp_local != shape:
@@ -130,6 +152,8 @@ def inspect_model(
         report.context_parallel, problem = _context_parallel(model, tp_size=tp_size, cp_size=cp_size)
         if problem is not None:
             report.problems.append(f"cp_size={cp_size}: {problem}.")
+    if ep_size > 1 and plan.experts:
+        report.expert_parallel = _expert_parallel(model, plan, ep_size=ep_size, efsdp=efsdp, tp_size=tp_size)
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         report.memory[dtype] = {
             "parameters": counts["params"] * size,
@@ -137,6 +161,30 @@ def inspect_model(
             "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
         }
     return report
+
+
+def _expert_parallel(model: nn.Module, plan: ResolvedPlan, *, ep_size: int, efsdp: int, tp_size: int) -> list[str]:
+    """What each rank holds of the experts, and what the two all-to-alls of each MoE layer carry."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden, top_k = getattr(config, "hidden_size", None), getattr(config, "num_experts_per_tok", None)
+    layers = plan.expert_modules
+    count = getattr(model.get_submodule(layers[0]), "num_experts", 0)
+    params = dict(model.named_parameters())
+    whole = sum(params[n].numel() for n in plan.experts if n in params)
+    lines = [
+        f"{len(layers)} experts modules ({layers[0]}, ...) of {count} experts each: each rank of an EP group holds "
+        f"{count // ep_size} whole experts per layer; FSDP2 shards them over the {efsdp} rank(s) holding the same "
+        f"ones (efsdp = dp_shard x cp x tp / ep). Expert weights per rank: {whole // (ep_size * efsdp):,} of "
+        f"{whole:,} values (1/{ep_size * efsdp}).",
+    ]
+    if isinstance(hidden, int) and isinstance(top_k, int):
+        lines.append(
+            f"Per MoE layer and step, each routed (token, expert) pair travels as {hidden} values there and back in "
+            f"the forward (2 all-to-alls), and its gradient in the backward (2 more): {4 * hidden * top_k:,} values "
+            f"per token of the TP group's batch ({top_k} experts per token), of which ~{(ep_size - 1) / ep_size:.0%} "
+            f"leave the rank (uniform routing); the ranks of a TP group send {1}/{tp_size} of the tokens each."
+        )
+    return lines
 
 
 def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
@@ -260,7 +308,7 @@ def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targe
     return model
 
 
-def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: int = 1) -> str:
+def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: int = 1, ep_size: int = 1) -> str:
     sources = {
         "model": "the model's own (its config's `base_model_tp_plan`)",
         "derived": "derived from the module structure (its config has no `base_model_tp_plan`; "
@@ -269,7 +317,10 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
     }
     base, _, extra = report.source.partition(" + ")
     lines = [
-        f"Layout: tp={tp_size}" + (f" x cp={cp_size}" if cp_size > 1 else "") + f" x dp_shard={dp_shard_size}",
+        f"Layout: tp={tp_size}"
+        + (f" x cp={cp_size}" if cp_size > 1 else "")
+        + f" x dp_shard={dp_shard_size}"
+        + (f", ep={ep_size} for the experts" if ep_size > 1 else ""),
         f"Plan: {sources.get(base, base)}" + (", overridden by `tp_plan`" if extra else ""),
         "",
     ]
@@ -296,6 +347,8 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
         lines += ["", *report.kv_replication]
     if report.context_parallel:
         lines += ["", f"Context parallelism (cp={cp_size}):", *(f"  {line}" for line in report.context_parallel)]
+    if report.expert_parallel:
+        lines += ["", f"Expert parallelism (ep={ep_size}):", *(f"  {line}" for line in report.expert_parallel)]
     lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
     lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
     if len(report.replicated) > 40:
@@ -327,12 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-size", type=int, required=True)
     parser.add_argument("--dp-shard-size", type=int, default=1)
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks splitting each sequence")
+    parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks splitting the experts")
     parser.add_argument("--lora-r", type=int, default=None, help="add LoRA adapters of this rank")
     parser.add_argument("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     args = parser.parse_args(argv)
     model = build_meta_model(args.model, lora_r=args.lora_r, lora_targets=args.lora_targets)
-    report = inspect_model(model, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size)
-    print(format_report(report, tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size))
+    sizes = dict(tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size, ep_size=args.ep_size)
+    report = inspect_model(model, **sizes)
+    print(format_report(report, **sizes))
     return 0 if not [p for p in report.problems if not p.startswith("warning:")] else 1
 
 

@@ -373,7 +373,9 @@ def resolve_targets(
         if layout.cp_size > 1 and (problem := context_parallel_problem(module)) is not None:
             raise ValueError(f"cp_size={layout.cp_size}: {problem}.")
         if layout.ep_size > 1:
-            problem = expert_parallel_problem(module, layout=layout, options=options, presharded=presharded_mesh)
+            problem = expert_parallel_problem(
+                module, layout=layout, sequence_parallel=options.sequence_parallel, presharded=presharded_mesh
+            )
             if problem is not None:
                 raise ValueError(f"ep_size={layout.ep_size}: {problem}.")
             plan = resolve_expert_plan(module, plan, ep_size=layout.ep_size)
