@@ -45,7 +45,8 @@ from lightning_tp.checkpoint import (
     stored_entries,
     unpickling_guard,
 )
-from lightning_tp.compat import distributed_is_initialized
+from lightning_tp.compat import cut_strided_shards_when_distributing, distributed_is_initialized
+from lightning_tp.dcp_layouts import dcp_layouts, misplaced_by_dcp, restore_layouts
 from lightning_tp.discovery import describe_models
 from lightning_tp.layout import ParallelLayout
 
@@ -155,7 +156,7 @@ def _save_local(
     # exchange it ends with keeps the ranks in step (nobody writes into a stale staging directory).
     run_on_main_and_share_failure(lambda: clear_partial(path), is_main=is_main())
     if distributed:
-        save(tensors, checkpoint_id=staged)  # every rank writes its shards; DCP shares failures itself
+        save(dcp_layouts(tensors), checkpoint_id=staged)  # every rank writes its shards; DCP shares failures itself
         run_on_main_and_share_failure(lambda: torch.save(checkpoint, staged / META_FILENAME), is_main=is_main())
     else:
         run_on_main_and_share_failure(lambda: write_file(checkpoint, staged), is_main=is_main())
@@ -180,7 +181,7 @@ def _save_to_url(
         raise ValueError(plan["error"])
     data = plan["data"]
     if distributed:
-        save(tensors, storage_writer=remote.dcp_writer(data))  # every rank writes its shards
+        save(dcp_layouts(tensors), storage_writer=remote.dcp_writer(data))  # every rank writes its shards
         run_on_main_and_share_failure(lambda: remote.write_meta(data, checkpoint), is_main=is_main())
         run_on_main_and_share_failure(lambda: remote.commit(url, data), is_main=is_main())
         return
@@ -265,15 +266,18 @@ def _load_file(
 ) -> dict[str, Any]:
     from lightning_tp.compat import load_checkpoint as load_full_checkpoint
 
+    # torch's full-state loader misplaces what DCP misplaces (see `dcp_layouts`); those tensors are cut right.
+    cut_strided_shards_when_distributing(misplaced_by_dcp)
     # Refused objects raise the same error on every rank, before any collective.
     with unpickling_guard(shown, weights_only=weights_only, opt_in=opt_in):
-        return load_full_checkpoint(
+        metadata = load_full_checkpoint(
             path=path,
             state={**modules, **optimizers},
             strict=strict,
             optimizer_states_from_list=optimizer_states_from_list,
             weights_only=weights_only,
         )
+    return metadata
 
 
 def _load_distributed(
@@ -320,14 +324,19 @@ def _load_distributed(
             path=path,
             prefix=f"{key}.",
         )
-        state = {key: {name: template[name] for name in names}}
+        wanted = {name: template[name] for name in names}
+        state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)
-        module.load_state_dict(state[key], strict=False)  # completeness was checked above
+        module.load_state_dict(restore_layouts(state[key], wanted), strict=False)  # completeness was checked above
     for key, optimizer in optimizers.items():
-        state = {key: get_optimizer_state_dict(model, optimizer)}
+        wanted = get_optimizer_state_dict(model, optimizer)
+        state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)
         set_optimizer_state_dict(
-            model, optimizer, optim_state_dict=state[key], options=StateDictOptions(cpu_offload=True)
+            model,
+            optimizer,
+            optim_state_dict=restore_layouts(state[key], wanted),
+            options=StateDictOptions(cpu_offload=True),
         )
     return metadata
 

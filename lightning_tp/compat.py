@@ -131,6 +131,47 @@ def strided_shard(dim: int, split_factor: int) -> Any:
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def is_strided_shard(placement: Any) -> bool:
+    """Whether a placement is torch's private ``_StridedShard`` (see :func:`strided_shard`)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def cut_strided_shards_when_distributing(misplaced: Callable[[Any], bool]) -> None:
+    """Wrap torch's ``_distribute_tensors`` (``set_model_state_dict``/``set_optimizer_state_dict`` with
+    ``full_state_dict`` and ``broadcast_from_rank0``: Lightning's load of a full checkpoint file), once: it cuts each
+    rank's shard as the contiguous chunk at the offset ``compute_local_shape_and_global_offset`` gives, which for a
+    DTensor where ``misplaced`` holds (a lone ``_StridedShard``, torch 2.13) is neither that chunk nor the rank's
+    blocks: rows of the whole are lost. Those are cut by ``distribute_tensor`` from the whole each rank holds (no
+    communication); every other key as torch does."""
+    from torch.distributed import _state_dict_utils as utils
+    from torch.distributed.tensor import distribute_tensor
+
+    original = utils._distribute_tensors
+    if getattr(original, "_lightning_tp_wrapped", False):
+        return
+
+    def _distribute_tensors(local_state_dict: dict, keys: list, device: Any, pg: Any = None) -> None:
+        rest = []
+        for key in keys:
+            entry = local_state_dict.get(key)
+            if entry is None or torch.is_tensor(entry) or not misplaced(entry[0]):
+                rest.append(key)
+                continue
+            local_state, whole = entry
+            cut = distribute_tensor(whole, local_state.device_mesh, local_state.placements, src_data_rank=None)
+            if local_state.is_meta:
+                local_state_dict[key] = cut
+            else:
+                local_state.to_local().copy_(cut.to_local())
+                local_state_dict[key] = local_state
+        original(local_state_dict, rest, device, pg)
+
+    _distribute_tensors._lightning_tp_wrapped = True  # type: ignore[attr-defined]
+    utils._distribute_tensors = _distribute_tensors
+
+
 def assert_async(condition: torch.Tensor, message: str) -> None:
     """A device-side assert (no host sync on GPU), as torch's own losses check their targets; no public spelling."""
     torch._assert_async(condition, message)

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized, mark_hf_initialized, revert_weight_conversion
+from lightning_tp.dcp_layouts import load_in_place
 from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero, whole_parameters
 from lightning_tp.tensor_parallel import retie
 
@@ -158,7 +159,7 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
             "`AutoModelForCausalLM.from_pretrained` instead of `lightning_tp.from_pretrained`."
         )
     renamed = {in_file.get(name, name): tensor for name, tensor in state.items()}
-    dcp.load(renamed, storage_reader=HuggingFaceStorageReader(str(directory)))
+    load_in_place(renamed, lambda tensors: dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory))))
     return set(state)
 
 

@@ -288,10 +288,20 @@ def ep(ctx: Context) -> dict[str, Any]:
         "ep_uninterrupted": module.losses,
         "ep_to_tp2": resumed_losses(out / "ep2_epoch0", **moe),
         "ep_to_ep": resumed_losses(out / "ep2_epoch0", ep_size=2, **moe),
+        "tp2_moe": _saved_and_resumed_on_tp2(out, moe),
+        "single_to_tp2_moe": resumed_losses(ctx.source_moe, **moe),
         "single_to_ep": resumed_losses(ctx.source_moe, ep_size=2, **moe),
         "single_to_ep_dp": resumed_losses(ctx.source_moe, ep_size=2, tp_size=1, **moe),
         "dp_rank": dist.get_rank(),
     }
+
+
+def _saved_and_resumed_on_tp2(out: Path, moe: dict[str, Any]) -> dict[int, float]:
+    """The experts split TP-wise (ep 1): a sharded checkpoint written and resumed on that layout (the packed gate/up
+    weights and their AdamW states are `_StridedShard`s)."""
+    module = ResumeModule(**moe)
+    fit(module, callbacks=[SaveAt(epochs={0: out / "moe_tp2_epoch0"})])
+    return resumed_losses(out / "moe_tp2_epoch0", **moe)
 
 
 @SCENARIOS.register("one_moe")
