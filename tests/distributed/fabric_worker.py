@@ -310,7 +310,9 @@ def sequence_loss_parallel(out: Path, checkpoints: Path) -> dict[str, Any]:
     return {"reference": reference, **result}
 
 
-def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any], url: bool = False) -> dict[str, Any]:
+def _resume(
+    out: Path, *, first: dict[str, Any], second: dict[str, Any], url: bool = False, kind: str = "qwen3"
+) -> dict[str, Any]:
     """Train 2 steps on the layout ``first``, ``fabric.save``; build a fresh model on the layout ``second``,
     ``fabric.load``, train 2 more: the losses equal 4 uninterrupted steps on one process. Then export the
     checkpoint: its weights are the saved ones, and close to the one process's after 2 steps."""
@@ -318,7 +320,7 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any], url: bo
 
     batches = lm_batches(4)
     fabric = one_process()
-    model = qwen3()
+    model = build_causal_lm(tiny_config(kind))
     model, optimizer = fabric.setup(model, adamw(model))
     reference_head = train(fabric, model, optimizer, batches[:2], clip=0.5)
     reference_at_save = full_state(model)
@@ -327,7 +329,7 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any], url: bo
     path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}{'_url' if url else ''}.ckpt"
     target = f"file://{path}" if url else path  # fsspec: committed by a marker, as on an object store
     fabric = sharded(**first)
-    model = qwen3()
+    model = build_causal_lm(tiny_config(kind))
     model, optimizer = fabric.setup(model, adamw(model))
     head = train(fabric, model, optimizer, batches[:2], clip=0.5)
     at_save = full_state(model)  # a collective: on every rank
@@ -336,7 +338,7 @@ def _resume(out: Path, *, first: dict[str, Any], second: dict[str, Any], url: bo
 
     fabric = sharded(**second)
     torch.manual_seed(123)  # other initial weights: everything must come from the checkpoint
-    model = build_causal_lm(tiny_config("qwen3"), seed=123)
+    model = build_causal_lm(tiny_config(kind), seed=123)
     model, optimizer = fabric.setup(model, adamw(model))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     remainder = fabric.load(target, state)
@@ -392,6 +394,13 @@ def resume_2d_to_hsdp(out: Path, checkpoints: Path) -> dict[str, Any]:
 def resume_cp_to_tp(out: Path, checkpoints: Path) -> dict[str, Any]:
     """Context parallelism: trained and saved at cp 2 (each sequence split over the 2 ranks), resumed on TP 2."""
     return _resume(out, first={"cp_size": 2, "tp_size": 1}, second={"tp_size": 2})
+
+
+@case
+def resume_ep_to_tp(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Expert parallelism: the tiny Qwen3-MoE trained and saved at ep 2 (whole experts per rank), resumed with its
+    experts split TP-wise (ep 1), then exported."""
+    return _resume(out, first={"tp_size": 2, "ep_size": 2}, second={"tp_size": 2}, kind="qwen3_moe")
 
 
 @case

@@ -83,6 +83,22 @@ def case_cp_from_sizes() -> dict:
     )
 
 
+@SCENARIOS.register("ep_from_sizes")
+def case_ep_from_sizes() -> dict:
+    """Expert parallelism over the data-parallel ranks (tp 1, ep 2: each rank holds half of Mixtral's experts and
+    trains on half of each batch): the same loop as one process on the whole batch."""
+    import lightning_tp
+
+    model = build_causal_lm(tiny_config("mixtral"))
+    reference = copy.deepcopy(model)
+    batches = lm_batches(STEPS)
+    lightning_tp.parallelize(model, tp_size=1, ep_size=2)
+    rank = torch.distributed.get_rank()
+    halves = [{k: v.chunk(2)[rank] for k, v in batch.items()} for batch in batches]
+    losses = _train_data_parallel(model, halves, dp_group=None)
+    return _compare("ep_from_sizes", model, reference, losses, _train(reference, batches, clip=False))
+
+
 @SCENARIOS.register("fsdp_from_mesh")
 def case_fsdp_from_mesh() -> dict:
     """FSDP2 over both ranks from a mesh the script built: each rank takes its half of every batch (the sampler over

@@ -165,9 +165,7 @@ def test_expert_parallel_checkpoints_resume_across_ep_sizes(tp2: dict[str, Any],
 
 
 @pytest.mark.scenarios("ckpt_tp2", "ep")
-def test_tp_split_experts_resume_from_any_checkpoint(
-    tp2: dict[str, Any], single_moe: dict[str, Any]
-) -> None:
+def test_tp_split_experts_resume_from_any_checkpoint(tp2: dict[str, Any], single_moe: dict[str, Any]) -> None:
     """The experts split TP-wise (`moe_tp_experts`: the packed gate/up weight and its AdamW states are `_StridedShard`s,
     which DCP and torch's full-state loader misplace; see lightning_tp/dcp_layouts.py) resume from an ep 2
     checkpoint, from their own sharded checkpoint and from a one-process checkpoint file, within 1e-5 of one

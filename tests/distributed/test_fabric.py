@@ -23,6 +23,7 @@ TP2_CASES = [
     "resume_full_file",
     "resume_at_url",
     "resume_cp_to_tp",
+    "resume_ep_to_tp",
     "bad_input",
 ]
 TWO_D_CASES = ["adamw_clip", "dataloader", "bf16_mixed", "accumulate", "resume_2d_to_hsdp", "context_parallel_2d"]
@@ -136,6 +137,7 @@ def test_sequence_and_loss_parallel(tp2: list[dict]) -> None:
         ("tp2", "resume_full_file"),
         ("tp2", "resume_at_url"),
         ("tp2", "resume_cp_to_tp"),
+        ("tp2", "resume_ep_to_tp"),
         ("two_d", "resume_2d_to_hsdp"),
     ],
 )

@@ -20,7 +20,7 @@ def plain_results() -> dict[str, dict]:
     return {r["case"]: r for r in results}
 
 
-@pytest.mark.parametrize("case", ["tp_from_sizes", "cp_from_sizes", "fsdp_from_mesh"])
+@pytest.mark.parametrize("case", ["tp_from_sizes", "cp_from_sizes", "ep_from_sizes", "fsdp_from_mesh"])
 def test_plain_pytorch_loop_matches_one_process(plain_results: dict[str, dict], case: str) -> None:
     result = plain_results[case]
     assert result["names_match"] and result["all_dtensors"]
