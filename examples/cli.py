@@ -15,7 +15,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 from lightning.pytorch.cli import LightningCLI
-from sort_task import SortDigits, tiny_qwen3_config
+from sort_task import SortDigits, tiny_qwen3_config, tiny_qwen3_moe_config
 from torch.utils.data import DataLoader
 
 import lightning_tp  # noqa: F401  (registers the "tp" strategy name)
@@ -27,7 +27,8 @@ def _collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 class CausalLM(L.LightningModule):
     """Fine-tunes a causal LM: the tiny generated-task model by default, or ``model`` (a hub id or a local path,
-    loaded sharded). ``lora_r > 0`` trains LoRA adapters on ``lora_targets`` instead of every weight."""
+    loaded sharded). ``moe_experts > 0``: the tiny model with that many experts per layer (for ``ep_size``).
+    ``lora_r > 0`` trains LoRA adapters on ``lora_targets`` instead of every weight."""
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class CausalLM(L.LightningModule):
         lora_alpha: int = 32,
         lora_targets: str = "all-linear",
         lora_dropout: float = 0.0,
+        moe_experts: int = 0,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -51,11 +53,12 @@ class CausalLM(L.LightningModule):
 
         hp = self.hparams
         torch.manual_seed(0)  # the same weights on every rank: each shards its own copy
-        model = (
-            AutoModelForCausalLM.from_config(tiny_qwen3_config())
-            if hp.model is None
-            else lightning_tp.from_pretrained(hp.model)
-        )
+        if hp.model is not None:
+            model = lightning_tp.from_pretrained(hp.model)
+        elif hp.moe_experts > 0:
+            model = AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(hp.moe_experts))
+        else:
+            model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
         if hp.lora_r > 0:
             from peft import LoraConfig, get_peft_model
 

@@ -50,6 +50,26 @@ def tiny_qwen3_config(vocab_size: int = len(VOCAB)) -> Any:
     )
 
 
+def tiny_qwen3_moe_config(num_experts: int = 4, vocab_size: int = len(VOCAB)) -> Any:
+    """:func:`tiny_qwen3_config` with a mixture of ``num_experts`` experts (2 per token) in place of each MLP, and
+    the router's load-balancing loss on."""
+    from transformers import Qwen3MoeConfig
+
+    dense = tiny_qwen3_config(vocab_size).to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    return Qwen3MoeConfig(
+        **{key: dense[key] for key in keep},
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=CharTokenizer.pad_token_id,
+        eos_token_id=CharTokenizer.eos_token_id,
+        moe_intermediate_size=64,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+    )
+
+
 class SortDigits(Dataset):
     """``size`` examples of ``length`` digits, deterministic for a ``seed``; pass ``tokenizer`` for a real model."""
 

@@ -7,7 +7,7 @@ import yaml
 
 from tests.helpers.launch import ROOT, run_script, torchrun
 
-CONFIGS = {"tp.yaml": 2, "lora.yaml": 2, "2d.yaml": 4, "cp.yaml": 2}
+CONFIGS = {"tp.yaml": 2, "lora.yaml": 2, "2d.yaml": 4, "cp.yaml": 2, "ep.yaml": 2}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
