@@ -72,3 +72,22 @@ def test_counter_sees_dtensor_and_plain_collectives(report: dict) -> None:
     after_step = runs["tp2"]["collectives_by_phase"]["after_step"]
     assert "broadcast" not in after_step and after_step["all_reduce"]["count"] == 2, after_step
     assert runs["hand_tp2"]["collectives_by_phase"]["after_step"] == {"broadcast": {"count": 1, "bytes": 8}}
+
+
+def test_expert_parallel_benchmark_counts_the_theory(tmp_path) -> None:
+    """benchmarks/expert_parallel.py, tiny: each layout's all-to-alls per step (mean over the ranks) are the theory's
+    to the byte, and each rank computes with 1/ep of the experts under EP, every expert under FSDP2 alone."""
+    from tests.helpers.launch import ROOT, torchrun
+
+    out = tmp_path / "ep.json"
+    sizes = ["--layers", "1", "--seq", "32", "--batch", "4", "--steps", "1", "--hidden", "64", "--experts", "4"]
+    torchrun(ROOT / "benchmarks/expert_parallel.py", 2, *sizes, "--expert-width", "32", "--out", str(out))
+    report = json.loads(out.read_text())
+    for name in ("moe_tp_experts", "ep2_tp2", "ep2_dp2", "fsdp2"):
+        run = report[name]
+        assert run["all_to_all"]["count"] == run["all_to_all_theory"]["count"], name
+        assert run["all_to_all"]["bytes"] == run["all_to_all_theory"]["bytes"], name
+        assert run["expert_fraction"] == 0.5 and run["step_time_s"] > 0, name
+    whole = report["fsdp2"]["expert_bytes_computed_per_rank"]
+    assert report["ep2_dp2"]["expert_bytes_computed_per_rank"] == whole // 2
+    assert report["ep2_tp2"]["all_to_all"]["count"] > 0
