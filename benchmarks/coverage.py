@@ -14,7 +14,11 @@ token batches (fp32, eager attention) sharded with ``lightning_tp.parallelize`` 
 trained whole on the same process (every rank runs the reference: its numbers are the same on each), and reports the
 largest loss gap over the steps and the largest parameter gap after them. Case ``kv_replication`` does the same with
 one KV head, i.e. a TP size above the KV-head count: refused until KV heads can be replicated. Case ``cp2`` trains the
-``tp2`` model with context parallelism instead (``cp_size=2``, no TP): each sequence split over the 2 ranks.
+``tp2`` model with context parallelism instead (``cp_size=2``, no TP): each sequence split over the 2 ranks. Case
+``ep2`` trains it with expert parallelism instead (``ep_size=2``, no TP): each rank holds half of every
+mixture-of-experts layer's experts whole, tokens exchanged by all-to-all (both ranks read the same batches, so their
+experts see every token twice and FSDP2's division gives one process's gradient); n/a for a model without an
+expert-parallel plan (``base_model_ep_plan``).
 
 The largest TP size of the *published default* config (``ConfigClass()``, built on the meta device) is the largest
 ``t <= 64`` that divides every dim its plan splits (found from the plan's styles, as ``lightning_tp.styles`` says
@@ -60,12 +64,12 @@ FP64_TOL = 1e-6
 #: The statuses of a case that trained: "parity in fp64" when its fp32 gaps were rounding the model amplified.
 TRAINED = ("parity", "parity in fp64", "not at parity")
 #: ``uneven_vocab``: TP 2 with a vocabulary of 127, which the "uneven vocab" TP sizes assume splits at parity.
-CASES = ("tp2", "kv_replication", "uneven_vocab", "cp2")
-#: KV heads of the tiny config per case (4 query heads; TP 2 throughout, but ``cp2``).
-CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1, "uneven_vocab": 2, "cp2": 2}
+CASES = ("tp2", "kv_replication", "uneven_vocab", "cp2", "ep2")
+#: KV heads of the tiny config per case (4 query heads; TP 2 throughout, but ``cp2`` and ``ep2``).
+CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1, "uneven_vocab": 2, "cp2": 2, "ep2": 2}
 #: The sizes ``parallelize`` gets per case (the others: TP over both ranks). ``cp2``: context parallelism, each
 #: sequence split over the 2 ranks (FSDP2 over them), no TP.
-CASE_LAYOUT: dict[str, dict[str, int]] = {"cp2": {"tp_size": 1, "cp_size": 2}}
+CASE_LAYOUT: dict[str, dict[str, int]] = {"cp2": {"tp_size": 1, "cp_size": 2}, "ep2": {"tp_size": 1, "ep_size": 2}}
 #: The vocabulary of a case that splits it unevenly (the others: ``VOCAB``).
 CASE_VOCAB = {"uneven_vocab": 127}
 
@@ -461,6 +465,12 @@ def prepare_case(
         if recurrent:
             raise Skip(f"recurrent/state-space layers ({', '.join(recurrent[:2])})")
         result["plan_source"] = plan_source(model)[1]
+        if case == "ep2" and not getattr(model, "ep_plan", None):
+            result.update(status="n/a", detail="no expert-parallel plan (`base_model_ep_plan`)")
+            return None
+        if case == "ep2" and not _has_experts(model):
+            result.update(status="n/a", detail="the tiny config's layers are all dense (no experts module)")
+            return None
         reference = copy.deepcopy(model)
         batches = lm_batches(VOCAB)
         try:
@@ -471,6 +481,14 @@ def prepare_case(
         result.update(status="skipped", detail=str(err))
         return None
     return model, reference, batches, ref_losses
+
+
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` takes its expert-parallel plan's ``ep_dispatch_experts``."""
+    from lightning_tp.plan import key_regex
+
+    keys = [key_regex(k) for k, style in model.ep_plan.items() if style == "ep_dispatch_experts"]
+    return any(regex.fullmatch(name) for name, _ in model.named_modules() for regex in keys)
 
 
 def run_case(family: str, case: str, *, tp_size: int, all_ready: Callable[[bool], bool]) -> dict[str, Any]:
@@ -637,6 +655,7 @@ def summary(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             Counter(r.get("cases", {}).get("uneven_vocab", {}).get("status") for r in rows.values()).most_common()
         ),
         "cp2": dict(Counter(r.get("cases", {}).get("cp2", {}).get("status") for r in rows.values()).most_common()),
+        "ep2": dict(Counter(r.get("cases", {}).get("ep2", {}).get("status") for r in rows.values()).most_common()),
         "trained_with_attention_whole": sorted(f for f, c in ran.items() if not c.get("attention_split", True)),
         "worst_gaps": {f: {"loss_gap": ran[f]["loss_gap"], "param_gap": ran[f].get("param_gap")} for f in worst},
     }
@@ -665,12 +684,23 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         "or leaves the attention whole. 'split at TP 2': the share of parameter elements the plan splits, and "
         "'attention whole' where it splits no query projection (the MLP or experts alone). 'cp 2': the same model "
         "with context parallelism instead (`cp_size=2`, no TP: each sequence split over the 2 ranks; regenerate with "
-        "`--cases cp2 --merge`).",
+        "`--cases cp2 --merge`). 'ep 2': the same model with expert parallelism instead (`ep_size=2`, no TP: half of "
+        "the experts on each rank, tokens exchanged by all-to-all; n/a without an expert-parallel plan; regenerate "
+        "with `--cases ep2 --merge`).",
         "",
         "| count | |",
         "| --- | --- |",
     ]
-    for key in ("status", "plan_source_of_trained", "plan_source_of_refused", "kv_replication", "uneven_vocab", "cp2"):
+    keys = (
+        "status",
+        "plan_source_of_trained",
+        "plan_source_of_refused",
+        "kv_replication",
+        "uneven_vocab",
+        "cp2",
+        "ep2",
+    )
+    for key in keys:
         lines.append(f"| {key.replace('_', ' ')} | {', '.join(f'{k}: {v}' for k, v in stats[key].items())} |")
     for key in ("refused_by_reason", "skipped_by_reason"):
         for reason, count in stats[key].items():
@@ -685,8 +715,8 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
     lines += ["", "## Families", ""]
     lines += [
         "| family | model class | plan source | max TP with KV replication | max TP without | TP 2 (gaps loss / param) "
-        "| split at TP 2 | TP 2 > KV heads | cp 2 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| split at TP 2 | TP 2 > KV heads | cp 2 | ep 2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for family, row in rows.items():
         tp2 = row.get("cases", {}).get("tp2", {})
@@ -700,6 +730,7 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
             _split_cell(tp2),
             _case_cell(row.get("cases", {}).get("kv_replication")),
             _case_cell(row.get("cases", {}).get("cp2")),
+            _case_cell(row.get("cases", {}).get("ep2")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     md.write_text("\n".join(lines) + "\n")

@@ -25,13 +25,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_tp.compat import transformers_apply_expert_parallelism, uses_experts_interface
 from lightning_tp.fsdp import apply_fsdp
 from lightning_tp.layout import DP_REPLICATE_AXIS, EFSDP_AXIS
 from lightning_tp.plan import ResolvedPlan, key_regex
-from lightning_tp.styles import style_names
+from lightning_tp.styles import facts, style_names
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -85,12 +86,21 @@ def resolve_expert_plan(module: nn.Module, plan: ResolvedPlan, *, ep_size: int) 
             "strategy does not know which modules are its experts. Use ep_size=1 (a mixture-of-experts plan's "
             "`moe_tp_experts` splits each expert over the TP ranks instead)."
         )
-    unknown = {key: style for key, style in rules.items() if style not in EP_STYLES}
+    tp_rules = {key: style for key, style in rules.items() if style not in EP_STYLES and facts(style) is not None}
+    unknown = {key: style for key, style in rules.items() if style not in EP_STYLES and key not in tp_rules}
     if unknown:
         raise ValueError(
             f"ep_size={ep_size}: {name}'s expert-parallel plan uses styles this strategy does not apply: {unknown}. "
             f"It applies {list(EP_STYLES)}; use ep_size=1."
         )
+    if tp_rules:
+        # Gemma 4's lists the dense MLP's column-/row-wise rules too (its published layout keeps the attention
+        # whole): how the rest is split is the TP plan's business here, whatever the EP size.
+        rank_zero_info(
+            f"{name}'s expert-parallel plan also lists TP rules ({sorted(tp_rules)[:3]}, ...): the TP plan splits "
+            f"those modules (tp_size), the expert-parallel plan only the experts."
+        )
+        rules = {key: style for key, style in rules.items() if key not in tp_rules}
     modules = dict(module.named_modules())
     params = dict(module.named_parameters())
     weights: dict[str, str] = {}
