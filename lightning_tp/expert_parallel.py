@@ -66,11 +66,6 @@ def expert_parallel_problem(
             "sequence_parallel=True is not supported with expert parallelism yet: it gives each TP rank its own "
             "tokens, which the dispatch takes for the TP group's shared ones. Drop one of them"
         )
-    if layout.cp_size > 1:
-        return (
-            "context parallelism with expert parallelism is not verified yet (every other layout is). Use cp_size=1, "
-            "or ep_size=1 (the experts are then split by the TP plan)"
-        )
     return None
 
 

@@ -1,7 +1,8 @@
 """Expert parallelism for real: the experts of Qwen3-MoE and Mixtral split over 2 gloo processes (ep 2 over the
-data-parallel ranks or over the TP group) and over 4 (ep 2 and ep 4 with tp 2 and FSDP2, HSDP), against one process
-training the whole model on the whole batch. The cases live in tests/helpers/cases.py (``EP_CASES``,
-``EP_2D_CASES``) and run in the folded launches of tests/distributed/conftest.py."""
+data-parallel ranks, over the TP group, over a CP group whose ranks hold their pieces of the same rows) and over 4
+(ep 2 and ep 4 with tp 2 and FSDP2, HSDP), against one process training the whole model on the whole batch. The cases
+live in tests/helpers/cases.py (``EP_CASES``, ``EP_2D_CASES``) and run in the folded launches of
+tests/distributed/conftest.py."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
     assert_parity(result, ref, name)
     kwargs = case.strategy_kwargs
     tp = kwargs.get("tp_size", 2)
-    ep, replicas = kwargs["ep_size"], kwargs.get("dp_replicate_size", 1)
+    ep, replicas, cp = kwargs["ep_size"], kwargs.get("dp_replicate_size", 1), kwargs.get("cp_size", 1)
     efsdp = world_size // replicas // ep
     reference = case.module(reference=True)
     reference.configure_model()
@@ -55,8 +56,8 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
         model.load_state_dict(ref["state"])
         reloaded = AutoModelForCausalLM.from_pretrained(export)
         torch.testing.assert_close(_logits(reloaded), _logits(model), atol=1e-4, rtol=0)
-    # The data is split over the data-parallel ranks only (the ranks of a TP group read the same rows).
-    assert [r[name]["sampler"]["num_replicas"] for r in results] == [world_size // tp] * world_size
+    # The data is split over the data-parallel ranks only (the ranks of a TP or CP group read the same rows).
+    assert [r[name]["sampler"]["num_replicas"] for r in results] == [world_size // tp // cp] * world_size
 
 
 @pytest.mark.parametrize("name", EP_CASES)

@@ -534,6 +534,8 @@ CASES: dict[str, Case] = {
         strategy_kwargs={"tp_size": 1, "ep_size": 2},
     ),
     "mixtral_ep2_tp2": lm("mixtral", 4, strategy_kwargs={"ep_size": 2}),
+    # ep 2 over the CP group: the two ranks hold different pieces of the same rows, so their tokens differ.
+    "qwen3_moe_ep2_over_cp": lm("qwen3_moe", 3, strategy_kwargs={"tp_size": 1, "cp_size": 2, "ep_size": 2}),
     "qwen3_moe_ep2_lora": Case(
         partial(_lora, "qwen3_moe", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         partial(lm_batches, 3),
