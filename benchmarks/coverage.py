@@ -18,7 +18,8 @@ one KV head, i.e. a TP size above the KV-head count: refused until KV heads can 
 ``ep2`` trains it with expert parallelism instead (``ep_size=2``, no TP): each rank holds half of every
 mixture-of-experts layer's experts whole, tokens exchanged by all-to-all (both ranks read the same batches, so their
 experts see every token twice and FSDP2's division gives one process's gradient); n/a for a model without an
-expert-parallel plan (``base_model_ep_plan``).
+expert-parallel plan (``base_model_ep_plan``). Case ``ep2_tp2``: ep 2 over the TP group, with the model's TP plan
+on the rest (each of the two ranks, which share the batch, sends half of its tokens).
 
 The largest TP size of the *published default* config (``ConfigClass()``, built on the meta device) is the largest
 ``t <= 64`` that divides every dim its plan splits (found from the plan's styles, as ``lightning_tp.styles`` says
@@ -64,12 +65,16 @@ FP64_TOL = 1e-6
 #: The statuses of a case that trained: "parity in fp64" when its fp32 gaps were rounding the model amplified.
 TRAINED = ("parity", "parity in fp64", "not at parity")
 #: ``uneven_vocab``: TP 2 with a vocabulary of 127, which the "uneven vocab" TP sizes assume splits at parity.
-CASES = ("tp2", "kv_replication", "uneven_vocab", "cp2", "ep2")
+CASES = ("tp2", "kv_replication", "uneven_vocab", "cp2", "ep2", "ep2_tp2")
 #: KV heads of the tiny config per case (4 query heads; TP 2 throughout, but ``cp2`` and ``ep2``).
-CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1, "uneven_vocab": 2, "cp2": 2, "ep2": 2}
+CASE_KV_HEADS = {"tp2": 2, "kv_replication": 1, "uneven_vocab": 2, "cp2": 2, "ep2": 2, "ep2_tp2": 2}
 #: The sizes ``parallelize`` gets per case (the others: TP over both ranks). ``cp2``: context parallelism, each
 #: sequence split over the 2 ranks (FSDP2 over them), no TP.
-CASE_LAYOUT: dict[str, dict[str, int]] = {"cp2": {"tp_size": 1, "cp_size": 2}, "ep2": {"tp_size": 1, "ep_size": 2}}
+CASE_LAYOUT: dict[str, dict[str, int]] = {
+    "cp2": {"tp_size": 1, "cp_size": 2},
+    "ep2": {"tp_size": 1, "ep_size": 2},
+    "ep2_tp2": {"tp_size": 2, "ep_size": 2},
+}
 #: The vocabulary of a case that splits it unevenly (the others: ``VOCAB``).
 CASE_VOCAB = {"uneven_vocab": 127}
 
@@ -465,10 +470,10 @@ def prepare_case(
         if recurrent:
             raise Skip(f"recurrent/state-space layers ({', '.join(recurrent[:2])})")
         result["plan_source"] = plan_source(model)[1]
-        if case == "ep2" and not getattr(model, "ep_plan", None):
+        if case.startswith("ep2") and not getattr(model, "ep_plan", None):
             result.update(status="n/a", detail="no expert-parallel plan (`base_model_ep_plan`)")
             return None
-        if case == "ep2" and not _has_experts(model):
+        if case.startswith("ep2") and not _has_experts(model):
             result.update(status="n/a", detail="the tiny config's layers are all dense (no experts module)")
             return None
         reference = copy.deepcopy(model)
@@ -656,6 +661,9 @@ def summary(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         ),
         "cp2": dict(Counter(r.get("cases", {}).get("cp2", {}).get("status") for r in rows.values()).most_common()),
         "ep2": dict(Counter(r.get("cases", {}).get("ep2", {}).get("status") for r in rows.values()).most_common()),
+        "ep2_tp2": dict(
+            Counter(r.get("cases", {}).get("ep2_tp2", {}).get("status") for r in rows.values()).most_common()
+        ),
         "trained_with_attention_whole": sorted(f for f, c in ran.items() if not c.get("attention_split", True)),
         "worst_gaps": {f: {"loss_gap": ran[f]["loss_gap"], "param_gap": ran[f].get("param_gap")} for f in worst},
     }
@@ -686,7 +694,7 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         "with context parallelism instead (`cp_size=2`, no TP: each sequence split over the 2 ranks; regenerate with "
         "`--cases cp2 --merge`). 'ep 2': the same model with expert parallelism instead (`ep_size=2`, no TP: half of "
         "the experts on each rank, tokens exchanged by all-to-all; n/a without an expert-parallel plan; regenerate "
-        "with `--cases ep2 --merge`).",
+        "with `--cases ep2 --merge`); 'ep 2 x tp 2': ep 2 over the TP group, the TP plan on the rest.",
         "",
         "| count | |",
         "| --- | --- |",
@@ -699,6 +707,7 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         "uneven_vocab",
         "cp2",
         "ep2",
+        "ep2_tp2",
     )
     for key in keys:
         lines.append(f"| {key.replace('_', ' ')} | {', '.join(f'{k}: {v}' for k, v in stats[key].items())} |")
@@ -715,8 +724,8 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
     lines += ["", "## Families", ""]
     lines += [
         "| family | model class | plan source | max TP with KV replication | max TP without | TP 2 (gaps loss / param) "
-        "| split at TP 2 | TP 2 > KV heads | cp 2 | ep 2 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| split at TP 2 | TP 2 > KV heads | cp 2 | ep 2 | ep 2 x tp 2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for family, row in rows.items():
         tp2 = row.get("cases", {}).get("tp2", {})
@@ -731,6 +740,7 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
             _case_cell(row.get("cases", {}).get("kv_replication")),
             _case_cell(row.get("cases", {}).get("cp2")),
             _case_cell(row.get("cases", {}).get("ep2")),
+            _case_cell(row.get("cases", {}).get("ep2_tp2")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     md.write_text("\n".join(lines) + "\n")

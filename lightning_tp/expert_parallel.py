@@ -69,6 +69,12 @@ def expert_parallel_problem(
     return None
 
 
+def expert_modules_of(model: nn.Module) -> tuple[str, ...]:
+    """The keys of ``model``'s expert-parallel plan that name experts modules (with ``*``), before it is resolved."""
+    rules = getattr(model, "ep_plan", None) or {}
+    return tuple(key for key, style in rules.items() if style in EP_STYLES and facts(style).kind != "expert")
+
+
 def resolve_expert_plan(module: nn.Module, plan: ResolvedPlan, *, ep_size: int) -> ResolvedPlan:
     """``plan`` with the model's expert-parallel rules (``plan.experts``: concrete names, weights before their module,
     as Transformers applies them) and without the TP rules on the experts. Raises, naming the model and the sizes

@@ -86,7 +86,10 @@ def inspect_model(
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
     try:
-        plan = resolve_plan(model, tp_plan, tp_size=tp_size)
+        from lightning_tp.expert_parallel import expert_modules_of
+
+        leave = expert_modules_of(model) if ep_size > 1 else ()  # the experts are expert parallelism's to place
+        plan = resolve_plan(model, tp_plan, tp_size=tp_size, leave=leave)
     except ValueError as err:
         report.problems.append(str(err))
         plan = _permissive_plan(model, tp_size)

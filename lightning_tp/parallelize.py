@@ -28,6 +28,7 @@ from lightning_tp.context_parallel import context_parallel_problem, install_cont
 from lightning_tp.discovery import modules_outside, transformers_models
 from lightning_tp.expert_parallel import (
     apply_expert_parallel,
+    expert_modules_of,
     expert_parallel_problem,
     resolve_expert_plan,
     shard_experts,
@@ -368,7 +369,11 @@ def resolve_targets(
             plan = no_plan(module)  # a model without a plan (or with styles refused) trains with FSDP2 or CP alone
         else:
             plan = resolve_plan(
-                module, "auto" if presharded_mesh is not None else options.tp_plan, tp_size=layout.tp_size
+                module,
+                "auto" if presharded_mesh is not None else options.tp_plan,
+                tp_size=layout.tp_size,
+                # Expert parallelism places the experts: their TP rules (refused ones too) are not applied.
+                leave=expert_modules_of(module) if layout.ep_size > 1 else (),
             )
         if layout.cp_size > 1 and (problem := context_parallel_problem(module)) is not None:
             raise ValueError(f"cp_size={layout.cp_size}: {problem}.")

@@ -178,11 +178,15 @@ def _output_embedding_name(model: nn.Module) -> str | None:
     return next((name for name, m in model.named_modules() if m is out), None) if out is not None else None
 
 
-def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_size: int) -> ResolvedPlan:
+def resolve_plan(
+    module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_size: int, leave: tuple[str, ...] = ()
+) -> ResolvedPlan:
     """Merge ``tp_plan`` into the module's own plan, expand it to concrete names and check it.
 
     ``tp_plan="auto"`` uses the module's own plan. A dict overrides it key by key with
     ``DistributedConfig.tp_plan`` semantics: an empty dict means no rules, and a key must match a module or parameter.
+    ``leave``: plan keys (module paths with ``*``) whose rules, and those under them, are dropped before the checks:
+    another parallelism places those modules (expert parallelism's experts), so their TP styles do not matter.
     """
     model_name = type(module).__name__
     if getattr(module, "hf_device_map", None) is not None:
@@ -203,6 +207,9 @@ def resolve_plan(module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_si
     else:
         raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
 
+    if leave:
+        under = tuple(f"{k}." for k in leave)
+        plan = {key: style for key, style in plan.items() if key not in leave and not key.startswith(under)}
     module_names = [name for name, _ in module.named_modules() if name]
     all_params = list(module.named_parameters(remove_duplicate=False))
     unique_params = {name for name, _ in module.named_parameters()}

@@ -103,3 +103,18 @@ def test_the_inspector_shows_the_ep_layout(tmp_path) -> None:
     assert rows["model.layers.0.mlp.experts.gate_up_proj"] == (1, 64, 64)  # 4 experts / ep 2 / efsdp 2
     bad = inspect_model(model, tp_size=2, dp_shard_size=1, ep_size=4)
     assert any("ep_size=4" in p for p in bad.problems)
+
+
+def test_the_tp_plans_expert_rules_do_not_matter_under_ep() -> None:
+    """Aria's TP plan splits its experts with a style this strategy refuses; with ep_size > 1 those rules are left
+    out (expert parallelism places the experts), so the model trains with the rest of its plan."""
+    from benchmarks.coverage import build_model
+    from benchmarks.coverage import tiny_config as coverage_config
+    from lightning_tp.expert_parallel import expert_modules_of
+
+    model = build_model(coverage_config("aria_text"))
+    with pytest.raises(ValueError, match="packed_rowwise"):
+        resolve_plan(model, "auto", tp_size=2)
+    plan = resolve_plan(model, "auto", tp_size=2, leave=expert_modules_of(model))
+    plan = resolve_expert_plan(model, plan, ep_size=2)
+    assert plan.expert_modules and not [k for k in plan.styles if ".experts" in k]
