@@ -283,6 +283,17 @@ def transformers_apply_expert_parallelism() -> Callable[..., Any]:
     return apply_expert_parallelism
 
 
+def logs_this_step(trainer: Any) -> bool:
+    """Whether the Trainer's loggers write this training step's metrics (``log_every_n_steps``), as Lightning decides
+    it (``_logger_connector.should_update_logs``, private)."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another (``Tensor._is_view``: no public spelling)."""
+    return tensor._is_view()
+
+
 def uses_experts_interface(experts: Any) -> bool:
     """Whether an experts module goes through Transformers' experts interface (``@use_experts_implementation``, which
     sets ``_is_expert_parallel``): its expert-parallel dispatch relies on it to skip the expert ids of other ranks."""

@@ -33,7 +33,7 @@ def dcp_layouts(tree: Any) -> Any:
         if not dims:
             return tree
         placements = [Shard(p.dim) if i in dims else p for i, p in enumerate(tree.placements)]
-        return tree.redistribute(tree.device_mesh, placements)
+        return _redistribute(tree, placements)
     if isinstance(tree, dict):
         return {key: dcp_layouts(value) for key, value in tree.items()}
     if isinstance(tree, list):
@@ -46,12 +46,28 @@ def restore_layouts(loaded: Any, template: Any) -> Any:
     if isinstance(loaded, DTensor) and isinstance(template, DTensor):
         if loaded.placements == template.placements:
             return loaded
-        return loaded.redistribute(template.device_mesh, template.placements)
+        return _redistribute(loaded, template.placements, mesh=template.device_mesh)
     if isinstance(loaded, dict) and isinstance(template, dict):
         return {key: restore_layouts(value, template.get(key)) for key, value in loaded.items()}
     if isinstance(loaded, list) and isinstance(template, list):
         return [restore_layouts(value, other) for value, other in zip(loaded, template, strict=False)]
     return loaded
+
+
+def _redistribute(tensor: DTensor, placements: Any, *, mesh: Any = None) -> DTensor:
+    """``tensor.redistribute`` on its mesh's device: FSDP2's CPU offload keeps shards and optimizer states on the CPU,
+    which an NCCL group does not take; the result comes back where ``tensor`` was."""
+    mesh = mesh if mesh is not None else tensor.device_mesh
+    local = tensor.to_local()
+    if local.device.type == mesh.device_type:
+        return tensor.redistribute(mesh, placements)
+    on_mesh = DTensor.from_local(
+        local.to(mesh.device_type), mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+    )
+    moved = on_mesh.redistribute(mesh, placements)
+    return DTensor.from_local(
+        moved.to_local().to(local.device), mesh, moved.placements, shape=moved.shape, stride=moved.stride()
+    )
 
 
 def misplaced_by_dcp(tensor: Any) -> bool:

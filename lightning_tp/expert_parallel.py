@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_tp.compat import transformers_apply_expert_parallelism, uses_experts_interface
+from lightning_tp.compat import is_view, transformers_apply_expert_parallelism, uses_experts_interface
 from lightning_tp.fsdp import apply_fsdp
 from lightning_tp.layout import DP_REPLICATE_AXIS, EFSDP_AXIS
 from lightning_tp.plan import ResolvedPlan, key_regex
@@ -51,7 +51,7 @@ _TOTAL_ATTRIBUTE = "_lightning_tp_num_experts"
 
 
 def expert_parallel_problem(
-    model: nn.Module, *, layout: ParallelLayout, sequence_parallel: bool, presharded: object | None
+    model: nn.Module, *, sequence_parallel: bool, precision: str, presharded: object | None
 ) -> str | None:
     """Why ``model`` cannot have its experts split over the EP ranks with these options, or ``None``: decided from
     the configuration alone, the same on every rank."""
@@ -65,6 +65,12 @@ def expert_parallel_problem(
         return (
             "sequence_parallel=True is not supported with expert parallelism yet: it gives each TP rank its own "
             "tokens, which the dispatch takes for the TP group's shared ones. Drop one of them"
+        )
+    if precision == "16-true":
+        # FSDP2 divides fp16 gradients before and after the reduction and, on a one-rank group, once more.
+        return (
+            "precision='16-true' is not supported with expert parallelism: FSDP2 (torch 2.13) divides the experts' "
+            "fp16 gradients twice where a rank holds its experts alone. Use 'bf16-true' or 'bf16-mixed'"
         )
     return None
 
@@ -202,12 +208,13 @@ def _record_load(experts: nn.Module, args: tuple[Any, ...]) -> None:
     total = getattr(experts, _TOTAL_ATTRIBUTE)
     with torch.no_grad():
         load = torch.zeros(total, dtype=torch.float32, device=index.device)
-        load.scatter_add_(0, index.reshape(-1).long(), torch.ones(index.numel(), device=index.device))
+        ones = torch.ones(index.numel(), dtype=torch.float32, device=index.device)  # fp32 whatever the default dtype
+        load.scatter_add_(0, index.reshape(-1).long(), ones)
     setattr(experts, LOAD_ATTRIBUTE, load)
 
 
 def _not_a_view(experts: nn.Module, args: Any, output: Any) -> Any:
-    if isinstance(output, torch.Tensor) and output._is_view():
+    if isinstance(output, torch.Tensor) and is_view(output):
         return output.clone()
     return None
 
@@ -216,6 +223,21 @@ def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each expert-parallel experts module's tokens per expert in its last forward (this rank's tokens, before they
     were sent), by module name. Sum them over the data-parallel ranks for the whole batch's load."""
     return {name: load for name, m in model.named_modules() if (load := getattr(m, LOAD_ATTRIBUTE, None)) is not None}
+
+
+def check_expert_mesh(mesh: DeviceMesh, expert_mesh: DeviceMesh) -> None:
+    """Every TP group inside one EP group (the dispatch slices the TP group's shared batch among its ranks), read
+    from the meshes' rank tables, so every rank decides the same (a user's mesh may order its ranks otherwise)."""
+    names, expert_names = tuple(mesh.mesh_dim_names or ()), tuple(expert_mesh.mesh_dim_names or ())
+    tp, ep = mesh.size(names.index("tp")), expert_mesh.size(expert_names.index("ep"))
+    ep_groups = [set(row) for row in expert_mesh.mesh.reshape(-1, ep).tolist()]
+    for row in mesh.mesh.reshape(-1, tp).tolist():
+        if not any(set(row) <= group for group in ep_groups):
+            raise ValueError(
+                f"The TP group {row} is not inside one EP group of the expert mesh ({sorted(map(sorted, ep_groups))}): "
+                "the ranks of a TP group share one batch, which the expert dispatch splits among them. Build the mesh "
+                "with `ParallelLayout(...).build_device_mesh(...)` (TP innermost), or pass the sizes."
+            )
 
 
 def shard_experts(
@@ -238,4 +260,11 @@ def shard_experts(
             experts.set_force_sum_reduction_for_comms(True)
 
 
-__all__ = ["EP_STYLES", "apply_expert_parallel", "expert_load", "resolve_expert_plan", "shard_experts"]
+__all__ = [
+    "EP_STYLES",
+    "apply_expert_parallel",
+    "check_expert_mesh",
+    "expert_load",
+    "resolve_expert_plan",
+    "shard_experts",
+]

@@ -96,11 +96,6 @@ class ParallelLayout:
         """Ranks that hold the same experts and FSDP2-shard them (``dp_shard x cp x tp / ep``)."""
         return self.dp_shard_size * self.cp_size * self.tp_size // self.ep_size
 
-    @property
-    def expert_batches(self) -> int:
-        """Distinct token sets an EP group routes between (its TP groups: the ranks of a TP group share one)."""
-        return self.ep_size // self.tp_size
-
     @classmethod
     def resolve(
         cls,
@@ -197,7 +192,8 @@ class ParallelLayout:
         ``timeout`` as in :meth:`build_device_mesh`."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        assert self.ep_size > 1, "no expert mesh without expert parallelism"
+        if self.ep_size == 1:
+            raise ValueError("`build_expert_mesh` builds the mesh of expert parallelism: this layout has ep_size=1.")
         shape = (self.dp_replicate_size, self.efsdp_size, self.ep_size)
         options = group_options(timeout)
         override = (

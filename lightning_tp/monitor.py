@@ -109,29 +109,41 @@ def _h200_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 class ExpertLoadMonitor(L.Callback):
-    """Logs how evenly a mixture-of-experts model's routers spread the tokens, every ``log_every_n_steps`` steps,
-    from the first on, under expert parallelism (added by ``TensorParallelStrategy`` with ``ep_size > 1`` unless
-    ``throughput_monitor=False``): ``moe/expert_load_max_over_mean`` (the busiest expert's tokens over the mean, at
-    the worst layer: 1.0 is perfect balance) and ``moe/ep_rank_load_max_over_mean`` (the same for the tokens each EP
-    rank's experts receive: the rank that sets the pace of the all-to-alls), over the last micro-batch of the whole
-    data-parallel batch. One all-reduce of ``layers x experts`` counts over the data-parallel group when it logs.
-    :func:`lightning_tp.expert_load` gives the raw counts of this rank's tokens."""
+    """Logs how evenly a mixture-of-experts model's routers spread the tokens under expert parallelism (added by
+    ``TensorParallelStrategy`` with ``ep_size > 1`` unless ``throughput_monitor=False``):
+    ``moe/expert_load_max_over_mean`` (the busiest expert's tokens over the mean, at the worst layer: 1.0 is perfect
+    balance) and ``moe/ep_rank_load_max_over_mean`` (the same for the tokens each EP rank's experts receive: the rank
+    that sets the pace of the all-to-alls), over the last micro-batch of the whole batch (every data-parallel and CP
+    rank's tokens). At the first optimizer step and wherever the loggers write (``log_every_n_steps``): one all-reduce
+    of ``layers x experts`` counts then. :func:`lightning_tp.expert_load` gives the raw counts of this rank's tokens."""
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        import torch.distributed as dist
+
+        from lightning_tp.compat import distributed_is_initialized, logs_this_step
         from lightning_tp.expert_parallel import expert_load
 
-        every = max(1, trainer.log_every_n_steps)
-        if (trainer.global_step - 1) % every:  # after the first optimizer step, then every `every`
+        if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):  # the optimizer step's last micro-batch only
+            return
+        if trainer.global_step != 1 and not logs_this_step(trainer):
             return
         loads = expert_load(pl_module)
         if not loads:
             return
-        counts = torch.stack([loads[name] for name in sorted(loads)])  # [layers, experts], the same order everywhere
-        counts = trainer.strategy.reduce(counts.to(trainer.strategy.root_device), reduce_op="sum").float()
+        names = sorted(loads)  # the same order on every rank
+        flat = torch.cat([loads[name] for name in names]).to(trainer.strategy.root_device)
+        if distributed_is_initialized():
+            # Over every rank: the ranks of a TP group count the same tokens, which scales each layer's counts
+            # alike and leaves the ratios as they are; CP ranks and data-parallel ranks count their own.
+            dist.all_reduce(flat)
         ep_size = getattr(getattr(trainer.strategy, "layout", None), "ep_size", 1)
-        per_rank = counts.reshape(counts.shape[0], ep_size, -1).sum(dim=-1)
-        for metric, values in (("expert_load", counts), ("ep_rank_load", per_rank)):
-            ratio = values.max(dim=-1).values / values.mean(dim=-1).clamp_min(1e-12)
-            pl_module.log(f"moe/{metric}_max_over_mean", float(ratio.max()), on_step=True, on_epoch=False, batch_size=1)
+        worst = {"expert_load": 0.0, "ep_rank_load": 0.0}
+        for counts in flat.float().split([loads[name].numel() for name in names]):
+            per_rank = counts.reshape(ep_size, -1).sum(dim=-1)
+            for metric, values in (("expert_load", counts), ("ep_rank_load", per_rank)):
+                ratio = float(values.max() / values.mean().clamp_min(1e-12))
+                worst[metric] = max(worst[metric], ratio)
+        for metric, value in worst.items():
+            pl_module.log(f"moe/{metric}_max_over_mean", value, on_step=True, on_epoch=False, batch_size=1)

@@ -28,6 +28,7 @@ from lightning_tp.context_parallel import context_parallel_problem, install_cont
 from lightning_tp.discovery import modules_outside, transformers_models
 from lightning_tp.expert_parallel import (
     apply_expert_parallel,
+    check_expert_mesh,
     expert_modules_of,
     expert_parallel_problem,
     resolve_expert_plan,
@@ -282,7 +283,9 @@ def apply_parallelisms(
     #    checkpointing (the recomputed layer dispatches again) and FSDP2 (which shards each rank's experts over the
     #    ranks holding the same ones, `efsdp`, and must see the final DTensors).
     if layout.ep_size > 1:
-        expert_mesh = expert_mesh or layout.build_expert_mesh(mesh.device_type)
+        if expert_mesh is None:
+            expert_mesh = layout.build_expert_mesh(mesh.device_type)
+        check_expert_mesh(mesh, expert_mesh)
         for target in targets.models:
             if target.plan.experts:
                 apply_expert_parallel(target.module, target.plan, ep_mesh=expert_mesh[EP_AXIS], tp_mesh=tp_mesh)
@@ -379,7 +382,10 @@ def resolve_targets(
             raise ValueError(f"cp_size={layout.cp_size}: {problem}.")
         if layout.ep_size > 1:
             problem = expert_parallel_problem(
-                module, layout=layout, sequence_parallel=options.sequence_parallel, presharded=presharded_mesh
+                module,
+                sequence_parallel=options.sequence_parallel,
+                precision=options.precision,
+                presharded=presharded_mesh,
             )
             if problem is not None:
                 raise ValueError(f"ep_size={layout.ep_size}: {problem}.")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -209,7 +210,12 @@ def resolve_plan(
 
     if leave:
         under = tuple(f"{k}." for k in leave)
-        plan = {key: style for key, style in plan.items() if key not in leave and not key.startswith(under)}
+        left = [key for key in plan if key in leave or key.startswith(under)]
+        if given := [key for key in left if key in overrides]:
+            rank_zero_warn(
+                f"`tp_plan` entries {given} are ignored: expert parallelism places those experts (ep_size > 1)."
+            )
+        plan = {key: style for key, style in plan.items() if key not in left}
     module_names = [name for name, _ in module.named_modules() if name]
     all_params = list(module.named_parameters(remove_duplicate=False))
     unique_params = {name for name, _ in module.named_parameters()}

@@ -6,7 +6,7 @@ its mean router probability) when ``output_router_logits`` is on. The loss is a 
 so each data-parallel rank's loss over its own rows is not one process's loss over the whole batch, and averaging the
 ranks' gradients does not give one process's gradient either. Here each rank's call is replaced, for the models this
 package sharded, by the loss over every data-parallel rank's tokens: the token counts, probability sums and token
-totals are summed over the group (one all-reduce of ``2 x num_experts + 1`` numbers per forward); the backward
+totals are summed over the group (one all-reduce of ``2 x num_experts + 2`` numbers per forward); the backward
 scales by the group's size, so that FSDP2's average over the ranks sums their parts.
 
 The modeling module's ``load_balancing_loss_func`` is wrapped (once per module; it is a module-level function the
@@ -126,7 +126,7 @@ def global_load_balancing_loss(
     for layer in gate_logits:
         weights = torch.softmax(layer.to(device), dim=-1)
         chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
-        per_row = torch.ones(weights.shape[0], device=device) if mask is None else mask
+        per_row = torch.ones(weights.shape[0], dtype=torch.float32, device=device) if mask is None else mask
         counts = counts.scatter_add(0, chosen, per_row.repeat_interleave(top_k))
         probs = probs + (weights.float() * per_row.unsqueeze(-1)).sum(dim=0)
         rows = rows + per_row.sum()
@@ -136,16 +136,16 @@ def global_load_balancing_loss(
         mismatch += 1
     if group is None:
         return local, local
-    stats = torch.cat([counts, rows.reshape(1), mismatch]).detach()
-    dist.all_reduce(stats, group=group)
-    if stats[-1] > 0:
+    # One all-reduce: the probability sums (differentiable) with the counts, the token total and the check's flag.
+    stats = torch.cat([probs, counts.detach(), rows.detach().reshape(1), mismatch])
+    stats = _SumOverGroup.apply(stats, group, size)
+    if expected is not None and stats[-1] > 0:  # read on the host on the checked (first) call only
         raise ValueError(
             "The model's `load_balancing_loss_func` is not Switch Transformer's loss that lightning_tp computes over "
             "the whole data-parallel batch, so its value would differ from one process's. Train it without "
             "data parallelism, or with `output_router_logits=False`."
         )
-    counts, rows = stats[:num_experts], stats[num_experts]
-    probs = _SumOverGroup.apply(probs, group, size)
+    probs, counts, rows = stats[:num_experts], stats[num_experts : 2 * num_experts], stats[2 * num_experts]
     return num_experts * torch.sum((counts / rows) * (probs / rows)), local
 
 

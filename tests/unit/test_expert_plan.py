@@ -118,3 +118,27 @@ def test_the_tp_plans_expert_rules_do_not_matter_under_ep() -> None:
     plan = resolve_plan(model, "auto", tp_size=2, leave=expert_modules_of(model))
     plan = resolve_expert_plan(model, plan, ep_size=2)
     assert plan.expert_modules and not [k for k in plan.styles if ".experts" in k]
+
+
+def test_fp16_is_refused_and_counts_stay_fp32_under_a_16_bit_default_dtype() -> None:
+    """`16-true` is refused with EP (FSDP2 divides fp16 expert gradients twice on a one-rank group); under
+    `bf16-true`, Lightning sets a bf16 default dtype for the forward, and the per-expert counts and the router loss's
+    statistics stay fp32 (a bf16 `ones` failed in `scatter_add` into the fp32 counts)."""
+    from lightning_tp.expert_parallel import _record_load, expert_parallel_problem
+
+    model = build_causal_lm(tiny_config("qwen3_moe"))
+    problem = expert_parallel_problem(model, sequence_parallel=False, precision="16-true", presharded=None)
+    assert problem is not None and "16-true" in problem
+    assert expert_parallel_problem(model, sequence_parallel=False, precision="bf16-true", presharded=None) is None
+    experts = model.model.layers[0].mlp.experts
+    experts._lightning_tp_num_experts = 4
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        _record_load(experts, (torch.zeros(3, 64), torch.tensor([[0, 1], [1, 2], [3, 3]]), torch.ones(3, 2)))
+        logits = (torch.randn(6, 4, dtype=torch.float32),)
+        loss, _ = global_load_balancing_loss(logits, 4, 2, None, group=None, size=1)
+    finally:
+        torch.set_default_dtype(previous)
+    assert experts._lightning_tp_tokens_per_expert.tolist() == [1.0, 2.0, 1.0, 2.0]
+    assert loss.dtype == torch.float32
