@@ -9,6 +9,7 @@ from lightning_tp.grad import clip_grad_norm_, grad_norm
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
 from lightning_tp.lora import save_merged
+from lightning_tp.loss_parallel import keep_logits_sharded, token_entropy, token_logprobs, vocab_parallel_cross_entropy
 from lightning_tp.monitor import ExpertLoadMonitor, ThroughputMonitor
 from lightning_tp.parallelize import ParallelOptions, parallelize
 from lightning_tp.plan import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
@@ -31,10 +32,14 @@ __all__ = [
     "expert_load",
     "from_pretrained",
     "grad_norm",
+    "keep_logits_sharded",
     "load_sharded",
     "parallelize",
     "resolve_plan",
     "save_merged",
+    "token_entropy",
+    "token_logprobs",
+    "vocab_parallel_cross_entropy",
 ]
 
 # `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI; `Fabric(strategy="tp")`. Two registries, one

@@ -17,7 +17,8 @@ issues three), none in the backward, and no DTensor dispatch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -144,6 +145,76 @@ def vocab_parallel_cross_entropy(
     return loss.sum() / (labels != ignore_index).sum()
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    """The log-probability of each given token under ``logits``, fp32, 0 where ``tokens == ignore_index``: what DPO
+    sums over a response and GRPO turns into its ratios. ``logits``: ``(..., vocab)``, the full logits (a plain tensor:
+    ``log_softmax`` and a gather) or a DTensor sharded on the vocabulary (``loss_parallel=True``, see
+    :func:`keep_logits_sharded`): computed on the shards, no rank holding the whole vocabulary (two all-reduces of one
+    float per token, as :func:`vocab_parallel_cross_entropy`, of which it is the negative). ``tokens``: ``(...)``, the
+    same on every rank. Gradients reach ``logits`` in their own layout."""
+    if isinstance(logits, DTensor):
+        return -vocab_parallel_cross_entropy(logits, tokens, ignore_index=ignore_index, reduction="none")
+    tokens = tokens.to(logits.device)
+    valid = tokens != ignore_index
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.where(valid, tokens, 0).unsqueeze(-1))
+    return torch.where(valid, picked.squeeze(-1), 0.0)
+
+
+class _SumOverVocabShards(torch.autograd.Function):
+    """The sum over the TP group of each rank's part of a per-token quantity; the backward is the identity: every
+    rank holds the same sum and gets the same gradient, which flows into its own shard's part (Megatron's reduction
+    from the model-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, value, group):  # type: ignore[override]
+        total = value.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of the next-token distribution at each position, fp32: ``logsumexp(l) - sum(softmax(l) l)``.
+    ``logits`` as for :func:`token_logprobs` (full, or a vocabulary-sharded DTensor: three all-reduces of one float
+    per token, no rank holding the whole vocabulary). Differentiable."""
+    if not isinstance(logits, DTensor):
+        log_p = torch.log_softmax(logits.float(), dim=-1)
+        return -(log_p.exp() * log_p).sum(dim=-1)
+    local, group, _, _ = _local_vocab_shard(logits, None, None, None)
+    local = local.float()
+    top = local.detach().amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = local - top.unsqueeze(-1)
+    exp = shifted.exp()
+    total = _SumOverVocabShards.apply(exp.sum(dim=-1), group)
+    weighted = _SumOverVocabShards.apply((exp * shifted).sum(dim=-1), group) / total
+    return torch.log(total) - weighted
+
+
+#: Set while :func:`keep_logits_sharded` is active: forwards without ``labels`` keep their logits sharded too.
+_KEEP_SHARDED: list[bool] = []
+
+
+@contextlib.contextmanager
+def keep_logits_sharded() -> Iterator[None]:
+    """Forwards of a model with ``loss_parallel=True`` return vocabulary-sharded DTensor logits inside this context
+    even without ``labels`` (outside it they are gathered, for ``generate`` and prediction): for
+    :func:`token_logprobs` and :func:`token_entropy` on the shards (DPO, GRPO)::
+
+        with lightning_tp.keep_logits_sharded():
+            logits = policy(input_ids=ids, attention_mask=mask).logits  # DTensor, Shard(-1) on the TP mesh
+        logprobs = lightning_tp.token_logprobs(logits[:, :-1], ids[:, 1:])
+    """
+    _KEEP_SHARDED.append(True)
+    try:
+        yield
+    finally:
+        _KEEP_SHARDED.pop()
+
+
 def _local_vocab_shard(
     logits: DTensor, group: Any, vocab_start: int | None, vocab_size: int | None
 ) -> tuple[torch.Tensor, dist.ProcessGroup, int, int]:
@@ -239,7 +310,7 @@ def _gather_logits_without_labels(module: nn.Module, args: tuple, kwargs: dict, 
     """Forward hook: full logits for a forward that computed no loss. In ``generate`` these are the last position's
     only (``logits_to_keep=1``), so the gather is small."""
     logits = getattr(output, "logits", None)
-    if kwargs.get("labels") is None and isinstance(logits, DTensor):
+    if kwargs.get("labels") is None and isinstance(logits, DTensor) and not _KEEP_SHARDED:
         output.logits = logits.full_tensor()
     return output
 

@@ -40,3 +40,21 @@ def test_plain_torch_example_loss_falls() -> None:
     losses = [float(v) for v in re.findall(r"^step \d+ loss ([\d.]+)", stdout, flags=re.M)]
     assert len(losses) == 3, stdout  # steps 0, 10 and 19
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _dpo_steps(stdout: str) -> list[tuple[float, float]]:
+    steps = re.findall(r"^step +\d+ +loss ([\d.]+) +margin ([-\d.]+)$", stdout, flags=re.M)
+    return [(float(loss), float(margin)) for loss, margin in steps]
+
+
+def test_dpo_example_at_tp2_matches_one_process() -> None:
+    """examples/dpo.py: the policy and its frozen reference sharded at TP 2, the log-probabilities computed on
+    vocabulary-sharded logits (loss parallelism), give one process's DPO losses and reward margins; the held-out
+    preference accuracy goes from 0 (policy = reference) to above 0.9."""
+    runs = {devices: run_script("examples/dpo.py", "--steps", "8", "--devices", str(devices)) for devices in (1, 2)}
+    single, sharded = _dpo_steps(runs[1]), _dpo_steps(runs[2])
+    assert len(single) == len(sharded) == 8, runs[2]
+    for (loss, margin), (ref_loss, ref_margin) in zip(sharded, single, strict=True):
+        assert abs(loss - ref_loss) < 1e-5 and abs(margin - ref_margin) < 1e-5, (sharded, single)
+    accuracy = [float(v) for v in re.findall(r"preference accuracy ([\d.]+)", runs[2])]
+    assert accuracy[0] == 0.0 and accuracy[-1] > 0.9, accuracy
