@@ -100,6 +100,7 @@ class ParallelOptions:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     fsdp_blocks: tuple[str, ...] | None = None
@@ -293,6 +294,11 @@ def apply_parallelisms(
     #    FSDP2 (whose hooks then wrap the checkpointed layer and gather its weights again for the recompute).
     if options.activation_checkpointing:
         apply_activation_checkpointing(targets)
+    # 6b. torch.compile per decoder layer, after TP and activation checkpointing (it traces the sharded layer, the
+    #    checkpointed one) and before FSDP2 (torchtitan's order): each layer compiled in place (`Module.compile`), so
+    #    parameter names, state dicts and checkpoints stay the uncompiled model's.
+    if options.compile:
+        apply_compile(targets, blocks=options.fsdp_blocks)
     # 7. FSDP2 on the data-parallel axes (and the CP axis: its ranks hold the same weights and reduce their gradients
     #    together), after TP: it shards the TP shards further (2-D) and must see the final DTensor parameters. HSDP
     #    when dp_replicate_size > 1.
@@ -530,6 +536,20 @@ def apply_activation_checkpointing(targets: Targets) -> None:
                 f"`activation_checkpointing=True` is ignored for {type(module).__name__}: it applies to "
                 "Transformers models that support it. Wrap your blocks with `torch.utils.checkpoint` instead."
             )
+
+
+def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None) -> None:
+    """Each decoder layer (``blocks`` or ``_no_split_modules``) of each model compiled in place; the first forward
+    compiles it (graph breaks allowed: Transformers' TP layers and hooks break some graphs)."""
+    for target in targets.models:
+        layers = [m for m in target.module.modules() if type(m) in block_classes(target.module, blocks)]
+        if not layers:
+            rank_zero_warn(
+                f"`compile=True` is ignored for {type(target.module).__name__}: it has no decoder layers to compile "
+                "(`_no_split_modules`); pass `fsdp_blocks` to name them, or compile it yourself."
+            )
+        for layer in layers:
+            layer.compile()
 
 
 def apply_data_parallel(

@@ -86,6 +86,9 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             ``dp_replicate_size`` and ``cp_size`` from, instead of passing them.
         activation_checkpointing: Recompute each decoder layer's activations in backward (Transformers' own
             activation checkpointing), trading compute for memory.
+        compile: ``torch.compile`` each decoder layer in place, after TP and activation checkpointing, before FSDP2
+            (torchtitan's order); parameter names and checkpoints stay the uncompiled model's, so a checkpoint
+            written compiled resumes uncompiled and back.
         reshard_after_forward: FSDP2 frees each block's gathered parameters after its forward (less memory, one more
             all-gather in backward).
         cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
@@ -136,6 +139,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         ep_size: int = 1,
         parallelism_config: Any | None = None,
         activation_checkpointing: bool = False,
+        compile: bool = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         fsdp_blocks: list[str] | None = None,
@@ -168,6 +172,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
             activation_checkpointing=activation_checkpointing,
+            compile=compile,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
             fsdp_param_dtype=fsdp_param_dtype,

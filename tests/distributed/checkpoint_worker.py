@@ -275,6 +275,25 @@ def crash(ctx: Context) -> dict[str, Any]:
     raise AssertionError("the run was meant to be killed during its second save")
 
 
+@SCENARIOS.register("compiled")
+def compiled(ctx: Context) -> dict[str, Any]:
+    """torch.compile per decoder layer (TP 2): trained compiled and checkpointed at the end of epoch 0, resumed
+    uncompiled; the one-process checkpoint (``--from``) resumed compiled. The checkpoint's names are the model's."""
+    assert ctx.source is not None, "compiled needs --from (the one-process checkpoint)"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = ctx.out
+    module = ResumeModule(stateful_data=False)
+    fit(module, compile=True, callbacks=[SaveAt(epochs={0: out / "compiled_epoch0"})])
+    names = list(FileSystemReader(str(out / "compiled_epoch0")).read_metadata().state_dict_metadata)
+    return {
+        "compiled_uninterrupted": module.losses,
+        "compiled_to_plain": resumed_losses(out / "compiled_epoch0", stateful_data=False),
+        "single_to_compiled": resumed_losses(ctx.source, compile=True, stateful_data=False),
+        "compiled_names": names,
+    }
+
+
 @SCENARIOS.register("ep")
 def ep(ctx: Context) -> dict[str, Any]:
     """Expert parallelism across layouts, on the tiny Qwen3-MoE: ep 2 (over the TP group) trains and checkpoints at

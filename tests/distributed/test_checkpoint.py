@@ -24,7 +24,7 @@ from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 #: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
-TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "ep"]
+TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "ep", "compiled"]
 EXACT = 1e-6  # the same layout: the same operations, in the same order
 ACROSS = 1e-5  # another layout: TP splits the matmuls, so fp32 rounding differs (as in the parity tests)
 
@@ -80,7 +80,7 @@ def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("ckpt_tp2")
     scenarios = selected_scenarios(request.session.items, launch="ckpt_tp2", fixture="tp2", default=TP2_SCENARIOS)
     source = []
-    if {"from_single", "cp"} & set(scenarios):  # the one-process checkpoint they resume from
+    if {"from_single", "cp", "compiled"} & set(scenarios):  # the one-process checkpoint they resume from
         source = ["--from", str(request.getfixturevalue("single")["checkpoint"])]
     if "ep" in scenarios:
         source += ["--from-moe", str(request.getfixturevalue("single_moe")["checkpoint"])]
@@ -145,6 +145,20 @@ def test_context_parallel_checkpoints_resume_across_cp_sizes(
     _assert_close(result["resumed"], single["resumed"], ACROSS)
     # Both ranks' logits of a forward without labels are the whole sequence's, and they agree.
     torch.testing.assert_close(tp2["ranks"][0]["cp_logits"], tp2["ranks"][1]["cp_logits"], atol=0, rtol=0)
+
+
+@pytest.mark.scenarios("ckpt_tp2", "compiled")
+def test_compiled_checkpoints_resume_uncompiled_and_back(tp2: dict[str, Any], single: dict[str, Any]) -> None:
+    """`compile=True` (each decoder layer compiled in place, Lightning #21357 broke this for compiled TP models):
+    trains as one process does, its checkpoint holds the model's own names (no `_orig_mod`) and resumes uncompiled,
+    and a one-process checkpoint resumes compiled, each within fp32 rounding of one process resuming its own."""
+    for result in tp2["ranks"]:
+        _assert_close(result["compiled_uninterrupted"], single["uninterrupted"], ACROSS)
+        _assert_close(result["compiled_to_plain"], single["resumed"], ACROSS)
+        _assert_close(result["single_to_compiled"], single["resumed"], ACROSS)
+        names = result["compiled_names"]
+        assert "state_dict.model.model.layers.0.self_attn.q_proj.weight" in names, names[:5]
+        assert not [n for n in names if "_orig_mod" in n], names
 
 
 @pytest.mark.scenarios("ckpt_tp2", "ep")

@@ -111,8 +111,16 @@ def run_case(ctx: Context, name: str) -> dict:
     rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's rank_zero_info
     rank_zero_log.addHandler(handler)
     try:
+        from torch._dynamo.utils import counters  # the graphs torch.compile built (`compile=True` cases)
+
         with ReduceScatterCounter() as counter:
             t.fit(module, DataLoader(batches, batch_size=None))
+        # The layers compiled in place, and the graphs torch.compile built in this process so far (a later case may
+        # reuse an earlier one's).
+        compiled = {
+            "layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()),
+            "graphs_so_far": counters["stats"]["unique_graphs"],
+        }
     finally:
         rank_zero_log.removeHandler(handler)
     model = module.model
@@ -129,6 +137,7 @@ def run_case(ctx: Context, name: str) -> dict:
         "adapter": adapter,
         "initial_state": initial,
         "reduce_scatters": counter.calls,
+        "compiled": compiled,
         "all_gather_bytes": counter.all_gather_bytes,
         "optimizer_steps": t.global_step,
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),

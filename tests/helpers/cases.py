@@ -522,6 +522,22 @@ CASES: dict[str, Case] = {
     ),
     "gemma2_cp2_tp2_lp": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2, "loss_parallel": True}),
     "qwen3_cp2_dp2": lm("qwen3", 3, strategy_kwargs={"cp_size": 2, "tp_size": 1}),
+    # torch.compile per decoder layer: TP 2 (foreach AdamW, clipping); in 2-D with activation checkpointing and LoRA.
+    "qwen3_compile": lm(
+        "qwen3",
+        3,
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        clip=0.5,
+        strategy_kwargs={"compile": True},
+    ),
+    "qwen3_compile_activation_checkpointing": lm(
+        "qwen3", 3, strategy_kwargs={"compile": True, "activation_checkpointing": True}
+    ),
+    "qwen3_lora_compile": Case(
+        partial(_lora, "qwen3"), partial(lm_batches, 3), optimizer="adamw", lr=1e-2, strategy_kwargs={"compile": True}
+    ),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
     # data-parallel ranks (tp 1: the experts' FSDP2 has one rank each; the router's load-balancing loss over the whole
     # batch), ep 2 over the TP group (the ranks share one batch and each sends half of it), LoRA on the attention.
@@ -675,6 +691,8 @@ TWO_D_CASES = [
     "llama_cp2_tp2_sp_lp",
     "gemma2_cp2_tp2_lp",
     "qwen3_cp2_dp2",
+    # torch.compile in 2-D.
+    "qwen3_compile_activation_checkpointing",
     # Expert parallelism with TP and data parallelism.
     "qwen3_moe_ep2_tp2",
     "mixtral_ep4_tp2",

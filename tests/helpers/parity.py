@@ -38,3 +38,8 @@ def assert_parity(result: dict, ref: dict, name: str) -> None:
     layouts = result["grad_layouts"]
     assert len(layouts) == len(ref["grad_norms"]), layouts
     assert all(step["checked"] > 0 and step["mismatched"] == [] for step in layouts), layouts
+    # `compile=True` compiled every decoder layer in place (and torch.compile built graphs); else none is compiled.
+    if "compiled" in result:
+        wanted = bool(CASES[name].strategy_kwargs.get("compile"))
+        assert (result["compiled"]["layers"] > 0) == wanted, result["compiled"]
+        assert result["compiled"]["graphs_so_far"] > 0 or not wanted, result["compiled"]
