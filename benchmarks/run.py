@@ -21,7 +21,9 @@ Runs (same model built from a config with the same seed, same token batches, Ada
 * ``tp2_sp``, ``tp2_loss_parallel``, ``tp2_sp_lp``: ``TensorParallelStrategy(tp_size=2, sequence_parallel=True)``,
   ``loss_parallel=True``, both; recorded as skipped while the strategy does not accept the keyword;
 * ``tp2_no_monitor`` (only when named in ``--variants``): ``tp2`` with ``throughput_monitor=False``, to price the
-  monitor the strategy adds by default.
+  monitor the strategy adds by default;
+* ``tp2_compile`` (only when named in ``--variants``): ``tp2`` with ``compile=True`` (each decoder layer compiled;
+  the warm-up steps pay the compilation).
 
 Method. Each run is its own launch (``torchrun`` for 2 ranks, plain ``python`` for one), one thread per process on CPU
 (``OMP_NUM_THREADS=1``: a core is a device; ``single`` uses one core, the TP runs two). Launches are interleaved in
@@ -79,8 +81,11 @@ VARIANTS = {
     "tp2_loss_parallel": 2,
     "tp2_sp_lp": 2,
     "tp2_no_monitor": 2,  # not run by default: tp2 without its ThroughputMonitor, to price the monitor
+    "tp2_compile": 2,  # not run by default (its compilation takes longer than the quick run): tp2, compile=True
 }
-DEFAULT_VARIANTS = [name for name in VARIANTS if name != "tp2_no_monitor"]
+#: Runs left out unless named: they price one option against ``tp2``.
+OPTIONAL_VARIANTS = ("tp2_no_monitor", "tp2_compile")
+DEFAULT_VARIANTS = [name for name in VARIANTS if name not in OPTIONAL_VARIANTS]
 #: Strategy keywords of the variants the strategy may not offer yet.
 STRATEGY_OPTIONS = {
     "tp2": {},
@@ -88,6 +93,7 @@ STRATEGY_OPTIONS = {
     "tp2_loss_parallel": {"loss_parallel": True},
     "tp2_sp_lp": {"sequence_parallel": True, "loss_parallel": True},
     "tp2_no_monitor": {"throughput_monitor": False},
+    "tp2_compile": {"compile": True},
 }
 DEFAULTS = {
     "cpu": dict(hidden=256, layers=4, heads=8, vocab=4096, seq_len=256, batch_size=4, steps=8, warmup=2, rounds=2),
@@ -204,7 +210,7 @@ def theory(name: str, args: argparse.Namespace, element_size: int, tp: int = 2) 
 
     if name == "single":
         return {"forward": {}, "backward": {}}
-    name = "tp2" if name == "tp2_no_monitor" else name
+    name = "tp2" if name in OPTIONAL_VARIANTS else name
     sp = name in ("tp2_sp", "tp2_sp_lp")
     lp = name in ("tp2_loss_parallel", "tp2_sp_lp")
     H = args.hidden * element_size
@@ -636,7 +642,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated runs (default: all but tp2_no_monitor), from {', '.join(VARIANTS)}",
+        help=f"comma-separated runs (default: all but {', '.join(OPTIONAL_VARIANTS)}), from {', '.join(VARIANTS)}",
     )
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int, default=None, help="default: 2.75 x hidden, rounded to 64")
