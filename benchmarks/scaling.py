@@ -1,6 +1,7 @@
 """How TP 2 scales with the model: one process against ``TensorParallelStrategy(tp_size=2)`` and the hand-written plan,
 over model sizes (hidden 256 -> 2048) and sequence lengths, every point measured by ``benchmarks/run.py`` (its method:
-one thread per rank, interleaved rounds, the median step; its collective counts against the theory).
+one thread per rank, ``--rounds`` interleaved launches (1 in the committed run), the median step; its collective
+counts against the theory).
 
     python benchmarks/scaling.py --out benchmarks/scaling.json      # writes scaling.json, scaling.md, scaling.png
 

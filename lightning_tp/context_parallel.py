@@ -659,6 +659,12 @@ class ContextParallel:
         logits = output[0] if as_tuple else getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor) or logits.ndim < 2 or logits.shape[SEQUENCE_DIM] != split.local_len:
             return output
+        if hasattr(logits, "placements"):  # vocabulary-sharded, kept so by `keep_logits_sharded` (every rank alike)
+            raise ValueError(
+                "Context parallelism gathers the logits of a forward without labels; `keep_logits_sharded()` asks for "
+                "vocabulary-sharded ones, which it does not gather. Call the forward outside `keep_logits_sharded()` "
+                "(full logits), or pass `labels` (this rank's tokens, sharded)."
+            )
         logits = self.gather(logits, split).narrow(SEQUENCE_DIM, 0, split.seq_len)
         if as_tuple:
             return (logits, *output[1:])

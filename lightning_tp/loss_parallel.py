@@ -18,6 +18,7 @@ issues three), none in the backward, and no DTensor dispatch.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -182,7 +183,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     per token, no rank holding the whole vocabulary). Differentiable."""
     if not isinstance(logits, DTensor):
         log_p = torch.log_softmax(logits.float(), dim=-1)
-        return -(log_p.exp() * log_p).sum(dim=-1)
+        p = log_p.exp()
+        return -torch.where(p > 0, p * log_p, 0.0).sum(dim=-1)  # a -inf logit adds 0, not nan
     local, group, _, _ = _local_vocab_shard(logits, None, None, None)
     local = local.float()
     top = local.detach().amax(dim=-1)
@@ -190,29 +192,31 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     shifted = local - top.unsqueeze(-1)
     exp = shifted.exp()
     total = _SumOverVocabShards.apply(exp.sum(dim=-1), group)
-    weighted = _SumOverVocabShards.apply((exp * shifted).sum(dim=-1), group) / total
+    weighted = _SumOverVocabShards.apply(torch.where(exp > 0, exp * shifted, 0.0).sum(dim=-1), group) / total
     return torch.log(total) - weighted
 
 
-#: Set while :func:`keep_logits_sharded` is active: forwards without ``labels`` keep their logits sharded too.
-_KEEP_SHARDED: list[bool] = []
+#: Set while :func:`keep_logits_sharded` is active (in this thread or task): forwards without ``labels`` keep their
+#: logits sharded too.
+_KEEP_SHARDED: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_tp_keep_logits_sharded", default=False)
 
 
 @contextlib.contextmanager
 def keep_logits_sharded() -> Iterator[None]:
     """Forwards of a model with ``loss_parallel=True`` return vocabulary-sharded DTensor logits inside this context
     even without ``labels`` (outside it they are gathered, for ``generate`` and prediction): for
-    :func:`token_logprobs` and :func:`token_entropy` on the shards (DPO, GRPO)::
+    :func:`token_logprobs` and :func:`token_entropy` on the shards (DPO, GRPO). Not with context parallelism, whose
+    forwards without labels gather each sequence's logits (refused there)::
 
         with lightning_tp.keep_logits_sharded():
             logits = policy(input_ids=ids, attention_mask=mask).logits  # DTensor, Shard(-1) on the TP mesh
         logprobs = lightning_tp.token_logprobs(logits[:, :-1], ids[:, 1:])
     """
-    _KEEP_SHARDED.append(True)
+    token = _KEEP_SHARDED.set(True)
     try:
         yield
     finally:
-        _KEEP_SHARDED.pop()
+        _KEEP_SHARDED.reset(token)
 
 
 def _local_vocab_shard(
@@ -310,7 +314,7 @@ def _gather_logits_without_labels(module: nn.Module, args: tuple, kwargs: dict, 
     """Forward hook: full logits for a forward that computed no loss. In ``generate`` these are the last position's
     only (``logits_to_keep=1``), so the gather is small."""
     logits = getattr(output, "logits", None)
-    if kwargs.get("labels") is None and isinstance(logits, DTensor) and not _KEEP_SHARDED:
+    if kwargs.get("labels") is None and isinstance(logits, DTensor) and not _KEEP_SHARDED.get():
         output.logits = logits.full_tensor()
     return output
 

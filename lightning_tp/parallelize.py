@@ -294,9 +294,10 @@ def apply_parallelisms(
     #    FSDP2 (whose hooks then wrap the checkpointed layer and gather its weights again for the recompute).
     if options.activation_checkpointing:
         apply_activation_checkpointing(targets)
-    # 6b. torch.compile per decoder layer, after TP and activation checkpointing (it traces the sharded layer, the
-    #    checkpointed one) and before FSDP2 (torchtitan's order): each layer compiled in place (`Module.compile`), so
-    #    parameter names, state dicts and checkpoints stay the uncompiled model's.
+    # 6b. torch.compile per decoder layer, after TP (it traces the sharded layer) and activation checkpointing (whose
+    #    wrapper stays outside the compiled call), before FSDP2: each layer compiled in place (`Module.compile`), so
+    #    parameter names, state dicts and checkpoints stay the uncompiled model's (torchtitan wraps each block
+    #    instead, which renames its parameters).
     if options.compile:
         apply_compile(targets, blocks=options.fsdp_blocks)
     # 7. FSDP2 on the data-parallel axes (and the CP axis: its ranks hold the same weights and reduce their gradients
@@ -542,11 +543,13 @@ def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None) -> None:
     """Each decoder layer (``blocks`` or ``_no_split_modules``) of each model compiled in place; the first forward
     compiles it (graph breaks allowed: Transformers' TP layers and hooks break some graphs)."""
     for target in targets.models:
-        layers = [m for m in target.module.modules() if type(m) in block_classes(target.module, blocks)]
+        classes = block_classes(target.module, blocks)
+        layers = [m for m in target.module.modules() if type(m) in classes]
         if not layers:
             rank_zero_warn(
-                f"`compile=True` is ignored for {type(target.module).__name__}: it has no decoder layers to compile "
-                "(`_no_split_modules`); pass `fsdp_blocks` to name them, or compile it yourself."
+                f"`compile=True` is ignored for {type(target.module).__name__}: no module of the block classes "
+                f"({sorted(blocks) if blocks else '`_no_split_modules`'}) to compile; name its layers with "
+                "`fsdp_blocks`, or compile it yourself."
             )
         for layer in layers:
             layer.compile()

@@ -63,3 +63,14 @@ def test_keep_logits_sharded_skips_the_gather_of_a_forward_without_labels() -> N
         assert hasattr(kept.logits, "placements")
         after = _gather_logits_without_labels(None, (), {}, output())
         assert not hasattr(after.logits, "placements")
+
+
+def test_entropy_of_masked_logits_is_finite() -> None:
+    """A -inf logit (a masked token) adds nothing to the entropy, on the full and on the sharded path."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    logits = torch.tensor([[0.0, 1.0, float("-inf"), 2.0]])
+    expected = lightning_tp.token_entropy(torch.tensor([[0.0, 1.0, 2.0]]))
+    torch.testing.assert_close(lightning_tp.token_entropy(logits), expected)
+    with one_rank_mesh() as mesh:
+        torch.testing.assert_close(lightning_tp.token_entropy(distribute_tensor(logits, mesh, [Shard(-1)])), expected)
