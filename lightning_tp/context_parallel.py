@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from lightning_tp.collectives import SumOverGroup
 from lightning_tp.compat import attention_implementation, set_attention_implementation
 
 #: The attention implementations context parallelism runs inside, and the score a masked key gets in the additive
@@ -171,22 +172,6 @@ class _GatherSequence(torch.autograd.Function):
         out = ranked.new_empty((ranked.shape[0] // ctx.size, *ranked.shape[1:]))
         dist.reduce_scatter_single(out, ranked, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None, None, None, None
-
-
-class _SumOverContext(torch.autograd.Function):
-    """The sum of each CP rank's partial loss, on every rank; the backward scales by the group's size, so that FSDP2's
-    average over ``dp_shard x cp`` sums the CP ranks' gradients (each rank's partial loss covers its own tokens)."""
-
-    @staticmethod
-    def forward(ctx, loss, group, size):  # type: ignore[override]
-        ctx.size = size
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad * ctx.size, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -699,7 +684,7 @@ class ContextParallel:
                 num_items_in_batch = (shift_labels != ignore_index).sum()
             local = split.local(_pad_sequence(shift_labels, split.padded_len, value=ignore_index))
             partial = inner(logits, None, vocab_size, num_items_in_batch, ignore_index, local, **kwargs)
-            return _SumOverContext.apply(partial, self.group, self.size)
+            return SumOverGroup.apply(partial, self.group, self.size)
 
         return context_parallel_loss
 

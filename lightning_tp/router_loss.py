@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_tp.collectives import SumOverGroup
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -89,22 +91,6 @@ def _wrap(original: Callable[..., Any], module_name: str) -> Callable[..., Any]:
     return load_balancing_loss_func
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """The sum over ``group`` on every rank; the backward scales by its size (every rank's loss is the same sum, and
-    FSDP2 averages the ranks' gradients)."""
-
-    @staticmethod
-    def forward(ctx, value, group, size):  # type: ignore[override]
-        ctx.size = size
-        total = value.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad * ctx.size, None, None
-
-
 def global_load_balancing_loss(
     gate_logits: tuple[torch.Tensor, ...],
     num_experts: int,
@@ -138,7 +124,7 @@ def global_load_balancing_loss(
         return local, local
     # One all-reduce: the probability sums (differentiable) with the counts, the token total and the check's flag.
     stats = torch.cat([probs, counts.detach(), rows.detach().reshape(1), mismatch])
-    stats = _SumOverGroup.apply(stats, group, size)
+    stats = SumOverGroup.apply(stats, group, size)
     if expected is not None and stats[-1] > 0:  # read on the host on the checked (first) call only
         raise ValueError(
             "The model's `load_balancing_loss_func` is not Switch Transformer's loss that lightning_tp computes over "
