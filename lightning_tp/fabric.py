@@ -83,7 +83,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         ep_size: int = 1,
         parallelism_config: Any | None = None,
         activation_checkpointing: bool = False,
-        compile: bool = False,
+        compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         fsdp_blocks: list[str] | None = None,

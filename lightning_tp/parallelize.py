@@ -100,7 +100,7 @@ class ParallelOptions:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: bool | Mapping[str, Any] = False
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     fsdp_blocks: tuple[str, ...] | None = None
@@ -116,6 +116,14 @@ class ParallelOptions:
             raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {self.tp_plan!r}.')
         if self.fsdp_blocks is not None:
             object.__setattr__(self, "fsdp_blocks", tuple(self.fsdp_blocks) or None)
+        if isinstance(self.compile, Mapping):
+            object.__setattr__(self, "compile", dict(self.compile))
+            check_compile_options(self.compile)
+        elif not isinstance(self.compile, bool):
+            raise ValueError(
+                f"`compile` must be True, False or a dict of `torch.compile` keyword arguments (say "
+                f'{{"fullgraph": True}}), got {self.compile!r}.'
+            )
         if self.fsdp_param_dtype is not None and self.fsdp_param_dtype not in BF16_NAMES:
             raise ValueError(
                 "`fsdp_param_dtype` must be None (gather parameters in their own dtype) or 'bf16' (gather bf16 copies, "
@@ -298,8 +306,8 @@ def apply_parallelisms(
     #    wrapper stays outside the compiled call), before FSDP2: each layer compiled in place (`Module.compile`), so
     #    parameter names, state dicts and checkpoints stay the uncompiled model's (torchtitan wraps each block
     #    instead, which renames its parameters).
-    if options.compile:
-        apply_compile(targets, blocks=options.fsdp_blocks)
+    if options.compile is not False:
+        apply_compile(targets, blocks=options.fsdp_blocks, compile_options=compile_options(options.compile))
     # 7. FSDP2 on the data-parallel axes (and the CP axis: its ranks hold the same weights and reduce their gradients
     #    together), after TP: it shards the TP shards further (2-D) and must see the final DTensor parameters. HSDP
     #    when dp_replicate_size > 1.
@@ -539,20 +547,43 @@ def apply_activation_checkpointing(targets: Targets) -> None:
             )
 
 
-def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None) -> None:
-    """Each decoder layer (``blocks`` or ``_no_split_modules``) of each model compiled in place; the first forward
-    compiles it (graph breaks allowed: Transformers' TP layers and hooks break some graphs)."""
+#: ``torch.compile`` arguments ``compile={...}`` may not set: the strategy compiles each layer in place itself.
+_COMPILE_OWN_ARGUMENTS = ("model",)
+
+
+def check_compile_options(options: Mapping[str, Any]) -> None:
+    """``compile={...}`` holds ``torch.compile`` keyword arguments only (checked against its signature)."""
+    import inspect
+
+    accepted = [name for name in inspect.signature(torch.compile).parameters if name not in _COMPILE_OWN_ARGUMENTS]
+    for key in options:
+        if key not in accepted:
+            raise ValueError(
+                f"`compile={{{key!r}: ...}}`: {key!r} is not a `torch.compile` argument here. Use some of "
+                f"{', '.join(accepted)}, or `compile=True` for its defaults."
+            )
+
+
+def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any]:
+    """The ``torch.compile`` keyword arguments ``compile`` asks for: none for ``True``."""
+    return dict(compile) if isinstance(compile, Mapping) else {}
+
+
+def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None, compile_options: Mapping[str, Any]) -> None:
+    """Each decoder layer (``blocks`` or ``_no_split_modules``) of each model compiled in place with
+    ``compile_options`` (``torch.compile``'s arguments); the first forward compiles it. By default graph breaks are
+    allowed (a family's hooks may break some); ``{"fullgraph": True}`` makes one an error, naming the break."""
     for target in targets.models:
         classes = block_classes(target.module, blocks)
         layers = [m for m in target.module.modules() if type(m) in classes]
         if not layers:
             rank_zero_warn(
-                f"`compile=True` is ignored for {type(target.module).__name__}: no module of the block classes "
+                f"`compile` is ignored for {type(target.module).__name__}: no module of the block classes "
                 f"({sorted(blocks) if blocks else '`_no_split_modules`'}) to compile; name its layers with "
                 "`fsdp_blocks`, or compile it yourself."
             )
         for layer in layers:
-            layer.compile()
+            layer.compile(**compile_options)
 
 
 def apply_data_parallel(

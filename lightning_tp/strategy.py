@@ -88,7 +88,9 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             activation checkpointing), trading compute for memory.
         compile: ``torch.compile`` each decoder layer in place, after TP and activation checkpointing, before FSDP2
             (torchtitan's order); parameter names and checkpoints stay the uncompiled model's, so a checkpoint
-            written compiled resumes uncompiled and back.
+            written compiled resumes uncompiled and back. A dict passes ``torch.compile``'s keyword arguments:
+            ``{"fullgraph": True}`` turns any graph break into an error that names it, ``{"mode": ...}`` picks the
+            inductor mode.
         reshard_after_forward: FSDP2 frees each block's gathered parameters after its forward (less memory, one more
             all-gather in backward).
         cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
@@ -139,7 +141,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         ep_size: int = 1,
         parallelism_config: Any | None = None,
         activation_checkpointing: bool = False,
-        compile: bool = False,
+        compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         fsdp_blocks: list[str] | None = None,

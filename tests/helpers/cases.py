@@ -522,7 +522,8 @@ CASES: dict[str, Case] = {
     ),
     "gemma2_cp2_tp2_lp": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2, "loss_parallel": True}),
     "qwen3_cp2_dp2": lm("qwen3", 3, strategy_kwargs={"cp_size": 2, "tp_size": 1}),
-    # torch.compile per decoder layer: TP 2 (foreach AdamW, clipping); in 2-D with activation checkpointing and LoRA.
+    # torch.compile per decoder layer: TP 2 with sequence parallelism, each layer one graph (`fullgraph`: a graph
+    # break fails the case), foreach AdamW, clipping; in 2-D with activation checkpointing and LoRA (breaks allowed).
     "qwen3_compile": lm(
         "qwen3",
         3,
@@ -530,7 +531,7 @@ CASES: dict[str, Case] = {
         lr=1e-3,
         opt_kwargs={"foreach": True},
         clip=0.5,
-        strategy_kwargs={"compile": True},
+        strategy_kwargs={"compile": {"fullgraph": True}, "sequence_parallel": True},
     ),
     "qwen3_compile_activation_checkpointing": lm(
         "qwen3", 3, strategy_kwargs={"compile": True, "activation_checkpointing": True}

@@ -288,3 +288,19 @@ def test_a_mesh_parallelize_does_not_know_is_refused_by_name() -> None:
             layout_of(ours["tp"])
     finally:
         dist.destroy_process_group()
+
+
+def test_compile_takes_torch_compile_arguments_and_names_a_wrong_key() -> None:
+    """``compile`` is True/False or ``torch.compile``'s keyword arguments, checked against its signature."""
+    from lightning_tp import ParallelOptions
+
+    assert ParallelOptions(compile={"fullgraph": True, "mode": "max-autotune"}).compile == {
+        "fullgraph": True,
+        "mode": "max-autotune",
+    }
+    with pytest.raises(ValueError, match=r"'full_graph' is not a `torch.compile` argument.*fullgraph"):
+        ParallelOptions(compile={"full_graph": True})
+    with pytest.raises(ValueError, match="'model' is not a `torch.compile` argument"):
+        ParallelOptions(compile={"model": None})
+    with pytest.raises(ValueError, match="`compile` must be True, False or a dict"):
+        ParallelOptions(compile="yes")
