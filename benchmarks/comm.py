@@ -11,6 +11,10 @@ as torch's ``CommDebugMode`` (torch 2.13), plus the byte sizes CommDebugMode doe
 * the in-place c10d ops (``torch.ops.c10d.allreduce_`` ...) behind ``torch.distributed.all_reduce`` and friends,
   called directly (Transformers' row-wise inference path, the strategy's gradient sums, Lightning's ``reduce``).
 
+Time (``seconds[phase]``): the wall time of each collective call, of each ``wait_tensor`` (where an async functional
+collective is waited for), and of an in-place c10d op's work, waited for in the call (the caller's own wait is then
+immediate). It includes waiting for the slower rank to arrive, which the step pays too.
+
 The mode returns ``NotImplemented`` for DTensor arguments, so DTensor's dispatch runs first and the collectives it
 decides on come back through the mode. Collectives issued in backward are seen too: on CPU the autograd engine runs in
 the calling thread, and on CUDA the engine's worker threads inherit the dispatch mode stack.
@@ -22,6 +26,7 @@ moves ``2 (n-1)/n`` of that per rank for an all-reduce and ``(n-1)/n`` for the o
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +71,7 @@ _OPS: dict[Any, tuple[str, Any]] = {
     _c10d.scatter_: ("scatter", 1),
     _c10d.barrier: ("barrier", None),
 }
+_WAIT = _funcol.wait_tensor
 
 
 def _nbytes(obj: Any) -> int:
@@ -90,6 +96,7 @@ class CollectiveCounter(TorchDispatchMode):
         )
         self.events: list[tuple[str, str, int, tuple[int, ...], str]] = []
         self.dtensor_ops: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,8 +107,15 @@ class CollectiveCounter(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             self.dtensor_ops[self._phase()] += 1
             return NotImplemented  # let DTensor dispatch; its collectives come back through this mode
-        out = func(*args, **kwargs)
         entry = _OPS.get(func._overloadpacket)
+        if entry is None and func._overloadpacket is not _WAIT:
+            return func(*args, **kwargs)
+        started = time.perf_counter()
+        out = func(*args, **kwargs)
+        for item in out if isinstance(out, tuple) else ():
+            if isinstance(item, torch.ScriptObject) and hasattr(item, "wait"):
+                item.wait()  # an in-place c10d op's work
+        self.seconds[self._phase()] += time.perf_counter() - started
         if entry is not None:
             kind, where = entry
             payload = None if where is None else out if where == "out" else args[0] if where == "in" else args[where]

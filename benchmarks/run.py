@@ -23,7 +23,10 @@ Runs (same model built from a config with the same seed, same token batches, Ada
 * ``tp2_no_monitor`` (only when named in ``--variants``): ``tp2`` with ``throughput_monitor=False``, to price the
   monitor the strategy adds by default;
 * ``tp2_compile`` (only when named in ``--variants``): ``tp2`` with ``compile=True`` (each decoder layer compiled;
-  the warm-up steps pay the compilation).
+  the warm-up steps pay the compilation);
+* ``tp2_dp2`` (only when named in ``--variants``): ``TensorParallelStrategy(tp_size=2)`` on 4 processes, so
+  ``dp_shard 2 x tp 2`` (FSDP2 over the two TP groups); each data-parallel rank takes a whole batch, so a step holds
+  twice the tokens. On 2 cores its 4 processes share 2 cores: its tokens/s can at best match ``tp2``'s.
 
 Method. Each run is its own launch (``torchrun`` for 2 ranks, plain ``python`` for one), one thread per process on CPU
 (``OMP_NUM_THREADS=1``: a core is a device; ``single`` uses one core, the TP runs two). Launches are interleaved in
@@ -38,14 +41,17 @@ launch, after ``--warmup`` steps:
   other processes only adds time and comes and goes over tens of seconds, about a launch: on a shared machine the
   best round is the steadiest comparison. Each step is also split into forward (with zero_grad), backward,
   optimizer and rest (hooks after the step, the loop, the next batch), each the median of the slowest rank;
-* tokens/s: global tokens per step (batch x sequence; every TP rank works on the same tokens) / median step time;
+* tokens/s: global tokens per step (batch x sequence x data-parallel ranks; every TP rank works on the same
+  tokens) / median step time;
 * memory per rank: on CPU the peak resident set (VmHWM, reset through ``/proc/self/clear_refs``) above the resident set
   once setup is done (model sharded, optimizer built, no state yet): gradients, AdamW states, activations and
   temporaries; on CUDA ``torch.cuda.max_memory_allocated`` above the allocated bytes at the same point;
 * collectives: one more step (after the timed ones) under :class:`benchmarks.comm.CollectiveCounter`, a dispatch mode
   that intercepts DTensor's functional collectives and ``torch.distributed``'s c10d ops alike (as ``CommDebugMode``
   does; checked to agree with it), by phase (forward, backward, optimizer, after_step = hooks after the step) with
-  bytes; also the number of ops dispatched on DTensors per step (each one pays DTensor's Python-side dispatch);
+  bytes; also the number of ops dispatched on DTensors per step (each one pays DTensor's Python-side dispatch), and
+  the time spent in collectives (each call and its wait, waiting for the slower rank included; the mean over the
+  ranks). ``compute_time_s`` is the step time less that: the step's own work, the host's dispatch included;
 * theory: the collectives each plan implies for forward and backward (see :func:`theory`), next to the measured ones.
 
 ``--profile DIR`` adds one step under ``torch.profiler`` per run and writes the top operators of rank 0 there.
@@ -82,9 +88,10 @@ VARIANTS = {
     "tp2_sp_lp": 2,
     "tp2_no_monitor": 2,  # not run by default: tp2 without its ThroughputMonitor, to price the monitor
     "tp2_compile": 2,  # not run by default (its compilation takes longer than the quick run): tp2, compile=True
+    "tp2_dp2": 4,  # not run by default: dp_shard 2 x tp 2 on 4 processes
 }
 #: Runs left out unless named: they price one option against ``tp2``.
-OPTIONAL_VARIANTS = ("tp2_no_monitor", "tp2_compile")
+OPTIONAL_VARIANTS = ("tp2_no_monitor", "tp2_compile", "tp2_dp2")
 DEFAULT_VARIANTS = [name for name in VARIANTS if name not in OPTIONAL_VARIANTS]
 #: Strategy keywords of the variants the strategy may not offer yet.
 STRATEGY_OPTIONS = {
@@ -94,6 +101,7 @@ STRATEGY_OPTIONS = {
     "tp2_sp_lp": {"sequence_parallel": True, "loss_parallel": True},
     "tp2_no_monitor": {"throughput_monitor": False},
     "tp2_compile": {"compile": True},
+    "tp2_dp2": {},
 }
 DEFAULTS = {
     "cpu": dict(hidden=256, layers=4, heads=8, vocab=4096, seq_len=256, batch_size=4, steps=8, warmup=2, rounds=2),
@@ -210,6 +218,8 @@ def theory(name: str, args: argparse.Namespace, element_size: int, tp: int = 2) 
 
     if name == "single":
         return {"forward": {}, "backward": {}}
+    if name == "tp2_dp2":
+        return None  # FSDP2's gathers and reduce-scatters on top of tp2's: not modelled here
     name = "tp2" if name in OPTIONAL_VARIANTS else name
     sp = name in ("tp2_sp", "tp2_sp_lp")
     lp = name in ("tp2_loss_parallel", "tp2_sp_lp")
@@ -345,6 +355,7 @@ class StepRecorder:
             "losses": self.losses,
             "memory": self.memory(),
             "collectives_by_phase": counter.by_phase() if counter else None,
+            "collective_seconds_by_phase": dict(counter.seconds) if counter else None,
             "collective_events": counter.events if counter else None,
             "dtensor_ops_by_phase": dict(counter.dtensor_ops) if counter else None,
             "profile": self.profile_table,
@@ -426,7 +437,7 @@ def run_lightning(args: argparse.Namespace, recorder: StepRecorder, record: dict
     else:
         from lightning_tp import TensorParallelStrategy
 
-        strategy, devices = TensorParallelStrategy(tp_size=2, **STRATEGY_OPTIONS[variant]), 2
+        strategy, devices = TensorParallelStrategy(tp_size=2, **STRATEGY_OPTIONS[variant]), VARIANTS[variant]
     trainer = L.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu",
         devices=devices,
@@ -578,7 +589,16 @@ def summarise(name: str, rounds: list[list[dict]], args: argparse.Namespace, ele
     measured = {phase: by_phase.get(phase, {}) for phase in ("forward", "backward", "optimizer", "after_step")}
     stable = all(r[k]["collectives_by_phase"] == by_phase for r in rounds for k in range(len(r)))
     ranks_agree = all(rec["collectives_by_phase"] == by_phase for rec in first)
-    tokens = args.batch_size * args.seq_len
+    # Data-parallel ranks: those past the TP group (2 ranks) each take a whole batch.
+    data_parallel = max(1, len(first) // 2) if name != "single" else 1
+    tokens = args.batch_size * args.seq_len * data_parallel
+    # Time in collectives in the counted step, per rank (mean over the ranks), by phase.
+    seconds = [rec.get("collective_seconds_by_phase") or {} for rec in first]
+    collective_phases = {
+        phase: statistics.mean(rank.get(phase, 0.0) for rank in seconds)
+        for phase in ("forward", "backward", "optimizer", "after_step")
+    }
+    collective_time = sum(collective_phases.values())
     expected = theory(name, args, element_size)
     fwd_bwd = merge([measured["forward"], measured["backward"]])
     return {
@@ -591,6 +611,10 @@ def summarise(name: str, rounds: list[list[dict]], args: argparse.Namespace, ele
         "step_time_min_s": min(times),
         "phase_time_s": phases,
         "tokens_per_s": tokens / median,
+        "tokens_per_step": tokens,
+        "collective_time_s": collective_time,
+        "collective_time_by_phase_s": collective_phases,
+        "compute_time_s": median - collective_time,
         "peak_mem_mb": [max(r[k]["memory"]["peak_above_baseline_mb"] for r in rounds) for k in range(len(first))],
         "baseline_mem_mb": [max(r[k]["memory"]["baseline_mb"] for r in rounds) for k in range(len(first))],
         "collectives": fwd_bwd,

@@ -3,36 +3,48 @@ rank and, on GPU, MFU. Added by ``TensorParallelStrategy`` unless ``throughput_m
 
 The ranks of a TP group work on the same tokens, so the global figure sums over the data-parallel group only (the
 strategy's ``reduce`` default), never over the world.
+
+Measured over windows of optimizer steps that end where the loggers write (``log_every_n_steps``) and at the first
+step, so that the steps in between pay nothing: no collective, no CUDA synchronisation (tokens are summed on the
+device). At a window's end: one synchronisation, one reduce over the data-parallel group; the memory peak is reset for
+the next window, so a peak is the window's own (setup, checkpoint saves and earlier windows left out).
 """
 
 from __future__ import annotations
 
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 
-from lightning_tp.compat import CUDA_FLOPS
+from lightning_tp.compat import CUDA_FLOPS, logs_this_step
 
 
 class ThroughputMonitor(L.Callback):
     """Logs ``tokens_per_sec`` (global, shown in the progress bar), ``tokens_per_sec_per_replica`` (this
-    data-parallel replica, i.e. its TP group), ``tokens_per_sec_per_device`` (global / world size), ``step_time_s``,
-    ``peak_memory_mb`` (CUDA allocator on GPU, peak RSS on CPU) and, on GPU, ``mfu``.
+    data-parallel replica, i.e. its TP group), ``tokens_per_sec_per_device`` (global / world size), ``step_time_s``
+    (the window's mean), ``peak_memory_mb`` (the window's peak: CUDA allocator on GPU, resident set on CPU) and, on
+    GPU, ``mfu``, where the loggers write (see the module's docstring).
 
     Tokens are counted from the batch's ``attention_mask`` when there is one, else from ``input_ids``; batches without
     either are skipped. FLOPs per token for MFU are ``6 x trainable-or-not parameters`` (forward and backward of the
-    matmuls, attention's quadratic term left out), against the device's peak from Lightning's table.
+    matmuls, attention's quadratic term left out), against the device's peak from Lightning's table for the dtype the
+    matmuls run in (:func:`matmul_dtype`: TF32 under ``32-true`` unless ``torch.set_float32_matmul_precision
+    ("highest")``).
     """
 
     def __init__(self) -> None:
         self._start: float | None = None
+        self._steps = 0
+        self._tokens: int | torch.Tensor = 0
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = None
         device = trainer.strategy.root_device
         if device.type != "cuda":
             return
@@ -40,17 +52,15 @@ class ThroughputMonitor(L.Callback):
 
         # Parameters counted whole (TP and FSDP shards of one replica add up to the model).
         params = sum(_global_numel(p) for p in pl_module.parameters())
-        # The dtype the matmuls run in: bf16 under bf16-mixed, although the parameters are fp32.
-        dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else next(pl_module.parameters()).dtype
+        dtype = matmul_dtype(str(trainer.precision))
         self._flops_per_token = 6.0 * params
         self._peak_flops = get_available_flops(device, dtype) or _h200_flops(device, dtype)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        self._start = time.perf_counter()
+        if self._start is None:
+            self._open_window(trainer.strategy.root_device)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -58,23 +68,29 @@ class ThroughputMonitor(L.Callback):
         tokens = _count_tokens(batch)
         if self._start is None or tokens is None:
             return
+        self._tokens = self._tokens + tokens
+        if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):  # an optimizer step's last micro-batch only
+            return
+        self._steps += 1
+        # Every rank decides alike (from the step count), so every rank joins the reduce below or none does.
+        if trainer.global_step != 1 and not logs_this_step(trainer):
+            return
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
         else:
-            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        step = time.perf_counter() - self._start
-        per_replica = tokens / step
+            peak_mb = _peak_rss_mb()
+        elapsed = time.perf_counter() - self._start
+        per_replica = float(self._tokens) / elapsed
         # Summed over the data-parallel ranks (each a different share of the batch) by the strategy's reduce: the
         # ranks of a TP group work on the same tokens and are not counted twice.
-        total = trainer.strategy.reduce(torch.tensor(per_replica, device=device), reduce_op="sum")
-        total = float(total)
+        total = float(trainer.strategy.reduce(torch.tensor(per_replica, device=device), reduce_op="sum"))
         per_device = total / trainer.world_size
         metrics = {
             "tokens_per_sec_per_replica": per_replica,
             "tokens_per_sec_per_device": per_device,
-            "step_time_s": step,
+            "step_time_s": elapsed / self._steps,
             "peak_memory_mb": peak_mb,
         }
         if self._flops_per_token and self._peak_flops:
@@ -82,13 +98,59 @@ class ThroughputMonitor(L.Callback):
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("tokens_per_sec", total, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        self._open_window(device)
+
+    def _open_window(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            _reset_peak_rss()
+        self._start, self._steps, self._tokens = time.perf_counter(), 0, 0
 
 
-def _count_tokens(batch: Any) -> int | None:
+def matmul_dtype(precision: str) -> torch.dtype | str:
+    """The dtype the matmuls of a Trainer ``precision`` run in, as Lightning's FLOPs table names it: bf16 under
+    ``bf16-mixed`` (its weights are fp32), and for fp32 TF32 (``"tfloat32"``) unless the float32 matmul precision is
+    ``"highest"`` (where an fp32 peak, 7x lower on an H100, would give an MFU 7x too high)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32 if torch.get_float32_matmul_precision() == "highest" else "tfloat32"
+
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    """Resets the peak resident set (VmHWM) to the current one, where Linux allows it."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    """The peak resident set since the last reset (VmHWM), else since the process started."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _count_tokens(batch: Any) -> int | torch.Tensor | None:
+    """The batch's tokens: a device tensor when counted from a mask (read on the host at a window's end only)."""
     if isinstance(batch, dict):
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor):
-            return int(mask.sum())
+            return mask.sum()
         ids = batch.get("input_ids")
         if isinstance(ids, torch.Tensor):
             return ids.numel()
@@ -122,7 +184,7 @@ class ExpertLoadMonitor(L.Callback):
     ) -> None:
         import torch.distributed as dist
 
-        from lightning_tp.compat import distributed_is_initialized, logs_this_step
+        from lightning_tp.compat import distributed_is_initialized
         from lightning_tp.expert_parallel import expert_load
 
         if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):  # the optimizer step's last micro-batch only

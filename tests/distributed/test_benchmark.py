@@ -65,12 +65,13 @@ def test_tp2_collectives_per_step_match_the_plan(report: dict) -> None:
 
 def test_counter_sees_dtensor_and_plain_collectives(report: dict) -> None:
     """DTensor's collectives (Transformers' native TP issues only those in training) and plain ``torch.distributed``
-    calls (Lightning's per-step SIGTERM broadcast; the ThroughputMonitor's all-reduce over the data-parallel group;
-    the preemption flag's all-reduce, which replaces Lightning's broadcast under this strategy) are both counted."""
+    calls (Lightning's per-step SIGTERM broadcast; the preemption flag's all-reduce, which replaces Lightning's
+    broadcast under this strategy) are both counted. The ThroughputMonitor's reduce is not in the counted step: it
+    reduces only where the loggers write."""
     runs = {run["name"]: run for run in report["runs"]}
     assert runs["hf_native_tp2"]["collectives_by_phase"]["forward"] == runs["tp2"]["collectives_by_phase"]["forward"]
     after_step = runs["tp2"]["collectives_by_phase"]["after_step"]
-    assert "broadcast" not in after_step and after_step["all_reduce"]["count"] == 2, after_step
+    assert list(after_step) == ["all_reduce"] and after_step["all_reduce"]["count"] == 1, after_step
     assert runs["hand_tp2"]["collectives_by_phase"]["after_step"] == {"broadcast": {"count": 1, "bytes": 8}}
 
 
