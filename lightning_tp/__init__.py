@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tp import fabric
 from lightning_tp.expert_parallel import expert_load
+from lightning_tp.garbage_collection import GarbageCollection
 from lightning_tp.grad import clip_grad_norm_, grad_norm
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.loading import from_pretrained, load_sharded
@@ -22,6 +23,7 @@ __all__ = [
     "REFUSED_STYLES",
     "SUPPORTED_STYLES",
     "ExpertLoadMonitor",
+    "GarbageCollection",
     "ParallelLayout",
     "ParallelOptions",
     "ResolvedPlan",

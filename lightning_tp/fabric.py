@@ -48,6 +48,8 @@ _TRAINER_ONLY = {
     "preemption_signals": "it saves through the Trainer's loop; in Fabric, handle the signal in your loop and call "
     "`fabric.save`",
     "step_timeout": "it watches the Trainer's steps; in Fabric, `timeout` bounds every collective",
+    "gc_every_n_steps": "it hooks the Trainer's steps; in Fabric, call `gc.freeze()` and `gc.disable()` before your "
+    "loop and `gc.collect(1)` every N steps on every rank",
 }
 #: How to load a checkpoint that holds arbitrary objects, in the error that refuses it.
 _LOAD_OPT_IN = "pass `weights_only=False` to `fabric.load`"

@@ -29,6 +29,7 @@ from lightning_tp.compat import (
     set_sampler_epoch,
     sync_ddp_if_available,
 )
+from lightning_tp.garbage_collection import GarbageCollection
 from lightning_tp.inference import gather_for_inference, mark_synced_generate, release_after_inference
 from lightning_tp.integration import (
     MeshMixin,
@@ -102,6 +103,10 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             weights, and the loss drifts further from fp32 than one device's ``bf16-mixed`` does.
         throughput_monitor: Add :class:`lightning_tp.ThroughputMonitor` (tokens/s, step time, peak memory, MFU on
             GPU) to the Trainer's callbacks when it has none.
+        gc_every_n_steps: Python's garbage collector runs on every rank at the same step, every this many optimizer
+            steps, with automatic collection off while training (:class:`lightning_tp.GarbageCollection`): a full
+            collection at a moment of its own on each rank stalls the others in their next collective. ``None``:
+            Python's automatic collection.
         save_distributed_checkpoint: Each rank writes its shards (``True``, a directory that loads on any layout) or
             rank 0 writes one full file. Either way the checkpoint is written under a hidden temporary name and
             renamed into place once complete.
@@ -147,6 +152,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         fsdp_blocks: list[str] | None = None,
         fsdp_param_dtype: Literal["bf16"] | None = None,
         throughput_monitor: bool = True,
+        gc_every_n_steps: int | None = 50,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -182,6 +188,9 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             save_frozen_weights=save_frozen_weights,
         )
         self._throughput_monitor = throughput_monitor
+        if gc_every_n_steps is not None:
+            GarbageCollection(gc_every_n_steps)  # a bad value fails when the Trainer is built
+        self._gc_every_n_steps = gc_every_n_steps
         self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
         self._step_timeout, self._adaptive_step_timeout = step_timeout_seconds(step_timeout, timeout=timeout)
         self._rng_to_restore: list[dict[str, Any]] | None = None
@@ -238,12 +247,15 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             self._gather_for_inference()
 
     def _add_callbacks(self, trainer: pl.Trainer) -> None:
-        """The throughput monitor, preemption checkpoint and watchdog asked for, unless the user added their own."""
-        wanted = []
+        """The throughput monitor, garbage collection, preemption checkpoint and watchdog asked for, unless the user
+        added their own."""
+        wanted: list[tuple[type, Any]] = []
         if self._throughput_monitor:
             wanted.append((ThroughputMonitor, ThroughputMonitor))
             if self.layout.ep_size > 1:
                 wanted.append((ExpertLoadMonitor, ExpertLoadMonitor))
+        if self._gc_every_n_steps is not None:
+            wanted.append((GarbageCollection, lambda: GarbageCollection(self._gc_every_n_steps)))
         if self._preemption_signals:
             wanted.append((PreemptionCheckpoint, lambda: PreemptionCheckpoint(self._preemption_signals)))
         if self._step_timeout is not None:

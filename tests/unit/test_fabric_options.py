@@ -21,7 +21,7 @@ def test_tp_is_registered_in_both_registries_without_one_overriding_the_other() 
     assert lightning_tp.fabric is tp_fabric
 
 
-@pytest.mark.parametrize("name", ["throughput_monitor", "preemption_signals", "step_timeout"])
+@pytest.mark.parametrize("name", ["throughput_monitor", "preemption_signals", "step_timeout", "gc_every_n_steps"])
 def test_trainer_only_arguments_are_refused_with_what_to_do(name: str) -> None:
     with pytest.raises(ValueError, match=f"`{name}` is an argument of the Trainer's"):
         TensorParallelStrategy(2, **{name: None})
