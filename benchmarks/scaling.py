@@ -150,11 +150,11 @@ def table(points: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the 2-process runs")
     parser.add_argument(
         "--two-d-rounds", type=int, default=1, help="rounds of dp_shard 2 x tp 2 on 4 processes (0: left out)"
