@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,10 @@ class Report:
     context_parallel: list[str] = field(default_factory=list)
     #: Expert parallelism: what each rank holds of the experts and what their all-to-alls carry.
     expert_parallel: list[str] = field(default_factory=list)
+    #: The TP sizes up to :func:`tp_sizes`' limit that the plan accepts, and why the others fail (the first line of
+    #: the plan's error, by size).
+    working_tp_sizes: list[int] = field(default_factory=list)
+    failing_tp_sizes: dict[int, str] = field(default_factory=dict)
 
     @property
     def valid(self) -> bool:
@@ -157,6 +162,7 @@ def inspect_model(
             report.problems.append(f"cp_size={cp_size}: {problem}.")
     if ep_size > 1 and plan.experts:
         report.expert_parallel = _expert_parallel(model, plan, ep_size=ep_size, efsdp=efsdp, tp_size=tp_size)
+    report.working_tp_sizes, report.failing_tp_sizes = tp_sizes(model, tp_plan=tp_plan)
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         report.memory[dtype] = {
             "parameters": counts["params"] * size,
@@ -164,6 +170,24 @@ def inspect_model(
             "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
         }
     return report
+
+
+def tp_sizes(model: nn.Module, *, tp_plan: str | dict[str, Any] = "auto") -> tuple[list[int], dict[int, str]]:
+    """The TP sizes from 1 to ``max(8, query heads)`` whose plan resolves on ``model`` (head counts, replication of
+    the KV heads, styles), and for each size that fails the reason: the first sentence of the plan's error."""
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    heads = getattr(config, "num_attention_heads", None)
+    limit = max(8, heads if isinstance(heads, int) else 0)
+    working, failing = [], {}
+    for size in range(1, min(limit, 128) + 1):
+        try:
+            resolve_plan(model, tp_plan, tp_size=size)
+        except ValueError as err:
+            first = re.split(r"\.\s+(?=[A-Z`])", str(err))[0].split(": ", 1)[-1]
+            failing[size] = first.replace(f"tp_size={size}", "tp_size").rstrip(".")
+        else:
+            working.append(size)
+    return working, failing
 
 
 def _expert_parallel(model: nn.Module, plan: ResolvedPlan, *, ep_size: int, efsdp: int, tp_size: int) -> list[str]:
@@ -352,6 +376,17 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
         lines += ["", f"Context parallelism (cp={cp_size}):", *(f"  {line}" for line in report.context_parallel)]
     if report.expert_parallel:
         lines += ["", f"Expert parallelism (ep={ep_size}):", *(f"  {line}" for line in report.expert_parallel)]
+    if report.working_tp_sizes:
+        top = max([*report.working_tp_sizes, *report.failing_tp_sizes])
+        lines += [
+            "",
+            f"TP sizes this model's plan accepts (1 to {top}): {', '.join(map(str, report.working_tp_sizes))}",
+        ]
+        reasons: dict[str, list[int]] = {}
+        for size, reason in report.failing_tp_sizes.items():
+            reasons.setdefault(reason, []).append(size)
+        for reason, sizes in reasons.items():
+            lines.append(f"  not {', '.join(map(str, sizes))}: {reason}")
     lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
     lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
     if len(report.replicated) > 40:

@@ -110,3 +110,31 @@ def test_context_parallel_layout_is_explained(config_dirs, capsys):
 def test_context_parallel_refusals_are_problems(config_dirs, capsys):
     assert main([str(config_dirs / "gemma3"), "--tp-size", "1", "--cp-size", "2"]) == 1
     assert "cp_size=2: Gemma3ForConditionalGeneration is a composite" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("intermediate", "working"), [(96, [1, 3]), (144, [1, 3, 9])])
+def test_lists_the_tp_sizes_that_work_and_why_the_others_fail(intermediate: int, working: list[int]) -> None:
+    """SmolLM2's head counts (9 query heads, 3 KV heads): the query heads allow 1, 3 and 9; at 9 the KV heads are
+    replicated, and an MLP width that 9 does not divide (SmolLM2's 1536) rules 9 out too."""
+    from transformers import LlamaConfig
+
+    from lightning_tp.inspect import format_report, tp_sizes
+
+    config = LlamaConfig(
+        vocab_size=90,
+        hidden_size=72,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
+    model = build_causal_lm(config)
+    sizes, reasons = tp_sizes(model)
+    assert sizes == working
+    assert set(reasons) == set(range(1, 10)) - set(working)
+    assert "num_attention_heads=9 not divisible by tp_size" in reasons[2]
+    if 9 not in working:
+        assert "not divisible by tp_size" in reasons[9] and "mlp" in reasons[9]
+    report = format_report(inspect_model(model, tp_size=3), tp_size=3, dp_shard_size=1)
+    assert f"accepts (1 to 9): {', '.join(map(str, working))}" in report
+    assert "not 2, 4, 5, 6, 7, 8: num_attention_heads=9" in report
