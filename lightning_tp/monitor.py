@@ -42,6 +42,7 @@ class ThroughputMonitor(L.Callback):
         self._tokens: int | torch.Tensor = 0
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
+        self._paused: float | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = None
@@ -99,6 +100,14 @@ class ThroughputMonitor(L.Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("tokens_per_sec", total, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         self._open_window(device)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._paused = time.perf_counter()  # validation inside a window is not training time
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        paused, self._paused = self._paused, None
+        if self._start is not None and paused is not None:
+            self._start += time.perf_counter() - paused
 
     def _open_window(self, device: torch.device) -> None:
         if device.type == "cuda":

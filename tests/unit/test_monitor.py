@@ -118,3 +118,31 @@ def test_mfu_divides_by_the_peak_of_the_dtype_the_matmuls_run_in(precision: str,
     # Lightning's table has every one of them; TF32 against fp32 is the 7x the old choice was off by on an H100.
     assert CUDA_FLOPS["h100 sxm"]["tfloat32"] / CUDA_FLOPS["h100 sxm"][torch.float32] > 7
     assert expected in CUDA_FLOPS["h100 sxm"]
+
+
+class _SlowValidation(_Tiny):
+    def validation_step(self, batch, batch_idx) -> None:
+        import time
+
+        time.sleep(0.3)
+
+
+def test_validation_inside_a_window_is_not_training_time() -> None:
+    monitor = ThroughputMonitor()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        log_every_n_steps=4,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = [{"input_ids": torch.randint(0, 64, (2, 8))} for _ in range(4)]
+    trainer.fit(_SlowValidation(), DataLoader(data, batch_size=None), DataLoader(data[:1], batch_size=None))
+    assert float(trainer.callback_metrics["step_time_s"]) < 0.1  # the window of steps 2-4 held a 0.3 s validation
