@@ -3,7 +3,7 @@
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_tp import fabric
+from lightning_tp import compat, fabric
 from lightning_tp.expert_parallel import expert_load
 from lightning_tp.garbage_collection import GarbageCollection
 from lightning_tp.grad import clip_grad_norm_, grad_norm
@@ -43,6 +43,8 @@ __all__ = [
     "token_logprobs",
     "vocab_parallel_cross_entropy",
 ]
+
+compat.quiet_lightning_pytree_deprecation()
 
 # `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI; `Fabric(strategy="tp")`. Two registries, one
 # name each: neither overrides the other.

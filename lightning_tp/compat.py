@@ -8,6 +8,7 @@ the package does elsewhere): importing this module costs nothing beyond torch an
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -342,6 +343,18 @@ def wrapped_initialize_weights(
 
 
 # --------------------------------------------------------------------------------------------------------- Lightning
+
+
+def quiet_lightning_pytree_deprecation() -> None:
+    """Lightning 2.6.6's ``utilities/_pytree.py`` asks ``isinstance(spec, LeafSpec)``, which torch 2.13 deprecates with
+    a FutureWarning on the first training step of every run: Lightning's code, not the user's, so filtered here by its
+    message and module (anything else keeps warning)."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
 
 
 def clear_received_sigterm(trainer: L.Trainer) -> None:
