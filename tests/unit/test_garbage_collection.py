@@ -61,9 +61,9 @@ def test_collects_every_n_steps_with_automatic_collection_off() -> None:
     module = _Module()
     collections = _fit(module, steps=9, every=4, accumulate=2)
     assert all(not enabled and frozen > 0 for enabled, frozen in module.seen), module.seen[:3]
-    # The full collection before freezing, then generation 1 at steps 4 and 8 (the optimizer steps, not the 18
-    # micro-batches); nothing automatic in between (Python's own may follow once it is enabled again).
-    assert collections[:3] == [(2, True), (1, False), (1, False)], collections
+    # The full collection before freezing, then full ones (of what came since) at steps 4 and 8 (the optimizer steps,
+    # not the 18 micro-batches); nothing automatic in between (Python's own may follow once it is enabled again).
+    assert collections[:3] == [(2, True), (2, False), (2, False)], collections
     assert all(enabled for _, enabled in collections[3:]), collections
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
@@ -78,3 +78,26 @@ def test_restores_the_collector_when_training_fails() -> None:
 def test_refuses_a_bad_interval(value) -> None:
     with pytest.raises(ValueError, match="gc_every_n_steps"):
         GarbageCollection(value)
+
+
+def test_leaves_a_users_own_freeze_and_reenables_collection_in_forked_children() -> None:
+    import os
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        callback = GarbageCollection(2)
+        callback.on_train_start(None, None)  # type: ignore[arg-type]
+        assert not gc.isenabled()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a data-loader worker forked while training
+            os.write(write, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 1) == b"1"
+        callback.on_train_end(None, None)  # type: ignore[arg-type]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen > 0  # the user's freeze is still theirs
+    finally:
+        gc.unfreeze()
+        gc.enable()
