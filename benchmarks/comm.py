@@ -13,7 +13,9 @@ as torch's ``CommDebugMode`` (torch 2.13), plus the byte sizes CommDebugMode doe
 
 Time (``seconds[phase]``): the wall time of each collective call, of each ``wait_tensor`` (where an async functional
 collective is waited for), and of an in-place c10d op's work, waited for in the call (the caller's own wait is then
-immediate). It includes waiting for the slower rank to arrive, which the step pays too.
+immediate), with the device synchronised around it on CUDA. It includes waiting for the slower rank to arrive, which
+the step pays too; waiting in the call serialises what would overlap (FSDP2's prefetching all-gathers), so under
+FSDP2 it is an upper bound of what the collectives cost the step.
 
 The mode returns ``NotImplemented`` for DTensor arguments, so DTensor's dispatch runs first and the collectives it
 decides on come back through the mode. Collectives issued in backward are seen too: on CPU the autograd engine runs in
@@ -110,11 +112,16 @@ class CollectiveCounter(TorchDispatchMode):
         entry = _OPS.get(func._overloadpacket)
         if entry is None and func._overloadpacket is not _WAIT:
             return func(*args, **kwargs)
+        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_flatten((args, kwargs))[0])
+        if cuda:  # NCCL's waits only order streams: time the device's work, not the launch
+            torch.cuda.synchronize()
         started = time.perf_counter()
         out = func(*args, **kwargs)
-        for item in out if isinstance(out, tuple) else ():
+        for item in out if isinstance(out, tuple) else (out,):
             if isinstance(item, torch.ScriptObject) and hasattr(item, "wait"):
-                item.wait()  # an in-place c10d op's work
+                item.wait()  # an in-place c10d op's work (alone, or beside its tensors)
+        if cuda:
+            torch.cuda.synchronize()
         self.seconds[self._phase()] += time.perf_counter() - started
         if entry is not None:
             kind, where = entry

@@ -51,7 +51,11 @@ launch, after ``--warmup`` steps:
   does; checked to agree with it), by phase (forward, backward, optimizer, after_step = hooks after the step) with
   bytes; also the number of ops dispatched on DTensors per step (each one pays DTensor's Python-side dispatch), and
   the time spent in collectives (each call and its wait, waiting for the slower rank included; the mean over the
-  ranks). ``compute_time_s`` is the step time less that: the step's own work, the host's dispatch included;
+  ranks). ``compute_time_s`` is the step time less that: the step's own work, the host's dispatch included (a lower
+  bound under FSDP2, whose collectives would overlap compute: see :mod:`benchmarks.comm`);
+* garbage collection: every Lightning run gets :class:`lightning_tp.GarbageCollection` (the strategy adds it by
+  default; the others get it here), so that a full collection at a moment of its own on one rank, which stalls the
+  other in its next collective, neither slows nor spares one run against another;
 * theory: the collectives each plan implies for forward and backward (see :func:`theory`), next to the measured ones.
 
 ``--profile DIR`` adds one step under ``torch.profiler`` per run and writes the top operators of rank 0 there.
@@ -403,6 +407,8 @@ def run_lightning(args: argparse.Namespace, recorder: StepRecorder, record: dict
     import torch
     from torch.utils.data import DataLoader
 
+    from lightning_tp import GarbageCollection
+
     variant = args.variant
     precision = "bf16-true" if args.device == "cuda" else "32-true"
 
@@ -444,7 +450,7 @@ def run_lightning(args: argparse.Namespace, recorder: StepRecorder, record: dict
         strategy=strategy,
         precision=precision,
         max_steps=recorder.total_steps,
-        callbacks=[lightning_probe(recorder)],
+        callbacks=[lightning_probe(recorder), GarbageCollection()],  # for every run alike (see the module docstring)
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -468,6 +474,11 @@ def run_hf_native(args: argparse.Namespace, recorder: StepRecorder, record: dict
     record["optimizer"] = f"AdamW(lr=1e-4{', foreach=False' if kwargs else ''})"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **kwargs)
     data = [{k: v.to(device) for k, v in b.items()} for b in batches(args, recorder.total_steps)]
+    import gc
+
+    gc.collect()  # as GarbageCollection does for the Lightning runs (no collection in so few steps)
+    gc.freeze()
+    gc.disable()
     recorder.baseline()
     for index, batch in enumerate(data):
         recorder.step_start(index)
@@ -481,6 +492,8 @@ def run_hf_native(args: argparse.Namespace, recorder: StepRecorder, record: dict
         recorder.phase("after_step")
         recorder.losses.append(float(loss))
     recorder.step_start(len(data))
+    gc.unfreeze()
+    gc.enable()
 
 
 def worker(args: argparse.Namespace) -> None:
