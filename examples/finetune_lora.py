@@ -68,7 +68,7 @@ class LoRAFineTune(L.LightningModule):
         self.exact_match.update((generated[:, prompt:] == ids[:, prompt:]).all(-1).float())
 
     def on_validation_epoch_end(self) -> None:
-        token, exact = self.token_accuracy.compute(), self.exact_match.compute()  # reduced over the data-parallel ranks
+        token, exact = self.token_accuracy.compute(), self.exact_match.compute()  # synchronised over the ranks
         # The metrics themselves are logged (Lightning computes and resets them): they are synchronised already.
         self.log_dict({"token_accuracy": self.token_accuracy, "exact_match": self.exact_match})
         self.print(f"step {self.global_step:3d}  answer-token accuracy {token:.3f}  exact match {exact:.3f}")

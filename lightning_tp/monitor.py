@@ -7,7 +7,9 @@ strategy's ``reduce`` default), never over the world.
 Measured over windows of optimizer steps that end where the loggers write (``log_every_n_steps``) and at the first
 step, so that the steps in between pay nothing: no collective, no CUDA synchronisation (tokens are summed on the
 device). At a window's end: one synchronisation, one reduce over the data-parallel group; the memory peak is reset for
-the next window, so a peak is the window's own (setup, checkpoint saves and earlier windows left out).
+the next window, so a peak is the window's own (setup and earlier windows left out; a checkpoint saved at a window's
+end, or a validation inside one, is in the next or that window's peak). Where Linux does not let the resident set's
+peak be reset (``/proc/self/clear_refs``), a CPU peak is the process's since it started.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ class ThroughputMonitor(L.Callback):
     Tokens are counted from the batch's ``attention_mask`` when there is one, else from ``input_ids``; batches without
     either are skipped. FLOPs per token for MFU are ``6 x trainable-or-not parameters`` (forward and backward of the
     matmuls, attention's quadratic term left out), against the device's peak from Lightning's table for the dtype the
-    matmuls run in (:func:`matmul_dtype`: TF32 under ``32-true`` unless ``torch.set_float32_matmul_precision
-    ("highest")``).
+    matmuls run in (:func:`matmul_dtype`: under ``32-true`` the fp32 peak at torch's default matmul precision
+    ``"highest"``, the TF32 peak once ``torch.set_float32_matmul_precision("high")`` or ``"medium"`` allows TF32).
     """
 
     def __init__(self) -> None:
