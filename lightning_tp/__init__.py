@@ -44,7 +44,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
 ]
 
-compat.quiet_lightning_pytree_deprecation()
+compat.quiet_upstream_deprecations()
 
 # `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI; `Fabric(strategy="tp")`. Two registries, one
 # name each: neither overrides the other.

@@ -345,7 +345,7 @@ def wrapped_initialize_weights(
 # --------------------------------------------------------------------------------------------------------- Lightning
 
 
-def quiet_lightning_pytree_deprecation() -> None:
+def quiet_upstream_deprecations() -> None:
     """Lightning 2.6.6's ``utilities/_pytree.py`` asks ``isinstance(spec, LeafSpec)``, which torch 2.13 deprecates with
     a FutureWarning on the first training step of every run: Lightning's code, not the user's, so filtered here by its
     message and module (anything else keeps warning)."""
@@ -354,6 +354,14 @@ def quiet_lightning_pytree_deprecation() -> None:
         message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         category=FutureWarning,
         module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+    # PEFT 0.21 reads `model.is_gradient_checkpointing`, which Transformers 5.24 deprecates with a FutureWarning
+    # attributed to its own modeling_utils: PEFT's to change, printed by every `get_peft_model`.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`is_gradient_checkpointing` is deprecated",
+        category=FutureWarning,
+        module=r"transformers\.modeling_utils",
     )
 
 

@@ -643,8 +643,9 @@ def initialize_and_hook_adapters(root: nn.Module, *, materialized: set[int], dev
     for peft_model in peft_models(root):
         if id(peft_model.get_base_model()) in materialized:
             rank_zero_warn(
-                "LoRA adapters on a model built on the meta device are initialised fresh after sharding; an adapter "
-                "loaded with `PeftModel.from_pretrained` onto such a model is not kept. To continue training a saved "
+                "LoRA adapters on a model built on the meta device are initialised after sharding, as one process "
+                "would draw them: right for new adapters (`get_peft_model`). An adapter loaded with "
+                "`PeftModel.from_pretrained` onto such a model would not be kept: to continue training a saved "
                 "adapter, load the base with `AutoModelForCausalLM.from_pretrained`."
             )
             with random_state_of_rank_zero(device):  # every rank draws the same whole adapters
