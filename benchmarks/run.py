@@ -296,10 +296,9 @@ class StepRecorder:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base_mb = torch.cuda.memory_allocated(self.device) / 2**20
         else:
-            try:
-                Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-            except OSError:
-                pass
+            from lightning_tp.monitor import reset_peak_rss
+
+            reset_peak_rss()  # VmHWM back to the current resident set (the ThroughputMonitor's own reset)
             self._base_mb = status_kb("VmRSS")["VmRSS"] / 1024
 
     def memory(self) -> dict[str, float]:
@@ -308,7 +307,9 @@ class StepRecorder:
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:
-            peak = status_kb("VmHWM")["VmHWM"] / 1024
+            from lightning_tp.monitor import peak_rss_mb
+
+            peak = peak_rss_mb()
         return {"baseline_mb": self._base_mb, "peak_mb": peak, "peak_above_baseline_mb": peak - self._base_mb}
 
     def step_start(self, index: int) -> None:

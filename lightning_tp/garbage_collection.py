@@ -25,6 +25,8 @@ from typing import Any
 
 import lightning as L
 
+from lightning_tp.monitor import ends_optimizer_step
+
 #: Whether a GarbageCollection callback has automatic collection off in this process (read in forked children).
 _ACTIVE = False
 
@@ -69,9 +71,7 @@ class GarbageCollection(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):  # an optimizer step's last micro-batch only
-            return
-        if trainer.global_step % self.every_n_steps == 0:
+        if ends_optimizer_step(trainer, batch_idx) and trainer.global_step % self.every_n_steps == 0:
             gc.collect()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -72,18 +72,17 @@ class ThroughputMonitor(L.Callback):
         if self._start is None or tokens is None:
             return
         self._tokens = self._tokens + tokens
-        if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):  # an optimizer step's last micro-batch only
+        if not ends_optimizer_step(trainer, batch_idx):
             return
         self._steps += 1
-        # Every rank decides alike (from the step count), so every rank joins the reduce below or none does.
-        if trainer.global_step != 1 and not logs_this_step(trainer):
+        if not _reports_this_step(trainer):  # every rank joins the reduce below or none does
             return
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
         else:
-            peak_mb = _peak_rss_mb()
+            peak_mb = peak_rss_mb()
         elapsed = time.perf_counter() - self._start
         per_replica = float(self._tokens) / elapsed
         # Summed over the data-parallel ranks (each a different share of the batch) by the strategy's reduce: the
@@ -116,8 +115,19 @@ class ThroughputMonitor(L.Callback):
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            _reset_peak_rss()
+            reset_peak_rss()
         self._start, self._steps, self._tokens = time.perf_counter(), 0, 0
+
+
+def ends_optimizer_step(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether ``batch_idx`` is the last micro-batch of an optimizer step (gradient accumulation)."""
+    return (batch_idx + 1) % max(1, trainer.accumulate_grad_batches) == 0
+
+
+def _reports_this_step(trainer: L.Trainer) -> bool:
+    """At the first optimizer step and where the loggers write (``log_every_n_steps``): decided from the step count
+    alone, so on every rank alike."""
+    return trainer.global_step == 1 or logs_this_step(trainer)
 
 
 def matmul_dtype(precision: str) -> torch.dtype | str:
@@ -137,7 +147,7 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     """Resets the peak resident set (VmHWM) to the current one, where Linux allows it."""
     try:
         _CLEAR_REFS.write_text("5")
@@ -145,7 +155,7 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     """The peak resident set since the last reset (VmHWM), else since the process started."""
     try:
         for line in _STATUS.read_text().splitlines():
@@ -198,9 +208,7 @@ class ExpertLoadMonitor(L.Callback):
         from lightning_tp.compat import distributed_is_initialized
         from lightning_tp.expert_parallel import expert_load
 
-        if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):  # the optimizer step's last micro-batch only
-            return
-        if trainer.global_step != 1 and not logs_this_step(trainer):
+        if not ends_optimizer_step(trainer, batch_idx) or not _reports_this_step(trainer):
             return
         loads = expert_load(pl_module)
         if not loads:

@@ -91,9 +91,9 @@ def test_counts_every_micro_batch_and_closes_at_the_optimizer_step() -> None:
 def test_peak_memory_is_the_windows_own() -> None:
     """A 512 MiB spike before training is not in the reported peak (the window's peak is reset when it opens)."""
     trainer, _ = _fit(_Tiny(spike_mb=512), steps=2, log_every=1)
-    from lightning_tp.monitor import _peak_rss_mb
+    from lightning_tp.monitor import peak_rss_mb
 
-    rss_now = _peak_rss_mb()
+    rss_now = peak_rss_mb()
     assert float(trainer.callback_metrics["peak_memory_mb"]) < rss_now + 256
 
 
