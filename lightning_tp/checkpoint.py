@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized, get_default_store, torch_get_layout
+from lightning_tp.gather import whole_tensor
 
 #: Lightning's name for the file with everything that is not a model or optimizer tensor.
 META_FILENAME = "meta.pt"
@@ -542,16 +543,13 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
     size, ``python -m lightning_tp.export`` streams one tensor at a time instead."""
 
     def gather(is_main: bool) -> dict[str, Any]:
-        from torch.distributed.tensor import DTensor
-
         state = {}
         gathered: dict[int, torch.Tensor | None] = {}
         # `keep_vars`: tied weights (`lm_head.weight` of a tied model) come as one object under two names. Gathered
         # once and kept as one tensor, so that Transformers sees the shared storage and writes only its own keys.
         for name, tensor in model.state_dict(keep_vars=True).items():
             if id(tensor) not in gathered:
-                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective, on every rank
-                gathered[id(tensor)] = whole.detach().cpu() if is_main else None
+                gathered[id(tensor)] = whole_tensor(tensor, keep=is_main)  # a collective, on every rank
             if is_main:
                 state[name] = gathered[id(tensor)]
         return state

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.model_parallel import _load_checkpoint as load_checkpoint
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
 from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available as all_gather_ddp_if_available
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CUDA_FLOPS",
+    "BackwardSyncControl",
     "FSDP_MANAGED_ATTR",
     "all_gather_ddp_if_available",
     "assert_async",
@@ -59,6 +61,7 @@ __all__ = [
     "replace_sigterm_broadcast",
     "restore_sigterm_broadcast",
     "set_attention_implementation",
+    "record_module_device",
     "set_device_mesh",
     "revert_weight_conversion",
     "set_sampler_epoch",
@@ -76,6 +79,7 @@ __all__ = [
 #   strategies call; the public `Strategy.all_gather`/`reduce` are what we implement with them.
 # - `optimizers_to_device`: moves optimizer states after a checkpoint load, as Lightning's strategies do.
 # - `CUDA_FLOPS`: Lightning's table of dense peak FLOPs per GPU; `get_available_flops` does not know the H200.
+# - `BackwardSyncControl`: the base of what `fabric.no_backward_sync` calls; Fabric's strategies set one, privately.
 
 
 # ------------------------------------------------------------------------------------------------------------- torch
@@ -396,6 +400,16 @@ def set_device_mesh(module: L.LightningModule, mesh: DeviceMesh) -> None:
     """Give a LightningModule its ``device_mesh`` (a read-only property over the private ``_device_mesh``, which
     Lightning's own ModelParallelStrategy sets)."""
     module._device_mesh = mesh
+
+
+def record_module_device(module: nn.Module, device: torch.device) -> None:
+    """Record ``device`` as a Lightning module's own (``self.device``) without moving its parameters, as
+    ``module.to(device)`` would have recorded it (Lightning's ``_DeviceDtypeModuleMixin`` keeps it in the private
+    ``_device``). Other modules are left alone."""
+    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+
+    if isinstance(module, _DeviceDtypeModuleMixin):
+        module._device = device
 
 
 def strategy_timeout(strategy: Any) -> timedelta | None:

@@ -8,6 +8,7 @@ from typing import Any
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_tp.compat import is_strided_shard
+from lightning_tp.gather import on_mesh_device
 
 
 def _misread_strided_dims(tensor: DTensor) -> list[int]:
@@ -55,16 +56,13 @@ def restore_layouts(loaded: Any, template: Any) -> Any:
 
 
 def _redistribute(tensor: DTensor, placements: Any, *, mesh: Any = None) -> DTensor:
-    """``tensor.redistribute`` on its mesh's device: FSDP2's CPU offload keeps shards and optimizer states on the CPU,
-    which an NCCL group does not take; the result comes back where ``tensor`` was."""
+    """``tensor.redistribute`` on its mesh's device (see :func:`lightning_tp.gather.on_mesh_device`); the result comes
+    back where ``tensor`` was."""
     mesh = mesh if mesh is not None else tensor.device_mesh
     local = tensor.to_local()
-    if local.device.type == mesh.device_type:
-        return tensor.redistribute(mesh, placements)
-    on_mesh = DTensor.from_local(
-        local.to(mesh.device_type), mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
-    )
-    moved = on_mesh.redistribute(mesh, placements)
+    moved = on_mesh_device(tensor).redistribute(mesh, placements)
+    if moved.to_local().device == local.device:
+        return moved
     return DTensor.from_local(
         moved.to_local().to(local.device), mesh, moved.placements, shape=moved.shape, stride=moved.stride()
     )

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,7 +31,13 @@ from typing_extensions import override
 
 from lightning_tp import checkpoint_io
 from lightning_tp.checkpoint import MODEL_KEY
-from lightning_tp.compat import all_gather_ddp_if_available, distributed_is_initialized, sync_ddp_if_available
+from lightning_tp.compat import (
+    BackwardSyncControl,
+    all_gather_ddp_if_available,
+    distributed_is_initialized,
+    sync_ddp_if_available,
+)
+from lightning_tp.fsdp import micro_batch_grads
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.integration import MeshMixin, StrategyOptions
 from lightning_tp.parallelize import ParallelOptions, apply_parallelisms
@@ -88,6 +94,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        accumulate_grads: Literal["sharded", "unsharded"] = "sharded",
         fsdp_blocks: list[str] | None = None,
         fsdp_param_dtype: Literal["bf16"] | None = None,
         sequence_parallel: bool = False,
@@ -130,7 +137,9 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             fsdp_param_dtype=fsdp_param_dtype,
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_frozen_weights=save_frozen_weights,
+            accumulate_grads=accumulate_grads,
         )
+        self._backward_sync_control = _MicroBatchGrads(self.options.accumulate_grads)
 
     # ------------------------------------------------------------------ layout and mesh
 
@@ -363,6 +372,21 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             description="Tensor parallelism for Transformers models in Fabric (lightning_tp)",
             override=True,
         )
+
+
+class _MicroBatchGrads(BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: FSDP2 holds the gradients of a micro-batch that does not end an optimizer
+    step as ``accumulate_grads`` says (:func:`lightning_tp.fsdp.micro_batch_grads`). Lightning's own control skips
+    every reduction, and after ``enabled=False`` leaves it switched off (its exit sets the flag to ``enabled``)."""
+
+    def __init__(self, accumulate_grads: Literal["sharded", "unsharded"]) -> None:
+        self.accumulate_grads = accumulate_grads
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        return micro_batch_grads(module, accumulate_grads=self.accumulate_grads)
 
 
 def _is_stateful(value: Any) -> bool:

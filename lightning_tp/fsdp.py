@@ -10,8 +10,9 @@ its parameters. Each child holding parameters becomes its own unit instead (see 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -48,6 +49,36 @@ def fsdp_mixed_precision(precision: str, *, param_dtype: str | torch.dtype | Non
     if precision == "bf16-mixed" and param_dtype in BF16_NAMES:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+#: What FSDP2 does with the gradients of a micro-batch that does not end an optimizer step (``accumulate_grads``).
+#: ``"sharded"``: it reduce-scatters them as usual, each rank adding its shard up over the micro-batches (the memory
+#: of one step without accumulation); under HSDP only the all-reduce across the replicas waits for the last
+#: micro-batch. ``"unsharded"``: no reduction at all until the last micro-batch, one reduce-scatter per optimizer
+#: step, but each rank keeps every parameter's whole gradient (of its TP shard) meanwhile: ``4 P / tp`` bytes in
+#: fp32 for a model of ``P`` parameters, about 35 GB per GPU for 70B at TP 8.
+ACCUMULATE_GRADS = ("sharded", "unsharded")
+
+
+@contextmanager
+def micro_batch_grads(module: nn.Module, *, accumulate_grads: Literal["sharded", "unsharded"]) -> Generator:
+    """Inside the block, the backward of a micro-batch that does not end an optimizer step: FSDP2's units of
+    ``module`` hold their gradients as ``accumulate_grads`` says (see :data:`ACCUMULATE_GRADS`)."""
+    assert accumulate_grads in ACCUMULATE_GRADS, accumulate_grads  # checked when the strategy is built
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+    def switch(on: bool) -> None:
+        for unit in units:
+            if accumulate_grads == "unsharded":
+                unit.set_requires_gradient_sync(on, recurse=False)
+            else:
+                unit.set_requires_all_reduce(on, recurse=False)
+
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(True)
 
 
 def apply_fsdp(

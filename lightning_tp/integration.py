@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized
+from lightning_tp.fsdp import ACCUMULATE_GRADS
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.parallelize import ParallelOptions
@@ -39,6 +40,7 @@ class StrategyOptions:
     ep_size: int = 1
     save_distributed_checkpoint: bool = True
     save_frozen_weights: bool = True
+    accumulate_grads: Literal["sharded", "unsharded"] = "sharded"
 
     @classmethod
     def build(
@@ -54,6 +56,7 @@ class StrategyOptions:
         fsdp_blocks: Sequence[str] | None,
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
+        accumulate_grads: Literal["sharded", "unsharded"] = "sharded",
         **parallel: Any,
     ) -> StrategyOptions:
         if parallelism_config is not None:
@@ -78,6 +81,12 @@ class StrategyOptions:
                 f"ep_size={ep_size} must be a multiple of tp_size={tp_size}: an EP group holds whole TP groups (whose "
                 "ranks share one batch). Use a multiple of tp_size."
             )  # the rest (the ranks it borrows) is checked against the world size in `layout`
+        if accumulate_grads not in ACCUMULATE_GRADS:
+            raise ValueError(
+                f"`accumulate_grads` must be one of {ACCUMULATE_GRADS}, got {accumulate_grads!r}: 'sharded' "
+                "reduce-scatters every micro-batch's gradients (least memory), 'unsharded' keeps them whole until the "
+                "optimizer step's last micro-batch (one reduce-scatter per step)."
+            )
         options = ParallelOptions(tp_plan=tp_plan, fsdp_blocks=tuple(fsdp_blocks) if fsdp_blocks else None, **parallel)
         if not save_frozen_weights and not save_distributed_checkpoint:
             raise ValueError(
@@ -93,9 +102,19 @@ class StrategyOptions:
             parallel=options,
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_frozen_weights=save_frozen_weights,
+            accumulate_grads=accumulate_grads,
         )
 
     def layout(self, world_size: int) -> ParallelLayout:
+        layout = self._resolve(world_size)
+        if self.accumulate_grads != "sharded" and layout.fsdp_size == 1:
+            rank_zero_warn(
+                f"`accumulate_grads={self.accumulate_grads!r}` is ignored: the layout ({layout}) has no data or "
+                "context parallelism, so there are no gradients to reduce between micro-batches."
+            )
+        return layout
+
+    def _resolve(self, world_size: int) -> ParallelLayout:
         return ParallelLayout.resolve(
             world_size,
             tp_size=self.tp_size,

@@ -27,6 +27,7 @@ from lightning_tp.checkpoint import (
     publish_directory,
     run_on_main_and_share_failure,
 )
+from lightning_tp.gather import whole_tensor
 from lightning_tp.plan import ResolvedPlan, Style
 from lightning_tp.random_init import whole_parameters
 from lightning_tp.styles import facts
@@ -188,17 +189,13 @@ def _reset_adapters(peft_model: nn.Module, module: nn.Module) -> None:
 def gather_adapter_state_dict(peft_model: nn.Module) -> dict[str, Any]:
     """The adapter tensors (``lora_`` entries of the state dict) and other trainable tensors, whole, on the CPU of
     every rank. Every rank must call it: gathering a shard is a collective."""
-    from torch.distributed.tensor import DTensor
-
     trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     state = {}
     for name, tensor in peft_model.state_dict().items():
         # PEFT selects what to save from these: adapters, and trainable biases (`bias="all"` / `"lora_only"`).
         if "lora_" not in name and name not in trainable:
             continue
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        state[name] = tensor.detach().cpu().contiguous()
+        state[name] = whole_tensor(tensor, keep=True).contiguous()
     return state
 
 
@@ -278,7 +275,6 @@ def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dic
     once. Every rank must call it (gathering a shard is a collective); what can be wrong is checked before, on every
     rank."""
     from peft.tuners.lora import LoraLayer
-    from torch.distributed.tensor import DTensor
 
     keep = is_main()
     base = peft_model.get_base_model()
@@ -292,10 +288,9 @@ def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dic
             aliases[name] = first[id(tensor)]
             continue
         first[id(tensor)] = name
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()  # one tensor at a time
+        whole = whole_tensor(tensor, keep=keep)  # a collective: one tensor at a time, in slices
         if keep:
-            full[name] = tensor.detach().cpu()
+            full[name] = whole
     return layers, full, aliases
 
 

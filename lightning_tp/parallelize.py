@@ -23,7 +23,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_tp.checkpoint import install_distributed_save_pretrained
-from lightning_tp.compat import buffer_dict, distributed_is_initialized, flatten_mesh, parameter_dict
+from lightning_tp.compat import (
+    buffer_dict,
+    distributed_is_initialized,
+    flatten_mesh,
+    parameter_dict,
+    record_module_device,
+)
 from lightning_tp.context_parallel import context_parallel_problem, install_context_parallel
 from lightning_tp.discovery import modules_outside, transformers_models
 from lightning_tp.expert_parallel import (
@@ -661,16 +667,29 @@ def install_save_hooks(targets: Targets) -> None:
 
 
 def place_on_device(root: nn.Module, device: torch.device, *, cpu_offload: bool) -> None:
-    """Everything on ``device``; with FSDP2's CPU offload the parameters stay on the CPU and only the buffers (rotary
-    tables, ...) move."""
+    """Everything on ``device``. With FSDP2's CPU offload the parameters stay on the CPU (FSDP2 brings each unit's to
+    the device for its forward) and the rest moves: buffers (rotary tables, ...), torchmetrics' states, and the device
+    that Lightning's modules report (``self.device``: where ``self.log(..., sync_dist=True)`` and ``torch.zeros(...,
+    device=self.device)`` put their tensors; NCCL takes no CPU tensors)."""
     if not cpu_offload:
         root.to(device)
         return
     for module in root.modules():
+        if is_metric(module):
+            module.to(device)  # a metric's states are no buffers; `Metric._apply` moves them (it holds no parameters)
         buffers = buffer_dict(module)
         for name, buffer in buffers.items():
             if buffer is not None:
                 buffers[name] = buffer.to(device)
+        record_module_device(module, device)
+
+
+def is_metric(module: nn.Module) -> bool:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - Lightning depends on torchmetrics
+        return False
+    return isinstance(module, Metric)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from lightning_tp.compat import (
     set_sampler_epoch,
     sync_ddp_if_available,
 )
+from lightning_tp.fsdp import micro_batch_grads
 from lightning_tp.garbage_collection import GarbageCollection
 from lightning_tp.inference import gather_for_inference, mark_synced_generate, release_after_inference
 from lightning_tp.integration import (
@@ -95,6 +96,13 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         reshard_after_forward: FSDP2 frees each block's gathered parameters after its forward (less memory, one more
             all-gather in backward).
         cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
+        accumulate_grads: With ``accumulate_grad_batches > 1`` and data or context parallelism, what FSDP2 does with
+            the gradients of the micro-batches before an optimizer step's last. ``"sharded"`` (default): it
+            reduce-scatters each micro-batch's, and every rank keeps only its shard (the memory of a step without
+            accumulation; under HSDP only the all-reduce across replicas waits for the last micro-batch), as
+            Lightning's ``ModelParallelStrategy`` and torchtitan do. ``"unsharded"``: one reduce-scatter per step,
+            but every rank keeps each parameter's whole gradient of its TP shard until then, ``4 P / tp`` bytes in
+            fp32 (about 35 GB per GPU for 70B at TP 8), on the GPU even with ``cpu_offload``.
         fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
         fsdp_param_dtype: ``None`` (default): FSDP2 gathers parameters in their own dtype, so ``bf16-mixed`` gives
             the numerics it gives on one device (autocast over fp32 weights) on every layout. ``"bf16"``, with
@@ -149,6 +157,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        accumulate_grads: Literal["sharded", "unsharded"] = "sharded",
         fsdp_blocks: list[str] | None = None,
         fsdp_param_dtype: Literal["bf16"] | None = None,
         throughput_monitor: bool = True,
@@ -186,6 +195,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             fsdp_param_dtype=fsdp_param_dtype,
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_frozen_weights=save_frozen_weights,
+            accumulate_grads=accumulate_grads,
         )
         self._throughput_monitor = throughput_monitor
         if gc_every_n_steps is not None:
@@ -273,16 +283,14 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """While Lightning accumulates gradients, FSDP2 keeps them unreduced: one reduce-scatter per optimizer step,
-        not one per micro-batch (Lightning's ``ModelParallelStrategy`` reduces every micro-batch)."""
-        fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model is not None else []
-        for module in fsdp_modules:
-            module.set_requires_gradient_sync(False, recurse=False)
-        try:
+        """While Lightning accumulates gradients: FSDP2 reduce-scatters each micro-batch's and defers only HSDP's
+        all-reduce (``accumulate_grads="sharded"``), or keeps them whole until the last micro-batch
+        (``"unsharded"``); see :data:`lightning_tp.fsdp.ACCUMULATE_GRADS`."""
+        if self.model is None:
             yield
-        finally:
-            for module in fsdp_modules:
-                module.set_requires_gradient_sync(True, recurse=False)
+            return
+        with micro_batch_grads(self.model, accumulate_grads=self.options.accumulate_grads):
+            yield
 
     # ------------------------------------------------------------------ evaluation and prediction
 

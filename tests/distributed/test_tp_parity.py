@@ -110,20 +110,27 @@ def test_sequence_parallel_odd_length_on_one_data_parallel_group_raises_on_every
     assert len({e["message"] for e in errors}) == 1
 
 
-@pytest.mark.scenarios("2d", "llama_accumulate", "qwen3_sgd")
-def test_2d_accumulation_reduces_once_per_optimizer_step(two_d_results: list[dict]) -> None:
-    """6 micro-batches, 3 optimizer steps: FSDP2 reduce-scatters each group's gradients 3 times, not 6."""
-    result = _result(two_d_results, "llama_accumulate")
-    assert result["optimizer_steps"] == 3 and result["fsdp_groups"] == 3  # 2 decoder layers + the root
-    assert result["reduce_scatters"] == result["optimizer_steps"] * result["fsdp_groups"]
-    plain = _result(two_d_results, "qwen3_sgd")  # no accumulation: one per step too
+@pytest.mark.scenarios("2d", "llama_accumulate", "llama_accumulate_unsharded", "qwen3_sgd")
+def test_2d_accumulation_reduce_scatters_as_accumulate_grads_says(two_d_results: list[dict]) -> None:
+    """6 micro-batches, 3 optimizer steps. By default FSDP2 reduce-scatters each micro-batch's gradients (each rank
+    keeps its shard); `accumulate_grads="unsharded"` once per optimizer step. Both at parity (the DP parity test)."""
+    sharded = _result(two_d_results, "llama_accumulate")
+    assert sharded["optimizer_steps"] == 3 and sharded["fsdp_groups"] == 3  # 2 decoder layers + the root
+    assert sharded["reduce_scatters"] == 6 * sharded["fsdp_groups"]
+    unsharded = _result(two_d_results, "llama_accumulate_unsharded")
+    assert unsharded["reduce_scatters"] == unsharded["optimizer_steps"] * unsharded["fsdp_groups"]
+    plain = _result(two_d_results, "qwen3_sgd")  # no accumulation: one per step
     assert plain["reduce_scatters"] == plain["optimizer_steps"] * plain["fsdp_groups"]
 
 
-@pytest.mark.scenarios("2d", "qwen3_hsdp")
+@pytest.mark.scenarios("2d", "qwen3_hsdp", "qwen3_hsdp_accumulate")
 def test_hsdp_replicates_instead_of_scattering(two_d_results: list[dict]) -> None:
-    """dp_replicate 2 x dp_shard 1 x tp 2: gradients are all-reduced across the replicas, never reduce-scattered."""
-    assert _result(two_d_results, "qwen3_hsdp")["reduce_scatters"] == 0
+    """dp_replicate 2 x dp_shard 1 x tp 2: gradients are all-reduced across the replicas, never reduce-scattered;
+    with accumulation (2 micro-batches a step) the all-reduce runs on each step's last micro-batch only."""
+    for name in ("qwen3_hsdp", "qwen3_hsdp_accumulate"):
+        result = _result(two_d_results, name)
+        assert result["reduce_scatters"] == 0
+        assert result["fsdp_all_reduces"] == result["optimizer_steps"] * result["fsdp_groups"] > 0, result
 
 
 def _check_features(results: list[dict], dp_size: int) -> None:
@@ -437,3 +444,16 @@ def test_vision_language_models_generate_the_single_process_tokens(tp2_results: 
             with torch.no_grad():
                 whole = build_vlm(kind).eval().generate(**vlm_prompt(kind), max_new_tokens=3, do_sample=False)
             assert result[kind] == whole.tolist(), (rank, kind)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "2d"])
+@pytest.mark.scenarios("{layout}", "whole_tensors")
+def test_whole_tensors_gathered_in_slices_match_full_tensor(layout_results: list[dict], layout: str) -> None:
+    """The gather behind save_pretrained, the adapter save and save_merged: in slices (16 bytes here) along a
+    dimension no placement splits, for TP, 2-D (FSDP2's strided shards), uneven and fully split layouts; the whole
+    tensor on rank 0's CPU only."""
+    results = [_result(layout_results, "whole_tensors", rank=rank) for rank in range(len(layout_results))]
+    assert results[0]["differ"] == [] and results[0]["kept"] == results[0]["count"] > 20, results[0]
+    assert all(r["kept"] == 0 for r in results[1:])
+    if layout == "2d":
+        assert any("_StridedShard" in p for p in results[0]["placements"]), results[0]["placements"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from functools import partial
@@ -61,8 +62,10 @@ class ReduceScatterCounter:
     def __init__(self) -> None:
         self.calls = 0
         self.all_gather_bytes = 0
+        self.fsdp_all_reduces = 0  # HSDP's gradient all-reduces across the replicas (called from FSDP2's modules)
         self._original = dist.reduce_scatter_single
         self._all_gather = dist.all_gather_single
+        self._all_reduce = dist.all_reduce
 
     def __enter__(self) -> ReduceScatterCounter:
         def counting(*args, **kwargs):
@@ -73,13 +76,20 @@ class ReduceScatterCounter:
             self.all_gather_bytes += output.numel() * output.element_size()
             return self._all_gather(output, *args, **kwargs)
 
+        def all_reducing(*args, **kwargs):
+            if "_fsdp" in sys._getframe(1).f_globals.get("__name__", ""):
+                self.fsdp_all_reduces += 1
+            return self._all_reduce(*args, **kwargs)
+
         dist.reduce_scatter_single = counting
         dist.all_gather_single = gathering
+        dist.all_reduce = all_reducing
         return self
 
     def __exit__(self, *exc) -> None:
         dist.reduce_scatter_single = self._original
         dist.all_gather_single = self._all_gather
+        dist.all_reduce = self._all_reduce
 
 
 def run_case(ctx: Context, name: str) -> dict:
@@ -137,6 +147,7 @@ def run_case(ctx: Context, name: str) -> dict:
         "adapter": adapter,
         "initial_state": initial,
         "reduce_scatters": counter.calls,
+        "fsdp_all_reduces": counter.fsdp_all_reduces,
         "compiled": compiled,
         "all_gather_bytes": counter.all_gather_bytes,
         "optimizer_steps": t.global_step,
@@ -267,6 +278,48 @@ def run_save_failure(ctx: Context) -> dict:
     except Exception as err:
         return {"type": type(err).__name__, "message": str(err)}
     return {"type": None, "message": "no error"}
+
+
+@SCENARIOS.register("whole_tensors")
+def run_whole_tensors(ctx: Context) -> dict:
+    """`lightning_tp.gather.whole_tensor` (the gather of save_pretrained, the adapter save, save_merged) in slices of
+    a few bytes against `full_tensor()`: every parameter of a model sharded as the strategy shards it (TP, and FSDP2's
+    strided shards in 2-D), and uneven and fully split layouts; kept on rank 0 only."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_tp.gather import whole_tensor
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=tripwire_timeout())
+    world = dist.get_world_size()
+    tp_size = ctx.layout["tp_size"] or world
+    model = lightning_tp.parallelize(build_causal_lm(tiny_config("qwen3")), tp_size=tp_size)
+    tensors = dict(model.state_dict())
+    mesh = next(t for t in tensors.values() if isinstance(t, DTensor)).device_mesh
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(7, 5), (5, 7, 3), (9,)]:  # uneven shards on every axis; no unsplit dimension at the end
+        whole = torch.randn(shape, generator=generator)
+        layouts = [[Shard(0)] * mesh.ndim, [Replicate()] * mesh.ndim]
+        if whole.ndim > 1:  # each mesh axis splits another dimension (on a 2-D mesh a (7, 5) tensor has none free)
+            layouts.append([Shard(axis + 2 - mesh.ndim) for axis in range(mesh.ndim)])
+        for placements in layouts:
+            tensors[f"{shape}:{placements}"] = distribute_tensor(whole, mesh, placements)
+    keep = dist.get_rank() == 0
+    differ, kept = [], 0
+    for name, tensor in tensors.items():
+        gathered = whole_tensor(tensor, keep=keep, chunk_bytes=16)  # slices of 4 fp32 values at most
+        expected = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if gathered is not None:
+            kept += 1
+            if gathered.device.type != "cpu" or not torch.equal(gathered, expected.detach().cpu()):
+                differ.append(name)
+    return {
+        "differ": differ,
+        "kept": kept,
+        "count": len(tensors),
+        "placements": sorted({str(t.placements) for t in tensors.values() if isinstance(t, DTensor)}),
+    }
 
 
 @SCENARIOS.register("collectives")

@@ -357,6 +357,8 @@ CASES: dict[str, Case] = {
     ),
     # Gradient accumulation over 2 micro-batches.
     "llama_accumulate": lm("llama", 6, accumulate=2),
+    # The same, FSDP2 keeping whole gradients until each step's last micro-batch (one reduce-scatter per step).
+    "llama_accumulate_unsharded": lm("llama", 6, accumulate=2, strategy_kwargs={"accumulate_grads": "unsharded"}),
     # Sharded by Transformers at load time: recognised, not sharded twice, and trained with foreach AdamW.
     "presharded_adamw_foreach": Case(
         partial(_from_checkpoint, True),
@@ -404,6 +406,8 @@ CASES: dict[str, Case] = {
     "qwen3_bf16_all_gather": lm("qwen3", 3, precision="bf16-mixed", strategy_kwargs={"fsdp_param_dtype": "bf16"}),
     # HSDP: two replicas of a (shard 1 x tp 2) group on 4 ranks.
     "qwen3_hsdp": lm("qwen3", 3, strategy_kwargs={"dp_replicate_size": 2}),
+    # HSDP with accumulation: the all-reduce across the replicas waits for each step's last micro-batch.
+    "qwen3_hsdp_accumulate": lm("qwen3", 4, accumulate=2, strategy_kwargs={"dp_replicate_size": 2}),
     # A value head outside the Transformers model: replicated over TP (FSDP2 in 2-D), foreach AdamW.
     "qwen3_with_head": lm(
         "qwen3",
@@ -654,10 +658,12 @@ TWO_D_CASES = [
     "tied_sgd",
     "qwen3_adamw_foreach_clip",
     "llama_accumulate",
+    "llama_accumulate_unsharded",
     "qwen3_activation_checkpointing",
     "qwen3_meta_load",
     "tied_meta_load",
     "qwen3_hsdp",
+    "qwen3_hsdp_accumulate",
     "qwen3_with_head",
     "tied_replicated",
     "qwen3_no_reshard",
@@ -701,7 +707,14 @@ TWO_D_CASES = [
     "qwen3_moe_ep4_activation_checkpointing",
 ]
 #: Cases that only make sense with data parallelism.
-DP_ONLY_CASES = {"qwen3_hsdp", "qwen3_no_reshard", "qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
+DP_ONLY_CASES = {
+    "qwen3_hsdp",
+    "qwen3_hsdp_accumulate",
+    "llama_accumulate_unsharded",
+    "qwen3_no_reshard",
+    "qwen3_bf16_mixed",
+    "qwen3_bf16_all_gather",
+}
 #: bf16 cases, compared with a bf16 single process (not at fp32's tolerance).
 BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
 #: Cases with tp_size=1 (FSDP2 alone over every rank): run in both launches, checked on their own.
@@ -734,6 +747,7 @@ TP_CASES = [
     "features",
     "save_failure",
     "collectives",
+    "whole_tensors",
     "vlm_generate",
     "loss_parallel_checks",
     "cp_rows_differ",
@@ -742,5 +756,5 @@ TP_CASES = [
 #: Launch name -> (its fixture in tests/distributed/conftest.py, every scenario it runs in a full run).
 LAUNCHES: dict[str, tuple[str, list[str]]] = {
     "tp2": ("tp2_results", TP_CASES),
-    "2d": ("two_d_results", [*TWO_D_CASES, "group_timeouts"]),
+    "2d": ("two_d_results", [*TWO_D_CASES, "group_timeouts", "whole_tensors"]),
 }

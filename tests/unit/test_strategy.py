@@ -115,6 +115,33 @@ def test_cpu_offload_needs_data_parallelism_and_an_accelerator():
         strategy.setup_environment()
 
 
+def test_cpu_offload_leaves_parameters_and_moves_buffers_metrics_and_the_modules_device() -> None:
+    """Under FSDP2's CPU offload the parameters stay in host memory, but what ``self.log(sync_dist=True)``,
+    torchmetrics and ``torch.zeros(device=self.device)`` use must be on the accelerator (NCCL takes no CPU tensors).
+    The meta device stands in for the accelerator here."""
+    import torchmetrics
+
+    from lightning_tp.parallelize import place_on_device
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 4)
+            self.register_buffer("table", torch.arange(4.0))
+            self.metric = torchmetrics.MeanMetric()
+
+    module = Module()
+    target = torch.device("meta")
+    place_on_device(module, target, cpu_offload=True)
+    assert module.net.weight.device.type == "cpu"  # FSDP2 moves each unit's parameters itself
+    assert module.table.device == target
+    assert module.device == target
+    assert module.metric.device == target and module.metric.mean_value.device == target
+    other = Module()
+    place_on_device(other, target, cpu_offload=False)  # without offload: all of it
+    assert other.net.weight.device == target and other.device == target
+
+
 def test_frozen_weights_left_out_need_a_distributed_checkpoint() -> None:
     with pytest.raises(ValueError, match="needs `save_distributed_checkpoint=True`"):
         TensorParallelStrategy(2, save_frozen_weights=False, save_distributed_checkpoint=False)
