@@ -23,8 +23,10 @@ from tests.helpers.tripwire import worker_setup  # noqa: E402
 TIMEOUT = worker_setup()
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import SingleDeviceStrategy  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_tp  # noqa: E402
@@ -208,32 +210,52 @@ def bf16_mixed(out: Path, checkpoints: Path) -> dict[str, Any]:
 
 @case
 def accumulate(out: Path, checkpoints: Path) -> dict[str, Any]:
-    """Two micro-batches per step, the first under ``fabric.no_backward_sync`` (FSDP2 reduces once per step): the
-    same as one process on the whole batch."""
+    """Two micro-batches per step, the first under ``fabric.no_backward_sync``: the same as one process on the whole
+    batch, with FSDP2 reduce-scattering every micro-batch (``accumulate_grads="sharded"``, the default) and once per
+    step (``"unsharded"``). Counted: the reduce-scatters of each."""
     batches = lm_batches(STEPS)
     fabric = one_process()
     model = qwen3()
     model, optimizer = fabric.setup(model, sgd(model))
     reference = train(fabric, model, optimizer, batches, clip=1e6)
+    result: dict[str, Any] = {"reference": reference}
+    for accumulate_grads in ("sharded", "unsharded"):
+        fabric = sharded(tp_size=2, accumulate_grads=accumulate_grads)
+        model = qwen3()
+        model, optimizer = fabric.setup(model, sgd(model))
+        losses, norms = [], []
+        scatters = _ReduceScatters()
+        for batch in batches:
+            halves = {key: value.chunk(2) for key, value in batch.items()}
+            micro = [{key: parts[index] for key, parts in halves.items()} for index in range(2)]
+            total = 0.0
+            for index, part in enumerate(micro):
+                with fabric.no_backward_sync(model, enabled=index < len(micro) - 1):
+                    loss = model(**dp_slice(fabric, part)).loss
+                    fabric.backward(loss / len(micro))
+                total += loss.detach() / len(micro)
+            norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e6).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+        dist.reduce_scatter_single = scatters.original
+        result[accumulate_grads] = {"losses": losses, "norms": norms, "reduce_scatters": scatters.calls}
+    result["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+    return result
 
-    fabric = sharded(tp_size=2)
-    model = qwen3()
-    model, optimizer = fabric.setup(model, sgd(model))
-    losses, norms = [], []
-    for batch in batches:
-        halves = {key: value.chunk(2) for key, value in batch.items()}
-        micro = [{key: parts[index] for key, parts in halves.items()} for index in range(2)]
-        total = 0.0
-        for index, part in enumerate(micro):
-            with fabric.no_backward_sync(model, enabled=index < len(micro) - 1):
-                loss = model(**dp_slice(fabric, part)).loss
-                fabric.backward(loss / len(micro))
-            total += loss.detach() / len(micro)
-        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e6).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(fabric.all_reduce(total, reduce_op="mean").item())
-    return {"reference": reference, "losses": losses, "norms": norms}
+
+class _ReduceScatters:
+    """Counts ``dist.reduce_scatter_single`` calls (FSDP2's gradient reduce-scatters) until ``original`` is put back."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.original = dist.reduce_scatter_single
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting
 
 
 @case

@@ -107,8 +107,12 @@ def test_2d_bf16_mixed_has_the_numerics_of_one_process_bf16_mixed(two_d: list[di
 
 
 def test_2d_gradient_accumulation_with_no_backward_sync(two_d: list[dict]) -> None:
+    """Both `accumulate_grads` at parity; "sharded" reduce-scatters each of the 2 micro-batches, "unsharded" once."""
     for result in (r["accumulate"] for r in two_d):
-        _assert_parity(result)
+        for mode, micro_batches in (("sharded", 2), ("unsharded", 1)):
+            _assert_parity({"reference": result["reference"], **result[mode]})
+            steps = len(result[mode]["losses"])
+            assert result[mode]["reduce_scatters"] == steps * micro_batches * result["fsdp_units"], (mode, result)
 
 
 def test_meta_init_and_from_pretrained_load_sharded_and_load_raw(tp2: list[dict]) -> None:

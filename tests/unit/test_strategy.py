@@ -331,3 +331,19 @@ def test_compile_takes_torch_compile_arguments_and_names_a_wrong_key() -> None:
         ParallelOptions(compile={"model": None})
     with pytest.raises(ValueError, match="`compile` must be True, False or a dict"):
         ParallelOptions(compile="yes")
+
+
+def test_accumulate_grads_is_checked_when_built_and_warned_about_where_ignored() -> None:
+    from lightning_tp.fabric import TensorParallelStrategy as FabricStrategy
+
+    for strategy in (TensorParallelStrategy, FabricStrategy):
+        with pytest.raises(ValueError, match="`accumulate_grads` must be one of .*got 'whole'"):
+            strategy(accumulate_grads="whole")
+    options = TensorParallelStrategy(2, accumulate_grads="unsharded").options
+    with pytest.warns(UserWarning, match="`accumulate_grads='unsharded'` is ignored: the layout"):
+        options.layout(2)  # TP over both ranks: nothing to reduce between micro-batches
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        options.layout(4)  # dp_shard 2 x tp 2: it applies, no warning
