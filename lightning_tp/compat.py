@@ -36,6 +36,7 @@ __all__ = [
     "all_gather_ddp_if_available",
     "assert_async",
     "attention_implementation",
+    "install_dtensor_rng_tracker",
     "buffer_dict",
     "causal_lm_loss_function",
     "clear_received_sigterm",
@@ -175,6 +176,18 @@ def cut_strided_shards_when_distributing(misplaced: Callable[[Any], bool]) -> No
 
     _distribute_tensors._lightning_tp_wrapped = True  # type: ignore[attr-defined]
     utils._distribute_tensors = _distribute_tensors
+
+
+def install_dtensor_rng_tracker(mesh: DeviceMesh) -> bool:
+    """Create DTensor's random-number tracker for ``mesh`` now, without synchronising the generators (no collective),
+    unless one exists or the device has none (CPU). Returns whether one exists afterwards. torch otherwise creates it
+    at the first random DTensor op, with a broadcast of rank 0's CUDA state over the world group: that op then hangs
+    if only some ranks run it, and it overwrites every rank's CUDA generator. The tracker is a private global."""
+    from torch.distributed.tensor import _random
+
+    if _random._rng_tracker is None and mesh.device_type != "cpu" and _random.is_rng_supported_mesh(mesh):
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
+    return _random._rng_tracker is not None
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:

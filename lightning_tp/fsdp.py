@@ -45,9 +45,16 @@ def fsdp_mixed_precision(precision: str, *, param_dtype: str | torch.dtype | Non
     ``*-true`` precisions converted the parameters already. ``param_dtype="bf16"`` with ``bf16-mixed`` is torchtitan's
     recipe: FSDP2 all-gathers bf16 copies of the parameters (half the bytes) and reduces gradients in fp32; every layer
     then computes on bf16 weights, norms and residual stream included, which is less accurate than autocast.
+
+    ``bf16-true`` and ``16-true`` reduce gradients in fp32 (``reduce_dtype``; the reduced shard is cast back): one
+    process sums a whole batch's gradient in a matmul's fp32 accumulator and rounds once, where a 16-bit
+    reduce-scatter would round at every hop of the ring, more ranks more roundings (and fp16 could overflow). Twice
+    the reduce-scatter bytes, as torchtitan's ``mixed_precision_reduce`` and Megatron's ``grad_reduce_in_fp32``.
     """
     if precision == "bf16-mixed" and param_dtype in BF16_NAMES:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision in ("bf16-true", "16-true"):
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 

@@ -72,6 +72,7 @@ from lightning_tp.plan import (
     uneven_kv_projections,
 )
 from lightning_tp.random_init import random_state_of_rank_zero
+from lightning_tp.rng import prepare_dtensor_random, warn_repeated_dropout
 from lightning_tp.router_loss import install_global_router_loss
 from lightning_tp.sequence_parallel import sequence_parallel_plan
 from lightning_tp.tensor_parallel import (
@@ -270,6 +271,11 @@ def apply_parallelisms(
     # 1. Resolve and check every plan before any weight moves or any collective runs: a bad plan raises the same error
     #    on every rank, where a rank failing mid-way would leave the others hanging in a collective.
     targets = resolve_targets(root, layout=layout, tp_mesh=tp_mesh, dp_mesh=data_parallel_mesh(mesh), options=options)
+    #    Dropout on a rank's own heads or tokens draws the same mask on every rank of a TP/CP group: said once, here.
+    warn_repeated_dropout(root, layout)
+    #    DTensor's random-number tracker now, on every rank and without a collective: torch would create it at the
+    #    first random DTensor op with a world broadcast, which hangs if only some ranks run that op.
+    prepare_dtensor_random(mesh)
     # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
     if convert_module is not None:
         convert_module(root)

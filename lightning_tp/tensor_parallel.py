@@ -322,7 +322,9 @@ def retie(module: nn.Module, tied: dict[str, str]) -> None:
 
 class _AllReduceGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over ``group``. For a replicated parameter used on sharded
-    activations (Qwen3's per-head q/k norms): each rank's gradient covers its own heads only."""
+    activations (Qwen3's per-head q/k norms; norms under sequence parallelism): each rank's gradient covers its own
+    heads or tokens only. The sum is taken in fp32 where the gradient is 16-bit (FSDP2's bf16 all-gathers, the
+    ``-true`` precisions), as one process sums those heads' or tokens' contributions in fp32 before rounding."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
@@ -331,6 +333,10 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if grad.dtype in (torch.bfloat16, torch.float16):
+            total = grad.float().contiguous()  # a new tensor: autograd may share the incoming gradient
+            dist.all_reduce(total, group=ctx.group)
+            return total.to(grad.dtype), None
         grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the incoming gradient
         dist.all_reduce(grad, group=ctx.group)
         return grad, None

@@ -1,5 +1,6 @@
 """Initialisation of sharded parameters, on one process: without shards it is exactly Transformers' and PEFT's own."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -51,3 +52,40 @@ def test_a_plain_module_built_on_meta_is_reset_as_its_constructor_draws() -> Non
     materialize_modules(module, torch.device("cpu"))
     for key, value in _mlp().state_dict().items():
         torch.testing.assert_close(module.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_dropout_on_shards_is_warned_about_naming_where_and_only_when_tp_or_cp_split() -> None:
+    """Dropout under TP/CP draws the same mask on every shard of a group: warned, naming the rates; nothing where
+    dropout is off (the tiny models) or nothing is split."""
+    import warnings
+
+    from lightning_tp.layout import ParallelLayout
+    from lightning_tp.rng import active_dropout, warn_repeated_dropout
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    model = build_causal_lm(tiny_config("llama", attention_dropout=0.1))
+    assert active_dropout(model) == ["model.layers.*.self_attn.attention_dropout=0.1"]
+    with pytest.warns(UserWarning, match=r"Dropout is on \(model.layers.\*.self_attn.attention_dropout=0.1\)"):
+        warn_repeated_dropout(model, ParallelLayout(tp_size=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_repeated_dropout(model, ParallelLayout(tp_size=1, dp_shard_size=2))  # data parallelism: own masks
+        warn_repeated_dropout(build_causal_lm(tiny_config("llama")), ParallelLayout(tp_size=2))
+    linear = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    assert active_dropout(linear) == ["* (p=0.5)"]  # indices as `*`
+
+
+def test_dtensor_random_tracker_is_not_created_on_cpu() -> None:
+    """On CUDA the tracker is created at setup without a collective (tests/gpu checks it); on CPU torch has none, and
+    asking must neither create one nor warn."""
+    import warnings
+
+    from torch.distributed.tensor import _random
+
+    from lightning_tp.rng import prepare_dtensor_random
+    from tests.helpers.process_group import one_rank_mesh
+
+    with one_rank_mesh() as mesh, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prepare_dtensor_random(mesh) is False
+        assert _random._rng_tracker is None

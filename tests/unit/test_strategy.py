@@ -189,6 +189,16 @@ def test_bf16_mixed_keeps_fp32_parameters_in_fsdp2_unless_bf16_all_gathers_are_a
     assert fsdp_mixed_precision("32-true", param_dtype=None).param_dtype is None
 
 
+def test_16_bit_true_precisions_reduce_gradients_in_fp32() -> None:
+    """A 16-bit reduce-scatter rounds at every hop of the ring; one process rounds a batch's gradient once."""
+    from lightning_tp.fsdp import fsdp_mixed_precision
+
+    for precision in ("bf16-true", "16-true"):
+        policy = fsdp_mixed_precision(precision)
+        assert policy.param_dtype is None and policy.reduce_dtype == torch.float32
+    assert fsdp_mixed_precision("32-true").reduce_dtype is None
+
+
 @pytest.mark.parametrize("precision", ["32-true", "16-true"])
 def test_bf16_all_gathers_refused_without_bf16_compute(precision: str) -> None:
     from lightning_tp import ParallelLayout, ParallelOptions
