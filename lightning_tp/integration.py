@@ -288,6 +288,22 @@ def drop_data_position(metadata: dict[str, Any], *, saved_dp_size: int, dp_size:
         )
 
 
+def saved_after_an_epochs_last_batch(metadata: dict[str, Any]) -> bool:
+    """Whether a Trainer checkpoint was written after an epoch's last training batch, before the epoch's end
+    (``ModelCheckpoint(every_n_train_steps=N)`` when N divides the epoch). Lightning 2.6 resumes it in the next epoch;
+    torchdata's ``StatefulDataLoader`` would restore its end-of-epoch position into that epoch's iterator, which then
+    yields nothing (the epoch is skipped and the run goes on with the order of the one after, on one device too)."""
+    progress = metadata.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    total = progress.get("total", {})
+    return bool(progress.get("is_last_batch")) and total.get("completed") == total.get("processed", 0) - 1
+
+
+def forget_position_at_epoch_end(metadata: dict[str, Any]) -> None:
+    """The data loader's position of a checkpoint :func:`saved_after_an_epochs_last_batch` is dropped: the next epoch
+    starts from its first batch, as it did in the run that saved."""
+    metadata.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
+
+
 def step_timeout_seconds(
     step_timeout: timedelta | float | Literal["auto"] | None, *, timeout: timedelta | None
 ) -> tuple[float | None, bool]:

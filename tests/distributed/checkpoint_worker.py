@@ -66,14 +66,21 @@ def resumed_losses(path: Path | str, **kwargs: Any) -> dict[int, float]:
 
 @SCENARIOS.register("dropout")
 def dropout(ctx: Context) -> dict[str, Any]:
-    """Exact resume mid-epoch with dropout (the random states and the data position matter). The same run also saves
+    """Exact resume mid-epoch with dropout (the random states and the data position matter), and from a save after an
+    epoch's last batch (where Lightning goes on with the next epoch, which must start at its first batch, in its own
+    order: on one device torchdata's loader skips that epoch). The same run also saves
     at a file:// URL, through fsspec and the commit marker as an object store would, twice (the second save replaces
     the first)."""
     out, results = ctx.out, {}
     module = ResumeModule(dropout=0.1)
     url = (out / "url_mid").as_uri()
-    fit(module, callbacks=[SaveAt(steps={6: out / "dropout_mid"}), SaveAt(steps={4: url, 6: url})])
-    results["dropout"] = {"reference": module.losses, "mid": resumed_losses(out / "dropout_mid", dropout=0.1)}
+    mid = SaveAt(steps={4: out / "dropout_last_batch", 6: out / "dropout_mid"})  # 4: epoch 0's last batch
+    fit(module, callbacks=[mid, SaveAt(steps={4: url, 6: url})])
+    results["dropout"] = {
+        "reference": module.losses,
+        "mid": resumed_losses(out / "dropout_mid", dropout=0.1),
+        "last_batch": resumed_losses(out / "dropout_last_batch", dropout=0.1),
+    }
     results["url"] = resumed_losses(url, dropout=0.1)
     return results
 
