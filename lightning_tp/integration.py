@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_tp.compat import distributed_is_initialized
+from lightning_tp.compat import distributed_is_initialized, training_batches
 from lightning_tp.fsdp import ACCUMULATE_GRADS
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
@@ -288,20 +288,15 @@ def drop_data_position(metadata: dict[str, Any], *, saved_dp_size: int, dp_size:
         )
 
 
-def saved_after_an_epochs_last_batch(metadata: dict[str, Any]) -> bool:
-    """Whether a Trainer checkpoint was written after an epoch's last training batch, before the epoch's end
-    (``ModelCheckpoint(every_n_train_steps=N)`` when N divides the epoch). Lightning 2.6 resumes it in the next epoch;
-    torchdata's ``StatefulDataLoader`` would restore its end-of-epoch position into that epoch's iterator, which then
-    yields nothing (the epoch is skipped and the run goes on with the order of the one after, on one device too)."""
-    progress = metadata.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
-    total = progress.get("total", {})
-    return bool(progress.get("is_last_batch")) and total.get("completed") == total.get("processed", 0) - 1
-
-
-def forget_position_at_epoch_end(metadata: dict[str, Any]) -> None:
-    """The data loader's position of a checkpoint :func:`saved_after_an_epochs_last_batch` is dropped: the next epoch
-    starts from its first batch, as it did in the run that saved."""
-    metadata.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
+def resumes_in_the_next_epoch(trainer: Any, dataloader: object) -> bool:
+    """Whether a resumed fit goes on in the next epoch because its checkpoint was written after the epoch's last
+    training batch (``ModelCheckpoint(every_n_train_steps=N)`` where N divides the epoch, with ``limit_train_batches``
+    counted as Lightning counts it). Lightning 2.6 then moves on to the next epoch, but torchdata's
+    ``StatefulDataLoader`` would restore its end-of-epoch position into that epoch's iterator, which yields nothing:
+    the epoch is skipped and the run goes on in the order of the one after (on one device too)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    saved_at_a_batch_end = progress.completed == progress.processed - 1  # what `on_train_batch_end` saves
+    return saved_at_a_batch_end and progress.processed >= training_batches(trainer, dataloader)
 
 
 def step_timeout_seconds(

@@ -56,9 +56,10 @@ def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None
                 parameter_dict(module)[name] = param
                 # No communication (src_data_rank=None): every rank holds the same whole tensor and keeps its slice,
                 # whatever the placements (TP's Shard, FSDP2's Shard/_StridedShard on the 2-D mesh, Replicate).
+                # `distribute_tensor` slices on the mesh's device; with FSDP2's CPU offload the shard lives on the CPU.
                 mine = distribute_tensor(whole.detach(), param.device_mesh, param.placements, src_data_rank=None)
-                mine = mine.to_local()
                 local = param.to_local()
+                mine = mine.to_local().to(local.device)
                 written = ~torch.isnan(mine)  # what the initialisation left alone keeps its value
                 local.copy_(torch.where(written, mine, local))
 

@@ -24,6 +24,7 @@ from lightning_tp.checkpoint import MODEL_KEY, set_rng_state
 from lightning_tp.compat import (
     all_gather_ddp_if_available,
     distributed_is_initialized,
+    forget_loader_position,
     optimizers_to_device,
     set_device_mesh,
     set_sampler_epoch,
@@ -37,9 +38,8 @@ from lightning_tp.integration import (
     StrategyOptions,
     clip_with_dtensor_support,
     drop_data_position,
-    forget_position_at_epoch_end,
     reduce_metrics_over,
-    saved_after_an_epochs_last_batch,
+    resumes_in_the_next_epoch,
     step_timeout_seconds,
 )
 from lightning_tp.monitor import ExpertLoadMonitor, ThroughputMonitor
@@ -206,7 +206,6 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
         self._step_timeout, self._adaptive_step_timeout = step_timeout_seconds(step_timeout, timeout=timeout)
         self._rng_to_restore: list[dict[str, Any]] | None = None
-        self._resumes_next_epoch = False  # the checkpoint loaded was written after the last batch of its epoch
         self._parallel: ParallelOptions | None = None  # the options with the Trainer's precision, from setup on
 
     # ------------------------------------------------------------------ layout and mesh
@@ -414,9 +413,6 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         self._rng_to_restore, saved_dp_size = checkpoint_io.pop_rng_entry(metadata, layout=self.layout, restore=fitting)
         if saved_dp_size is not None:
             drop_data_position(metadata, saved_dp_size=saved_dp_size, dp_size=self.layout.dp_size)
-        self._resumes_next_epoch = saved_after_an_epochs_last_batch(metadata)
-        if self._resumes_next_epoch:
-            forget_position_at_epoch_end(metadata)
         if self._inference_modules is not None:
             # validate/test/predict load after setup, and the load's state-dict hooks reshard what setup gathered.
             self._inference_modules = gather_for_inference(self.model)
@@ -427,16 +423,18 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         # Lightning 2.6 builds the training data iterator of a resumed run before it sets the sampler's epoch, so a
         # run resumed mid-epoch would replay epoch 0's order (torchdata's `StatefulDataLoader` then skips the batches
         # already seen, of the wrong order). Set the epoch first: the one in progress, or the next one where the
-        # checkpoint was written after the last batch of its epoch.
+        # checkpoint was written after the last batch of its epoch (that epoch then starts at its first batch).
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.fit_loop.restarting:
-            epoch = trainer.fit_loop.epoch_progress.current.processed + int(self._resumes_next_epoch)
-            set_sampler_epoch(dataloader, epoch)
-            if self._resumes_next_epoch and self._rng_to_restore is not None:
-                # The run that saved built the next epoch's iterator after saving, drawing its base seed from the
-                # global generator: restore the random states before this run builds it.
-                set_rng_state(self._rng_to_restore[self.global_rank])
-                self._rng_to_restore = None
+            next_epoch = resumes_in_the_next_epoch(trainer, dataloader)
+            set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed + int(next_epoch))
+            if next_epoch:
+                forget_loader_position(trainer)
+                if self._rng_to_restore is not None:
+                    # The run that saved built the next epoch's iterator after saving, drawing its base seed from
+                    # the global generator: restore the random states before this run builds it.
+                    set_rng_state(self._rng_to_restore[self.global_rank])
+                    self._rng_to_restore = None
         return super().process_dataloader(dataloader)
 
     @override

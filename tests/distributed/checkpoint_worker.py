@@ -45,7 +45,12 @@ class Context:
 
 
 def fit(
-    module: ResumeModule, *, ckpt_path: Path | str | None = None, callbacks=(), **strategy_kwargs: Any
+    module: ResumeModule,
+    *,
+    ckpt_path: Path | str | None = None,
+    callbacks=(),
+    limit_train_batches: int | float = 1.0,
+    **strategy_kwargs: Any,
 ) -> L.Trainer:
     trainer = quiet_trainer(
         accelerator="cpu",
@@ -53,6 +58,7 @@ def fit(
         strategy=TensorParallelStrategy(throughput_monitor=False, **strategy_kwargs),
         max_steps=STEPS,
         callbacks=list(callbacks),
+        limit_train_batches=limit_train_batches,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
@@ -81,6 +87,11 @@ def dropout(ctx: Context) -> dict[str, Any]:
         "mid": resumed_losses(out / "dropout_mid", dropout=0.1),
         "last_batch": resumed_losses(out / "dropout_last_batch", dropout=0.1),
     }
+    # Epochs of 3 batches (`limit_train_batches=3`), saved after epoch 0's last: the next epoch again.
+    limited = ResumeModule(dropout=0.1)
+    fit(limited, limit_train_batches=3, callbacks=[SaveAt(steps={3: out / "dropout_limited"})])
+    results["dropout"]["limited_reference"] = limited.losses
+    results["dropout"]["limited"] = resumed_losses(out / "dropout_limited", dropout=0.1, limit_train_batches=3)
     results["url"] = resumed_losses(url, dropout=0.1)
     return results
 

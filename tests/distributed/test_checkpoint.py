@@ -113,6 +113,7 @@ def test_exact_resume_mid_epoch_with_dropout(tp2: dict[str, Any]) -> None:
         assert sorted(reference) == list(range(1, STEPS + 1))
         _assert_close(result["dropout"]["mid"], _after(reference, 6), EXACT)
         _assert_close(result["dropout"]["last_batch"], _after(reference, 4), EXACT)  # epoch 1 whole, as it ran
+        _assert_close(result["dropout"]["limited"], _after(result["dropout"]["limited_reference"], 3), EXACT)
 
 
 @pytest.mark.scenarios("ckpt_tp2", "full")
