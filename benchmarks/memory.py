@@ -5,7 +5,10 @@ rank, then sharded). One invocation runs every configuration, each in fresh proc
     python benchmarks/memory.py --out benchmarks/memory.json      # Llama-style, ~166M parameters, CPU/gloo
     python benchmarks/memory.py --quick                           # a small model, for a smoke run
 
-Reported as ratios to the single process; bytes are what each rank holds locally (its shards).
+Reported as ratios to the single process; bytes are what each rank holds locally (its shards). Also gradient
+accumulation on 2-D (4 micro-batches a step) with ``accumulate_grads="sharded"`` (reduce-scatter every micro-batch,
+the default) against ``"unsharded"`` (whole gradients kept until the step's last micro-batch): the peak above the
+start of training, per rank.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     record: dict = {"layout": args.layout, "mode": args.mode}
     ckpt = args.checkpoint
     sampler = PeakSampler()
+    train_sampler = PeakSampler()
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -122,10 +126,21 @@ def worker(args: argparse.Namespace) -> None:
             # The strategy's setup (sharding, materialising, reading the checkpoint) has run by now.
             record["load_peak_mb"] = sampler.stop()
 
-        on_validation_start = on_fit_start
+        def on_train_start(self) -> None:
+            record["train_start_mb"] = status_mb()
+            train_sampler.start()
+
+        def on_train_end(self) -> None:
+            record["train_peak_mb"] = train_sampler.stop()
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch, labels=batch).loss
+
+        def on_after_backward(self) -> None:
+            # Accumulating: the 7th of 8 micro-batches (second step, before its last), what is held between them.
+            self.backwards = getattr(self, "backwards", 0) + 1
+            if args.phase == "accumulate" and self.backwards == 7:
+                record["held_mb"] = status_mb()["RssAnon"] - record["train_start_mb"]["RssAnon"]
 
         def validation_step(self, batch, batch_idx):
             self.model(input_ids=batch)
@@ -141,16 +156,19 @@ def worker(args: argparse.Namespace) -> None:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    data = DataLoader([torch.randint(0, 1000, (4, 128)) for _ in range(2)], batch_size=None)
+    accumulate = 4 if args.phase == "accumulate" else 1
+    data = DataLoader([torch.randint(0, 1000, (4, 128)) for _ in range(2 * accumulate)], batch_size=None)
     if args.layout == "single":
         strategy, devices = "auto", 1
     else:
-        strategy, devices = TensorParallelStrategy(2), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        strategy = TensorParallelStrategy(2, accumulate_grads=args.accumulate_grads)
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=2,
+        accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -158,10 +176,9 @@ def worker(args: argparse.Namespace) -> None:
         use_distributed_sampler=False,
     )
     module = Module()
-    if args.phase == "load":
-        trainer.validate(module, DataLoader([torch.randint(0, 1000, (1, 16))], batch_size=None), verbose=False)
-    else:
-        trainer.fit(module, data)
+    if args.phase == "load":  # fit, not validate: validate would gather the weights for inference inside the window
+        data = DataLoader([torch.randint(0, 1000, (1, 16))], batch_size=None)
+    trainer.fit(module, data)
     record["peak_rss_mb"] = rss_peak_mb()
     rank = int(os.environ.get("RANK", 0))
     Path(args.result).with_suffix(f".rank{rank}.json").write_text(json.dumps(record))
@@ -188,7 +205,8 @@ def main() -> None:
     # worker arguments
     parser.add_argument("--result", type=Path)
     parser.add_argument("--layout", choices=["single", "tp2", "2d"])
-    parser.add_argument("--phase", choices=["train", "load"], default="train")
+    parser.add_argument("--phase", choices=["train", "load", "accumulate"], default="train")
+    parser.add_argument("--accumulate-grads", choices=["sharded", "unsharded"], default="sharded")
     parser.add_argument("--mode", choices=["sharded", "full"], default="full")
     parser.add_argument("--checkpoint")
     args = parser.parse_args()
@@ -232,10 +250,51 @@ def main() -> None:
             )
             for mode in ("full", "sharded")
         }
-    report(runs, loads, size_mb, args.out)
+        accumulation = {
+            mode: launch(
+                4,
+                tmp_path / f"accumulate_{mode}",
+                "--layout",
+                "2d",
+                "--phase",
+                "accumulate",
+                "--accumulate-grads",
+                mode,
+                "--mode",
+                "sharded",
+                "--checkpoint",
+                str(checkpoint),
+            )
+            for mode in ("sharded", "unsharded")
+        }
+    report(runs, loads, size_mb, args.out, accumulation=accumulation)
 
 
-def report(runs: dict, loads: dict, size_mb: float, out: Path | None) -> None:
+def accumulation_lines(accumulation: dict) -> list[str]:
+    """The peak above the start of training on 2-D 2x2 with 4 micro-batches a step, by ``accumulate_grads``."""
+    lines = [
+        "",
+        "Gradient accumulation on 2-D 2x2 (4 micro-batches of 4 x 128 tokens per rank and step, AdamW): peak "
+        "anonymous memory per rank above the start of training, after the 7th of 8 micro-batches (what is held between "
+        "them) and at its peak. `4 P / tp` is what the whole fp32 gradients of a rank's TP shard take, `4 P / (tp dp)` "
+        "their FSDP2 shard.",
+        "",
+        "| accumulate_grads | reduce-scatters per step | held between micro-batches (MiB) | peak above start (MiB) "
+        "| 4 P / tp (MiB) | 4 P / (tp dp) (MiB) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, records in accumulation.items():
+        peak = max(r["train_peak_mb"]["RssAnon"] - r["train_start_mb"]["RssAnon"] for r in records)
+        held = max(r["held_mb"] for r in records)
+        sharded = max(r["param_bytes"] for r in records) / 2**20  # fp32 parameters / rank: 4 P / (tp * dp), dp = 2
+        lines.append(
+            f"| `{mode}` | {4 if mode == 'sharded' else 1} | {held:.0f} | {peak:.0f} | {2 * sharded:.0f} | "
+            f"{sharded:.0f} |"
+        )
+    return lines
+
+
+def report(runs: dict, loads: dict, size_mb: float, out: Path | None, *, accumulation: dict) -> None:
     base = runs["1 process"][0]
     lines = [
         "| layout | params / rank | grads / rank | AdamW states / rank | sum, ratio to 1 process "
@@ -273,10 +332,12 @@ def report(runs: dict, loads: dict, size_mb: float, out: Path | None) -> None:
         lines.append(
             f"| {label} | {anon:.0f} | {anon / size_mb:.2f} | {file_backed:.0f} | {total:.0f} | {total / size_mb:.2f} |"
         )
+    lines += accumulation_lines(accumulation)
     table = "\n".join(lines)
     print(table)
     if out is not None:
-        out.write_text(json.dumps({"runs": runs, "loads": loads, "checkpoint_mb": size_mb, "table": table}, indent=1))
+        results = {"runs": runs, "loads": loads, "accumulation": accumulation, "checkpoint_mb": size_mb, "table": table}
+        out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

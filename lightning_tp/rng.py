@@ -15,21 +15,44 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp.compat import install_dtensor_rng_tracker
+from lightning_tp.compat import distributed_is_initialized, install_dtensor_rng_tracker
 from lightning_tp.layout import ParallelLayout
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def prepare_dtensor_random(mesh: DeviceMesh) -> bool:
-    """See the module's docstring; every rank calls it (no collective). Whether DTensor's tracker exists after."""
-    return install_dtensor_rng_tracker(mesh)
+    """See the module's docstring; every rank calls it. Whether DTensor's tracker exists after. The ranks' states of
+    the mesh device's generator are then compared (one all-gather of a digest): torch's lazy creation would have
+    overwritten them with rank 0's, DTensor's ops need them equal, and so does dropout on the activations a TP group
+    holds in common."""
+    exists = install_dtensor_rng_tracker(mesh)
+    if not distributed_is_initialized() or dist.get_world_size() == 1:
+        return exists
+    state = (
+        torch.get_rng_state()
+        if mesh.device_type == "cpu"
+        else torch.get_device_module(mesh.device_type).get_rng_state()
+    )
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest())
+    if len(set(digests)) > 1:
+        rank_zero_warn(
+            f"The ranks' {mesh.device_type} random generators differ (seeded per rank?). Dropout on the activations "
+            "the ranks of a TP group hold in common would then draw different masks on each, and DTensor's random "
+            "ops (`torch.nn.init` on a sharded weight) would give replicas that differ. Seed every rank the same "
+            "(`L.seed_everything(seed)`) before training."
+        )
+    return exists
 
 
 def active_dropout(root: nn.Module) -> list[str]:

@@ -100,9 +100,10 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
         accumulate_grads: With ``accumulate_grad_batches > 1`` and data or context parallelism, what FSDP2 does with
             the gradients of the micro-batches before an optimizer step's last. ``"sharded"`` (default): it
-            reduce-scatters each micro-batch's, and every rank keeps only its shard (the memory of a step without
-            accumulation; under HSDP only the all-reduce across replicas waits for the last micro-batch), as
-            Lightning's ``ModelParallelStrategy`` and torchtitan do. ``"unsharded"``: one reduce-scatter per step,
+            reduce-scatters each micro-batch's, and every rank keeps only its shard (as Lightning's
+            ``ModelParallelStrategy`` and torchtitan do), except that under HSDP the all-reduce across replicas waits
+            for the last micro-batch (FSDP2 keeps the partial sum, fp32, on the device). ``"unsharded"``: one
+            reduce-scatter per step,
             but every rank keeps each parameter's whole gradient of its TP shard until then, ``4 P / tp`` bytes in
             fp32 (about 35 GB per GPU for 70B at TP 8), on the GPU even with ``cpu_offload``.
         fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).

@@ -238,8 +238,18 @@ def accumulate(out: Path, checkpoints: Path) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+        in_steps = scatters.calls
+        # A backward outside any `no_backward_sync` after the last `enabled=False` block still reduces (Lightning's
+        # own control left the sync off there).
+        fabric.backward(model(**dp_slice(fabric, batches[0])).loss)
+        optimizer.zero_grad()
         dist.reduce_scatter_single = scatters.original
-        result[accumulate_grads] = {"losses": losses, "norms": norms, "reduce_scatters": scatters.calls}
+        result[accumulate_grads] = {
+            "losses": losses,
+            "norms": norms,
+            "reduce_scatters": in_steps,
+            "reduce_scatters_after": scatters.calls - in_steps,
+        }
     result["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
     return result
 

@@ -113,6 +113,7 @@ def test_2d_gradient_accumulation_with_no_backward_sync(two_d: list[dict]) -> No
             _assert_parity({"reference": result["reference"], **result[mode]})
             steps = len(result[mode]["losses"])
             assert result[mode]["reduce_scatters"] == steps * micro_batches * result["fsdp_units"], (mode, result)
+            assert result[mode]["reduce_scatters_after"] == result["fsdp_units"], (mode, result)
 
 
 def test_meta_init_and_from_pretrained_load_sharded_and_load_raw(tp2: list[dict]) -> None:

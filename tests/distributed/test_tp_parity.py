@@ -93,6 +93,10 @@ def test_ranks_seeded_apart_train_rank_zeros_model(layout_results: list[dict], l
     infos = _result(results, "llama_rank_seeded")["infos"]
     assert any("were set to rank 0's values" in line and "16 tensor(s)" in line for line in infos), infos
     assert not any("rank 0's values" in line for line in _result(results, "qwen3_sgd")["infos"])
+    # Their generators differ too (dropout on what a TP group holds in common would differ): warned, on rank 0.
+    differ = "random generators differ (seeded per rank?)"
+    assert any(differ in w for w in _result(results, "llama_rank_seeded")["warnings"])
+    assert not any(differ in w for w in _result(results, "qwen3_sgd")["warnings"])
 
 
 @pytest.mark.scenarios("2d", "sp_odd_on_one_group")

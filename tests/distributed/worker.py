@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -123,7 +124,8 @@ def run_case(ctx: Context, name: str) -> dict:
     try:
         from torch._dynamo.utils import counters  # the graphs torch.compile built (`compile=True` cases)
 
-        with ReduceScatterCounter() as counter:
+        with ReduceScatterCounter() as counter, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             t.fit(module, DataLoader(batches, batch_size=None))
         # The layers compiled in place, and the graphs torch.compile built in this process so far (a later case may
         # reuse an earlier one's).
@@ -154,6 +156,7 @@ def run_case(ctx: Context, name: str) -> dict:
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "fsdp_units": sorted(name for name, m in module.named_modules() if isinstance(m, FSDPModule)),
         "infos": infos,
+        "warnings": [str(w.message) for w in caught],
         "tied": tied_embeddings(model),
         "losses": module.losses,
         "grad_norms": module.grad_norms,

@@ -271,14 +271,18 @@ def check_rng(name: str, layout: dict, args: argparse.Namespace) -> None:
 
     from tests.helpers.models import ParityModule, lm_batches
 
+    _random._rng_tracker = None  # an earlier check's setup made one: this setup must make its own
     module = ParityModule(lambda: build_causal_lm(tiny_config("qwen3")))
     trainer(args, strategy(layout), max_steps=1).fit(module, DataLoader(lm_batches(1), batch_size=None))
     tracker = _random._rng_tracker is not None
     weight = module.model.model.layers[0].self_attn.q_proj.weight
     started = time.perf_counter()
     if RANK == 0:
+        state = None if args.cpu else torch.cuda.get_rng_state()
         with torch.no_grad():
             torch.nn.init.normal_(weight)  # rank 0's shard only
+        if state is not None:
+            torch.cuda.set_rng_state(state)  # the later checks start with every rank's generator alike
     seconds = time.perf_counter() - started
     ok = (tracker or args.cpu) and seconds < 30
     report(name, ok, tracker=tracker, rank0_only_op_s=round(seconds, 3))
