@@ -61,9 +61,10 @@ def fsdp_mixed_precision(precision: str, *, param_dtype: str | torch.dtype | Non
 #: What FSDP2 does with the gradients of a micro-batch that does not end an optimizer step (``accumulate_grads``).
 #: ``"sharded"``: it reduce-scatters them as usual, each rank adding its shard up over the micro-batches (the memory
 #: of one step without accumulation); under HSDP only the all-reduce across the replicas waits for the last
-#: micro-batch (FSDP2 keeps the partial sum of the shard, in the reduce dtype, on the device). ``"unsharded"``: no reduction at all until the last micro-batch, one reduce-scatter per optimizer
-#: step, but each rank keeps every parameter's whole gradient (of its TP shard) meanwhile: ``4 P / tp`` bytes in
-#: fp32 for a model of ``P`` parameters, about 35 GB per GPU for 70B at TP 8.
+#: micro-batch (FSDP2 keeps the shard's partial sum, in the reduce dtype, on the device). ``"unsharded"``: no
+#: reduction at all until the last micro-batch, one reduce-scatter per optimizer step, but each rank keeps every
+#: parameter's whole gradient (of its TP shard) meanwhile: ``4 P / tp`` bytes in fp32 for a model of ``P``
+#: parameters, about 35 GB per GPU for 70B at TP 8.
 ACCUMULATE_GRADS = ("sharded", "unsharded")
 
 
