@@ -64,7 +64,6 @@ __all__ = [
     "set_attention_implementation",
     "forget_loader_position",
     "record_module_device",
-    "training_batches",
     "set_device_mesh",
     "revert_weight_conversion",
     "set_sampler_epoch",
@@ -415,18 +414,6 @@ def set_device_mesh(module: L.LightningModule, mesh: DeviceMesh) -> None:
     """Give a LightningModule its ``device_mesh`` (a read-only property over the private ``_device_mesh``, which
     Lightning's own ModelParallelStrategy sets)."""
     module._device_mesh = mesh
-
-
-def training_batches(trainer: L.Trainer, dataloader: object) -> float:
-    """The batches an epoch takes from ``dataloader`` (``limit_train_batches`` applied; ``inf`` without a length), by
-    Lightning's own rule (the private ``_parse_num_batches``)."""
-    from lightning.fabric.utilities.data import sized_len
-    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-    from lightning.pytorch.trainer.states import RunningStage
-
-    length = sized_len(dataloader)
-    limit = trainer.limit_train_batches
-    return _parse_num_batches(RunningStage.TRAINING, float("inf") if length is None else length, limit)
 
 
 def forget_loader_position(trainer: L.Trainer) -> None:

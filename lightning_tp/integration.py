@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_tp.compat import distributed_is_initialized, training_batches
+from lightning_tp.compat import distributed_is_initialized
 from lightning_tp.fsdp import ACCUMULATE_GRADS
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
@@ -288,15 +288,21 @@ def drop_data_position(metadata: dict[str, Any], *, saved_dp_size: int, dp_size:
         )
 
 
-def resumes_in_the_next_epoch(trainer: Any, dataloader: object) -> bool:
+def resumes_in_the_next_epoch(trainer: Any) -> bool:
     """Whether a resumed fit goes on in the next epoch because its checkpoint was written after the epoch's last
-    training batch (``ModelCheckpoint(every_n_train_steps=N)`` where N divides the epoch, with ``limit_train_batches``
-    counted as Lightning counts it). Lightning 2.6 then moves on to the next epoch, but torchdata's
+    training batch (``ModelCheckpoint(every_n_train_steps=N)`` where N divides the epoch, ``limit_train_batches``
+    included): Lightning 2.6's own test in ``FitLoop.reset`` (restarted mid-epoch, on a training batch's end, at the
+    last batch), read before that reset moves the counters on. Lightning then starts the next epoch, but torchdata's
     ``StatefulDataLoader`` would restore its end-of-epoch position into that epoch's iterator, which yields nothing:
     the epoch is skipped and the run goes on in the order of the one after (on one device too)."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    saved_at_a_batch_end = progress.completed == progress.processed - 1  # what `on_train_batch_end` saves
-    return saved_at_a_batch_end and progress.processed >= training_batches(trainer, dataloader)
+    epochs = trainer.fit_loop.epoch_progress.total
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    mid_epoch = epochs.started == epochs.ready and epochs.processed == epochs.started - 1
+    mid_epoch = mid_epoch and epochs.completed == epochs.processed
+    total = batches.total
+    on_batch_end = total.started == total.ready and total.processed == total.started
+    on_batch_end = on_batch_end and total.completed == total.processed - 1
+    return mid_epoch and on_batch_end and batches.is_last_batch
 
 
 def step_timeout_seconds(

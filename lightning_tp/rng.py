@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,33 +25,34 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp.compat import distributed_is_initialized, install_dtensor_rng_tracker
-from lightning_tp.layout import ParallelLayout
+from lightning_tp.compat import install_dtensor_rng_tracker
+from lightning_tp.layout import TP_AXIS, ParallelLayout
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def prepare_dtensor_random(mesh: DeviceMesh) -> bool:
-    """See the module's docstring; every rank calls it. Whether DTensor's tracker exists after. The ranks' states of
-    the mesh device's generator are then compared (one all-gather of a digest): torch's lazy creation would have
-    overwritten them with rank 0's, DTensor's ops need them equal, and so does dropout on the activations a TP group
-    holds in common."""
+    """See the module's docstring; every rank calls it. Whether DTensor's tracker exists after. The generator states
+    of the mesh's device are then compared within each TP group (one all-gather of a digest; the TP ranks read the
+    same batches, so their generators stay alike through training where they started alike): dropout on the
+    activations a TP group holds in common needs them equal, and so do DTensor's random ops (torch's lazy tracker
+    would have overwritten them with rank 0's). Other ranks may differ (data-parallel ranks seeded apart)."""
     exists = install_dtensor_rng_tracker(mesh)
-    if not distributed_is_initialized() or dist.get_world_size() == 1:
+    if TP_AXIS not in (mesh.mesh_dim_names or ()) or mesh[TP_AXIS].size() == 1:
         return exists
-    state = (
-        torch.get_rng_state()
-        if mesh.device_type == "cpu"
-        else torch.get_device_module(mesh.device_type).get_rng_state()
-    )
-    digests: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest())
-    if len(set(digests)) > 1:
-        rank_zero_warn(
-            f"The ranks' {mesh.device_type} random generators differ (seeded per rank?). Dropout on the activations "
-            "the ranks of a TP group hold in common would then draw different masks on each, and DTensor's random "
-            "ops (`torch.nn.init` on a sharded weight) would give replicas that differ. Seed every rank the same "
-            "(`L.seed_everything(seed)`) before training."
+    tp_mesh = mesh[TP_AXIS]
+    cpu = mesh.device_type == "cpu"
+    state = torch.get_rng_state() if cpu else torch.get_device_module(mesh.device_type).get_rng_state()
+    digests: list[str | None] = [None] * tp_mesh.size()
+    digest = hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest()
+    dist.all_gather_object(digests, digest, group=tp_mesh.get_group())
+    if len(set(digests)) > 1 and tp_mesh.get_local_rank() == 0:  # said once per TP group that differs
+        warnings.warn(
+            f"The {mesh.device_type} random generators of the ranks of a TP group differ (seeded per rank?): dropout "
+            "on the activations they hold in common would draw different masks on each, and DTensor's random ops "
+            "(`torch.nn.init` on a sharded weight) would give replicas that differ. Seed every rank the same "
+            "(`L.seed_everything(seed)`) before training.",
+            stacklevel=2,
         )
     return exists
 

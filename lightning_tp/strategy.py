@@ -426,8 +426,9 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         # already seen, of the wrong order). Set the epoch first: the one in progress, or the next one where the
         # checkpoint was written after the last batch of its epoch (that epoch then starts at its first batch).
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.fit_loop.restarting:
-            next_epoch = resumes_in_the_next_epoch(trainer, dataloader)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and trainer.training and trainer.fit_loop.restarting:  # the training loaders, not validation's
+            next_epoch = resumes_in_the_next_epoch(trainer)
             set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed + int(next_epoch))
             if next_epoch:
                 forget_loader_position(trainer)

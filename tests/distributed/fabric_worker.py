@@ -223,27 +223,16 @@ def accumulate(out: Path, checkpoints: Path) -> dict[str, Any]:
         fabric = sharded(tp_size=2, accumulate_grads=accumulate_grads)
         model = qwen3()
         model, optimizer = fabric.setup(model, sgd(model))
-        losses, norms = [], []
         scatters = _ReduceScatters()
-        for batch in batches:
-            halves = {key: value.chunk(2) for key, value in batch.items()}
-            micro = [{key: parts[index] for key, parts in halves.items()} for index in range(2)]
-            total = 0.0
-            for index, part in enumerate(micro):
-                with fabric.no_backward_sync(model, enabled=index < len(micro) - 1):
-                    loss = model(**dp_slice(fabric, part)).loss
-                    fabric.backward(loss / len(micro))
-                total += loss.detach() / len(micro)
-            norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e6).item())
-            optimizer.step()
+        try:
+            losses, norms = _accumulate(fabric, model, optimizer, batches)
+            in_steps = scatters.calls
+            # A backward outside any `no_backward_sync` after the last `enabled=False` block still reduces
+            # (Lightning's own control left the sync off there).
+            fabric.backward(model(**dp_slice(fabric, batches[0])).loss)
             optimizer.zero_grad()
-            losses.append(fabric.all_reduce(total, reduce_op="mean").item())
-        in_steps = scatters.calls
-        # A backward outside any `no_backward_sync` after the last `enabled=False` block still reduces (Lightning's
-        # own control left the sync off there).
-        fabric.backward(model(**dp_slice(fabric, batches[0])).loss)
-        optimizer.zero_grad()
-        dist.reduce_scatter_single = scatters.original
+        finally:
+            dist.reduce_scatter_single = scatters.original
         result[accumulate_grads] = {
             "losses": losses,
             "norms": norms,
@@ -252,6 +241,25 @@ def accumulate(out: Path, checkpoints: Path) -> dict[str, Any]:
         }
     result["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
     return result
+
+
+def _accumulate(fabric: Fabric, model: Any, optimizer: Any, batches: list) -> tuple[list[float], list[float]]:
+    """Each batch as two micro-batches, the first under `no_backward_sync`; the losses and pre-clip norms."""
+    losses, norms = [], []
+    for batch in batches:
+        halves = {key: value.chunk(2) for key, value in batch.items()}
+        micro = [{key: parts[index] for key, parts in halves.items()} for index in range(2)]
+        total = 0.0
+        for index, part in enumerate(micro):
+            with fabric.no_backward_sync(model, enabled=index < len(micro) - 1):
+                loss = model(**dp_slice(fabric, part)).loss
+                fabric.backward(loss / len(micro))
+            total += loss.detach() / len(micro)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e6).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+    return losses, norms
 
 
 class _ReduceScatters:

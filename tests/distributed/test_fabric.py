@@ -109,6 +109,7 @@ def test_2d_bf16_mixed_has_the_numerics_of_one_process_bf16_mixed(two_d: list[di
 def test_2d_gradient_accumulation_with_no_backward_sync(two_d: list[dict]) -> None:
     """Both `accumulate_grads` at parity; "sharded" reduce-scatters each of the 2 micro-batches, "unsharded" once."""
     for result in (r["accumulate"] for r in two_d):
+        assert result["fsdp_units"] > 0
         for mode, micro_batches in (("sharded", 2), ("unsharded", 1)):
             _assert_parity({"reference": result["reference"], **result[mode]})
             steps = len(result[mode]["losses"])

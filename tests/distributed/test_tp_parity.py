@@ -94,7 +94,7 @@ def test_ranks_seeded_apart_train_rank_zeros_model(layout_results: list[dict], l
     assert any("were set to rank 0's values" in line and "16 tensor(s)" in line for line in infos), infos
     assert not any("rank 0's values" in line for line in _result(results, "qwen3_sgd")["infos"])
     # Their generators differ too (dropout on what a TP group holds in common would differ): warned, on rank 0.
-    differ = "random generators differ (seeded per rank?)"
+    differ = "random generators of the ranks of a TP group differ (seeded per rank?)"
     assert any(differ in w for w in _result(results, "llama_rank_seeded")["warnings"])
     assert not any(differ in w for w in _result(results, "qwen3_sgd")["warnings"])
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -63,10 +63,9 @@ class ReduceScatterCounter:
     def __init__(self) -> None:
         self.calls = 0
         self.all_gather_bytes = 0
-        self.fsdp_all_reduces = 0  # HSDP's gradient all-reduces across the replicas (called from FSDP2's modules)
+        self.fsdp_all_reduces = 0  # HSDP's gradient all-reduces across the replicas (FSDP2's own calls only)
         self._original = dist.reduce_scatter_single
         self._all_gather = dist.all_gather_single
-        self._all_reduce = dist.all_reduce
 
     def __enter__(self) -> ReduceScatterCounter:
         def counting(*args, **kwargs):
@@ -77,20 +76,25 @@ class ReduceScatterCounter:
             self.all_gather_bytes += output.numel() * output.element_size()
             return self._all_gather(output, *args, **kwargs)
 
-        def all_reducing(*args, **kwargs):
-            if "_fsdp" in sys._getframe(1).f_globals.get("__name__", ""):
-                self.fsdp_all_reduces += 1
-            return self._all_reduce(*args, **kwargs)
+        counter = self
+
+        class FsdpDist:  # what FSDP2's collectives module sees as `dist`: all-reduces counted, the rest as is
+            def __getattr__(self, name):
+                return getattr(dist, name)
+
+            def all_reduce(self, *args, **kwargs):
+                counter.fsdp_all_reduces += 1
+                return dist.all_reduce(*args, **kwargs)
 
         dist.reduce_scatter_single = counting
         dist.all_gather_single = gathering
-        dist.all_reduce = all_reducing
+        _fsdp_collectives.dist = FsdpDist()  # only FSDP2's own calls (a global patch would reach compiled code)
         return self
 
     def __exit__(self, *exc) -> None:
         dist.reduce_scatter_single = self._original
         dist.all_gather_single = self._all_gather
-        dist.all_reduce = self._all_reduce
+        _fsdp_collectives.dist = dist
 
 
 def run_case(ctx: Context, name: str) -> dict:
