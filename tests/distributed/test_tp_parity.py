@@ -453,7 +453,7 @@ def test_vision_language_models_generate_the_single_process_tokens(tp2_results: 
 @pytest.mark.parametrize("layout", ["tp2", "2d"])
 @pytest.mark.scenarios("{layout}", "whole_tensors")
 def test_whole_tensors_gathered_in_slices_match_full_tensor(layout_results: list[dict], layout: str) -> None:
-    """The gather behind save_pretrained, the adapter save and save_merged: in slices (16 bytes here) along a
+    """The gather behind save_pretrained, the adapter save and save_merged: in slices (a third of each here) along a
     dimension no placement splits, for TP, 2-D (FSDP2's strided shards), uneven and fully split layouts; the whole
     tensor on rank 0's CPU only."""
     results = [_result(layout_results, "whole_tensors", rank=rank) for rank in range(len(layout_results))]

@@ -290,8 +290,8 @@ def run_save_failure(ctx: Context) -> dict:
 @SCENARIOS.register("whole_tensors")
 def run_whole_tensors(ctx: Context) -> dict:
     """`lightning_tp.gather.whole_tensor` (the gather of save_pretrained, the adapter save, save_merged) in slices of
-    a few bytes against `full_tensor()`: every parameter of a model sharded as the strategy shards it (TP, and FSDP2's
-    strided shards in 2-D), and uneven and fully split layouts; kept on rank 0 only."""
+    a third of each tensor against `full_tensor()`: every parameter of a model sharded as the strategy shards it (TP,
+    and FSDP2's strided shards in 2-D), and uneven and fully split layouts; kept on rank 0 only."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from lightning_tp.gather import whole_tensor
@@ -315,7 +315,8 @@ def run_whole_tensors(ctx: Context) -> dict:
     keep = dist.get_rank() == 0
     differ, kept = [], 0
     for name, tensor in tensors.items():
-        gathered = whole_tensor(tensor, keep=keep, chunk_bytes=16)  # slices of 4 fp32 values at most
+        # About 3 slices each (a few bytes for the small layouts): more would only add collectives.
+        gathered = whole_tensor(tensor, keep=keep, chunk_bytes=max(4, tensor.numel() * tensor.element_size() // 3))
         expected = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if gathered is not None:
             kept += 1
