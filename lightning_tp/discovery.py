@@ -35,6 +35,15 @@ def modules_outside(root: nn.Module, models: list[nn.Module]) -> list[nn.Module]
     return found
 
 
+def torchmetrics_in(root: nn.Module) -> list[nn.Module]:
+    """The torchmetrics ``Metric`` modules under ``root`` (none where torchmetrics is missing)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - Lightning depends on torchmetrics
+        return []
+    return [module for module in root.modules() if isinstance(module, Metric)]
+
+
 def transformers_models(root: nn.Module) -> list[nn.Module]:
     """Transformers models inside ``root`` that are not inside another one (``Qwen3ForCausalLM``, not its ``model``)."""
     found: list[nn.Module] = []

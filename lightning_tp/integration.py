@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized
+from lightning_tp.discovery import torchmetrics_in
 from lightning_tp.fsdp import ACCUMULATE_GRADS
 from lightning_tp.grad import clip_grad_norm_
 from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
@@ -106,16 +107,7 @@ class StrategyOptions:
         )
 
     def layout(self, world_size: int) -> ParallelLayout:
-        layout = self._resolve(world_size)
-        if self.accumulate_grads != "sharded" and layout.fsdp_size == 1:
-            rank_zero_warn(
-                f"`accumulate_grads={self.accumulate_grads!r}` is ignored: the layout ({layout}) has no data or "
-                "context parallelism, so there are no gradients to reduce between micro-batches."
-            )
-        return layout
-
-    def _resolve(self, world_size: int) -> ParallelLayout:
-        return ParallelLayout.resolve(
+        layout = ParallelLayout.resolve(
             world_size,
             tp_size=self.tp_size,
             dp_shard_size=self.dp_shard_size,
@@ -123,6 +115,12 @@ class StrategyOptions:
             cp_size=self.cp_size,
             ep_size=self.ep_size,
         )
+        if self.accumulate_grads != "sharded" and layout.fsdp_size == 1:
+            rank_zero_warn(
+                f"`accumulate_grads={self.accumulate_grads!r}` is ignored: the layout ({layout}) has no data or "
+                "context parallelism, so there are no gradients to reduce between micro-batches."
+            )
+        return layout
 
 
 class MeshMixin:
@@ -257,13 +255,9 @@ def destroy_process_groups_at_exit() -> None:
 def reduce_metrics_over(root: nn.Module, group: Any) -> None:
     """torchmetrics syncs over the world group by default, which counts each sample once per TP rank: sync the
     metrics that name no group over ``group`` (the data-parallel one)."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover
-        return
-    for module in root.modules():
-        if isinstance(module, Metric) and module.process_group is None:
-            module.process_group = group
+    for metric in torchmetrics_in(root):
+        if metric.process_group is None:
+            metric.process_group = group
 
 
 def clip_with_dtensor_support(plugin: Any) -> None:

@@ -31,7 +31,7 @@ from lightning_tp.compat import (
     record_module_device,
 )
 from lightning_tp.context_parallel import context_parallel_problem, install_context_parallel
-from lightning_tp.discovery import modules_outside, transformers_models
+from lightning_tp.discovery import modules_outside, torchmetrics_in, transformers_models
 from lightning_tp.expert_parallel import (
     apply_expert_parallel,
     check_expert_mesh,
@@ -680,22 +680,14 @@ def place_on_device(root: nn.Module, device: torch.device, *, cpu_offload: bool)
     if not cpu_offload:
         root.to(device)
         return
+    for metric in torchmetrics_in(root):
+        metric.to(device)  # a metric's states are no buffers; `Metric._apply` moves them (it holds no parameters)
     for module in root.modules():
-        if is_metric(module):
-            module.to(device)  # a metric's states are no buffers; `Metric._apply` moves them (it holds no parameters)
         buffers = buffer_dict(module)
         for name, buffer in buffers.items():
             if buffer is not None:
                 buffers[name] = buffer.to(device)
         record_module_device(module, device)
-
-
-def is_metric(module: nn.Module) -> bool:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - Lightning depends on torchmetrics
-        return False
-    return isinstance(module, Metric)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

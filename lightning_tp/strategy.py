@@ -102,10 +102,10 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             the gradients of the micro-batches before an optimizer step's last. ``"sharded"`` (default): it
             reduce-scatters each micro-batch's, and every rank keeps only its shard (as Lightning's
             ``ModelParallelStrategy`` and torchtitan do), except that under HSDP the all-reduce across replicas waits
-            for the last micro-batch (FSDP2 keeps the partial sum, fp32, on the device). ``"unsharded"``: one
-            reduce-scatter per step,
-            but every rank keeps each parameter's whole gradient of its TP shard until then, ``4 P / tp`` bytes in
-            fp32 (about 35 GB per GPU for 70B at TP 8), on the GPU even with ``cpu_offload``.
+            for the last micro-batch (FSDP2 keeps the partial sum, in the reduce dtype, on the device).
+            ``"unsharded"``: one reduce-scatter per step, but every rank keeps each parameter's whole gradient of its
+            TP shard until then, ``4 P / tp`` bytes in fp32 (about 35 GB per GPU for 70B at TP 8), on the GPU even
+            with ``cpu_offload``.
         fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
         fsdp_param_dtype: ``None`` (default): FSDP2 gathers parameters in their own dtype, so ``bf16-mixed`` gives
             the numerics it gives on one device (autocast over fp32 weights) on every layout. ``"bf16"``, with

@@ -333,13 +333,11 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        if grad.dtype in (torch.bfloat16, torch.float16):
-            total = grad.float().contiguous()  # a new tensor: autograd may share the incoming gradient
-            dist.all_reduce(total, group=ctx.group)
-            return total.to(grad.dtype), None
-        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the incoming gradient
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        reduce_dtype = torch.float32 if grad.dtype in (torch.bfloat16, torch.float16) else grad.dtype
+        # A new tensor (autograd may share the incoming gradient), in fp32 for 16-bit gradients.
+        total = grad.to(reduce_dtype, memory_format=torch.contiguous_format, copy=True)
+        dist.all_reduce(total, group=ctx.group)
+        return total.to(grad.dtype), None
 
 
 def replicate_unsharded_parameters(
