@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
-from tests.helpers.models import PROBE, ParityModule, lm_batches, quiet_trainer, tied_embeddings
+from tests.helpers.models import PROBE, ParityModule, full_state, lm_batches, quiet_trainer, tied_embeddings
 from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import tripwire_timeout, worker_setup
 
@@ -47,13 +47,6 @@ class Context:
 
 def trainer(strategy: TensorParallelStrategy, **kwargs) -> L.Trainer:
     return quiet_trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, **kwargs)
-
-
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-        for k, v in model.state_dict().items()
-    }
 
 
 class ReduceScatterCounter:

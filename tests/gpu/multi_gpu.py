@@ -24,7 +24,6 @@ and the ThroughputMonitor's figures on a 0.2B Llama. One JSON line per check on 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import json
 import os
@@ -43,9 +42,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_tp import TensorParallelStrategy  # noqa: E402
-from lightning_tp.gather import whole_tensor  # noqa: E402
-from tests.helpers.cases import CASES, CHECKPOINT_ENV, Case  # noqa: E402
-from tests.helpers.models import build_causal_lm, quiet_trainer, tiny_config  # noqa: E402
+from tests.helpers.cases import CASES, CHECKPOINT_ENV  # noqa: E402
+from tests.helpers.models import build_causal_lm, full_state, quiet_trainer, reference_run, tiny_config  # noqa: E402
 from tests.helpers.tripwire import worker_setup  # noqa: E402
 
 TIMEOUT = timedelta(minutes=3)
@@ -105,11 +103,6 @@ def strategy(layout: dict, **kwargs: Any) -> TensorParallelStrategy:
     return TensorParallelStrategy(**layout, timeout=TIMEOUT, throughput_monitor=False, **kwargs)
 
 
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor whole on the CPU of every rank (gathered on the GPU: offloaded shards live on the CPU)."""
-    return {k: whole_tensor(v, keep=True).float() for k, v in model.state_dict().items()}
-
-
 def probe(model: torch.nn.Module, dev: torch.device) -> torch.Tensor:
     """The logits of a fixed batch (every rank of a sharded model calls it)."""
     from tests.helpers.resume import PROBE
@@ -117,31 +110,6 @@ def probe(model: torch.nn.Module, dev: torch.device) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(input_ids=PROBE.to(dev)).logits.detach().float().cpu()
-
-
-def reference(case: Case, dev: torch.device) -> dict[str, Any]:
-    """``tests.helpers.models.reference_run`` on ``dev``: the same hooks, one device, no strategy."""
-    module = case.module(reference=True)
-    module.configure_model()
-    module.to(dev)
-    if case.precision == "bf16-true":
-        module.to(torch.bfloat16)
-    autocast = (
-        torch.autocast(dev.type, dtype=torch.bfloat16) if case.precision == "bf16-mixed" else contextlib.nullcontext()
-    )
-    optimizer = module.configure_optimizers()
-    for index, batch in enumerate(case.batches()):
-        with autocast:
-            loss = module.training_step({k: v.to(dev) for k, v in batch.items()}, index)
-        (loss / case.accumulate).backward()
-        if (index + 1) % case.accumulate:
-            continue
-        module.on_before_optimizer_step(optimizer)
-        if case.clip is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), case.clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": module.losses, "grad_norms": module.grad_norms, "state": full_state(module.model)}
 
 
 def gaps(result: dict, ref: dict) -> dict[str, float]:
@@ -165,7 +133,15 @@ def check_parity(name: str, layout: dict, case_name: str, extra: dict, args: arg
     )
     run.fit(module, DataLoader(batches, batch_size=None))
     result = {"losses": module.losses, "grad_norms": module.grad_norms, "state": full_state(module.model)}
-    found = gaps(result, reference(case, device(args)))
+    ref = reference_run(
+        case.module(reference=True),
+        batches,
+        clip=case.clip,
+        accumulate=case.accumulate,
+        precision=case.precision,
+        device=device(args),
+    )
+    found = gaps(result, ref)
     # fp32: the same computation up to the order of sums (AdamW divides by sqrt(v): tiny differences grow a little);
     # bf16-mixed: TP splits the matmuls and sums their bf16 outputs, about 1e-3 on the loss.
     bf16 = case.precision != "32-true"

@@ -551,6 +551,15 @@ class ParityModule(L.LightningModule):
         return torch.optim.AdamW(params, lr=self.lr, **self.opt_kwargs)
 
 
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s state dict whole, on the CPU of every rank (each rank must call it: gathering a
+    shard is a collective), gathered as the package's own writers gather them (on the mesh's device, so CPU-offloaded
+    shards too)."""
+    from lightning_tp.gather import whole_tensor
+
+    return {k: whole_tensor(v, keep=True).clone() for k, v in model.state_dict().items()}
+
+
 def reference_run(
     module: ParityModule,
     batches: list[dict[str, torch.Tensor]],
@@ -558,21 +567,26 @@ def reference_run(
     clip: float | None = None,
     accumulate: int = 1,
     precision: str = "32-true",
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """Train ``module`` on one process with a plain loop: the same hooks Lightning calls, no strategy.
-    ``precision``: ``bf16-true`` trains a bf16 model, ``bf16-mixed`` runs the step under CPU autocast."""
+    """Train ``module`` on one process with a plain loop on ``device``: the same hooks Lightning calls, no strategy.
+    ``precision``: ``bf16-true`` trains a bf16 model, ``bf16-mixed`` runs the step under the device's autocast. The
+    final state comes back on the CPU."""
     import contextlib
 
+    device = torch.device(device)
     module = copy.deepcopy(module)
     module.configure_model()
+    module.to(device)
     if precision == "bf16-true":
         module.to(torch.bfloat16)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+    bf16_mixed = precision == "bf16-mixed"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16_mixed else contextlib.nullcontext()
     optimizer = module.configure_optimizers()
     optimizer.zero_grad()
     for i, batch in enumerate(batches):
         with autocast:
-            loss = module.training_step(batch, i)
+            loss = module.training_step({k: v.to(device) for k, v in batch.items()}, i)
         (loss / accumulate).backward()
         if (i + 1) % accumulate:
             continue
@@ -581,7 +595,7 @@ def reference_run(
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-    state = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in module.model.state_dict().items()}
     return {
         "losses": module.losses,
         "grad_norms": module.grad_norms,
