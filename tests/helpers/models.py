@@ -586,7 +586,8 @@ def reference_run(
     optimizer.zero_grad()
     for i, batch in enumerate(batches):
         with autocast:
-            loss = module.training_step({k: v.to(device) for k, v in batch.items()}, i)
+            on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            loss = module.training_step(on_device, i)
         (loss / accumulate).backward()
         if (i + 1) % accumulate:
             continue
