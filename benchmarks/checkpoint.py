@@ -108,7 +108,7 @@ def peak_rss_mb(module: str, *argv: str) -> float:
     (``module`` empty: only the imports)."""
     code = (
         "import resource, runpy, sys\n"
-        "import torch, transformers, lightning_tp.export\n"
+        "import torch, transformers, lightning_tp.tools.export\n"
         f"sys.argv = {[module, *argv]!r}\n"
         "try:\n"
         f"    {module!r} and runpy.run_module({module!r}, run_name='__main__')\n"

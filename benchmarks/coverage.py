@@ -22,7 +22,7 @@ expert-parallel plan (``base_model_ep_plan``). Case ``ep2_tp2``: ep 2 over the T
 on the rest (each of the two ranks, which share the batch, sends half of its tokens).
 
 The largest TP size of the *published default* config (``ConfigClass()``, built on the meta device) is the largest
-``t <= 64`` that divides every dim its plan splits (found from the plan's styles, as ``lightning_tp.styles`` says
+``t <= 64`` that divides every dim its plan splits (found from the plan's styles, as ``lightning_tp.plans.styles`` says
 which dim each splits) and the query heads; "without KV replication" also needs ``t`` to divide the KV heads (and the
 K/V projections' split dims), "with" needs only ``t`` and the KV-head count to divide one another. A fused QKV
 projection counts in both columns (its KV part cannot be replicated alone).
@@ -278,8 +278,8 @@ def sharded_sizes(model: torch.nn.Module) -> dict[str, Any]:
     """The sizes the model's plan splits, found from its styles: ``{"other": {size: example}, "kv": {...},
     "vocab": {...}, "fused_qkv": bool, "source": ...}`` (``vocab``: the split dims of the embeddings and
     ``lm_head``). Raises ``ValueError`` when the plan is refused or missing."""
-    from lightning_tp.plan import plan_source, resolve_plan
-    from lightning_tp.styles import HEAD_COUNT_ATTRIBUTES, facts
+    from lightning_tp.plans.resolve import plan_source, resolve_plan
+    from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, facts
 
     _, source, _ = plan_source(model)
     plan = resolve_plan(model, "auto", tp_size=1)
@@ -452,7 +452,7 @@ def prepare_case(
 ) -> tuple | None:
     """The pure part of a case (no collective): the tiny model, its copy trained whole, the batches and the reference
     losses; ``None`` when the case ends here (``result`` then says why: skipped or n/a)."""
-    from lightning_tp.plan import plan_source
+    from lightning_tp.plans.resolve import plan_source
 
     try:
         config = tiny_config(family, kv_heads=CASE_KV_HEADS[case], vocab=CASE_VOCAB.get(case, VOCAB))
@@ -490,7 +490,7 @@ def prepare_case(
 
 def _has_experts(model: torch.nn.Module) -> bool:
     """Whether a module of ``model`` takes its expert-parallel plan's ``ep_dispatch_experts``."""
-    from lightning_tp.plan import key_regex
+    from lightning_tp.plans.resolve import key_regex
 
     keys = [key_regex(k) for k, style in model.ep_plan.items() if style == "ep_dispatch_experts"]
     return any(regex.fullmatch(name) for name, _ in model.named_modules() for regex in keys)

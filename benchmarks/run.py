@@ -296,7 +296,7 @@ class StepRecorder:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base_mb = torch.cuda.memory_allocated(self.device) / 2**20
         else:
-            from lightning_tp.monitor import reset_peak_rss
+            from lightning_tp.runtime.monitor import reset_peak_rss
 
             reset_peak_rss()  # VmHWM back to the current resident set (the ThroughputMonitor's own reset)
             self._base_mb = status_kb("VmRSS")["VmRSS"] / 1024
@@ -307,7 +307,7 @@ class StepRecorder:
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:
-            from lightning_tp.monitor import peak_rss_mb
+            from lightning_tp.runtime.monitor import peak_rss_mb
 
             peak = peak_rss_mb()
         return {"baseline_mb": self._base_mb, "peak_mb": peak, "peak_above_baseline_mb": peak - self._base_mb}

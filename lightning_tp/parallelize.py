@@ -6,8 +6,9 @@ Used by the Trainer strategy, the Fabric strategy and plain PyTorch scripts alik
     model = AutoModelForCausalLM.from_config(config)
     model = lightning_tp.parallelize(model, tp_size=2)  # tp 2 x FSDP2 over the 2 data-parallel ranks
 
-Every stage is a small function of this module; each technique lives in its own module (:mod:`~lightning_tp.plan`,
-:mod:`~lightning_tp.tensor_parallel`, :mod:`~lightning_tp.sequence_parallel`, :mod:`~lightning_tp.fsdp`, ...).
+Every stage is a small function of this module; each technique lives in its own module
+(:mod:`~lightning_tp.plans.resolve`, :mod:`~lightning_tp.parallel.tensor_parallel`,
+:mod:`~lightning_tp.parallel.sequence_parallel`, :mod:`~lightning_tp.parallel.fsdp`, ...).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_tp.checkpoint import install_distributed_save_pretrained
+from lightning_tp.checkpoint.hf_saves import install_distributed_save, install_distributed_save_pretrained
+from lightning_tp.checkpoint.loading import materialize, materialize_modules
 from lightning_tp.compat import (
     buffer_dict,
     distributed_is_initialized,
@@ -30,18 +32,6 @@ from lightning_tp.compat import (
     parameter_dict,
     record_module_device,
 )
-from lightning_tp.context_parallel import context_parallel_problem, install_context_parallel
-from lightning_tp.discovery import modules_outside, torchmetrics_in, transformers_models
-from lightning_tp.expert_parallel import (
-    apply_expert_parallel,
-    check_expert_mesh,
-    expert_modules_of,
-    expert_parallel_problem,
-    resolve_expert_plan,
-    shard_experts,
-)
-from lightning_tp.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
-from lightning_tp.fsdp import fsdp_units as check_fsdp_units
 from lightning_tp.layout import (
     CP_AXIS,
     DP_AXIS,
@@ -53,29 +43,24 @@ from lightning_tp.layout import (
     TP_AXIS,
     ParallelLayout,
 )
-from lightning_tp.loading import materialize, materialize_modules
-from lightning_tp.lora import (
-    check_peft_supported,
-    extend_plan_to_adapters,
-    has_peft,
-    initialize_adapters,
-    install_distributed_save,
-    peft_models,
+from lightning_tp.parallel.context_parallel import context_parallel_problem, install_context_parallel
+from lightning_tp.parallel.expert_parallel import (
+    apply_expert_parallel,
+    check_expert_mesh,
+    expert_modules_of,
+    expert_parallel_problem,
+    resolve_expert_plan,
+    shard_experts,
 )
-from lightning_tp.loss_parallel import install_loss_parallel, loss_parallel_plan
-from lightning_tp.plan import (
-    ResolvedPlan,
-    check_style,
-    is_transformers_model,
-    no_plan,
-    resolve_plan,
-    uneven_kv_projections,
-)
-from lightning_tp.random_init import random_state_of_rank_zero
-from lightning_tp.rng import prepare_dtensor_random, warn_repeated_dropout
-from lightning_tp.router_loss import install_global_router_loss
-from lightning_tp.sequence_parallel import sequence_parallel_plan
-from lightning_tp.tensor_parallel import (
+from lightning_tp.parallel.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
+from lightning_tp.parallel.fsdp import fsdp_units as check_fsdp_units
+from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft, initialize_adapters
+from lightning_tp.parallel.loss_parallel import install_loss_parallel, loss_parallel_plan
+from lightning_tp.parallel.random_init import random_state_of_rank_zero
+from lightning_tp.parallel.rng import prepare_dtensor_random, warn_repeated_dropout
+from lightning_tp.parallel.router_loss import install_global_router_loss
+from lightning_tp.parallel.sequence_parallel import sequence_parallel_plan
+from lightning_tp.parallel.tensor_parallel import (
     SHARDED_MARKER,
     adopt_transformers_sharding,
     apply_tensor_parallel,
@@ -85,6 +70,15 @@ from lightning_tp.tensor_parallel import (
     rewrite_dense_layers,
     take_rank_zero_values,
     transformers_tp_mesh,
+)
+from lightning_tp.plans.discovery import modules_outside, peft_models, torchmetrics_in, transformers_models
+from lightning_tp.plans.resolve import (
+    ResolvedPlan,
+    check_style,
+    is_transformers_model,
+    no_plan,
+    resolve_plan,
+    uneven_kv_projections,
 )
 
 if TYPE_CHECKING:
@@ -215,9 +209,9 @@ def parallelize(
     given a ``tp_plan``. The mesh: ``mesh`` (axes named ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; the ones
     missing have size 1; see :meth:`ParallelLayout.build_device_mesh`), or the sizes, on the initialised world group.
     With ``cp_size > 1`` the ranks of a CP group must be given the same rows (split the data over the
-    data-parallel mesh only); each forward then splits the sequence (see :mod:`lightning_tp.context_parallel`).
+    data-parallel mesh only); each forward then splits the sequence (see :mod:`lightning_tp.parallel.context_parallel`).
     ``ep_size > 1`` splits a mixture-of-experts model's experts over that many ranks, borrowed from the data-parallel,
-    CP and TP ranks (see :mod:`lightning_tp.expert_parallel`); it may be given with ``mesh``.
+    CP and TP ranks (see :mod:`lightning_tp.parallel.expert_parallel`); it may be given with ``mesh``.
     ``device``: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
     Every rank must call it, with the same arguments: it runs collectives.
     """

@@ -235,10 +235,10 @@ def save_tied(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from lightning_tp import save_merged
-    from lightning_tp.checkpoint import install_distributed_save_pretrained
-    from lightning_tp.lora import extend_plan_to_adapters
-    from lightning_tp.plan import resolve_plan
-    from lightning_tp.tensor_parallel import apply_tensor_parallel
+    from lightning_tp.checkpoint.hf_saves import install_distributed_save_pretrained
+    from lightning_tp.parallel.lora import extend_plan_to_adapters
+    from lightning_tp.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_tp.plans.resolve import resolve_plan
 
     def tied(lora: bool) -> Any:
         model = AutoModelForCausalLM.from_pretrained(Path(os.environ[CHECKPOINT_ENV]) / "tied", dtype=torch.float32)

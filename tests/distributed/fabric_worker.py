@@ -1,5 +1,5 @@
-"""Fabric parity worker, run with torchrun: each case trains a tiny model with ``lightning_tp.fabric`` and with one
-Fabric process (``SingleDeviceStrategy``, in the same worker, same seed and data), and records both.
+"""Fabric parity worker, run with torchrun: each case trains a tiny model with ``lightning_tp.strategies.fabric`` and
+with one Fabric process (``SingleDeviceStrategy``, in the same worker, same seed and data), and records both.
 
     torchrun --nproc_per_node=N tests/distributed/fabric_worker.py OUT_DIR CHECKPOINT_DIR CASE [CASE ...]
 
@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_tp  # noqa: E402
-from lightning_tp.fabric import TensorParallelStrategy  # noqa: E402
+from lightning_tp.strategies.fabric import TensorParallelStrategy  # noqa: E402
 from tests.helpers.models import build_causal_lm, lm_batches, padded_lm_batches, tiny_config  # noqa: E402
 from tests.helpers.scenarios import Scenarios  # noqa: E402
 
@@ -356,7 +356,7 @@ def _resume(
     """Train 2 steps on the layout ``first``, ``fabric.save``; build a fresh model on the layout ``second``,
     ``fabric.load``, train 2 more: the losses equal 4 uninterrupted steps on one process. Then export the
     checkpoint: its weights are the saved ones, and close to the one process's after 2 steps."""
-    from lightning_tp.export import export_checkpoint
+    from lightning_tp.tools.export import export_checkpoint
 
     batches = lm_batches(4)
     fabric = one_process()

@@ -29,7 +29,7 @@ WORLD_TIMEOUT_S, WRITE_S, MESH_TIMEOUT_S = 8, 12, 21
 
 
 def phase_store() -> dict[str, Any]:
-    from lightning_tp.checkpoint import run_on_main_and_share_failure
+    from lightning_tp.checkpoint.publish import run_on_main_and_share_failure
     from lightning_tp.layout import ParallelLayout
 
     # The world group (Lightning's, from the cases above) gets a timeout shorter than the write below (torch's private
@@ -126,9 +126,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(results, args.out / f"rank{os.environ['RANK']}.pt")  # kept if what follows fails
     results.update(phase_store())
-    import lightning_tp.integration
+    import lightning_tp.strategies.shared
 
-    results["destroy_registered"] = lightning_tp.integration._destroy_registered
+    results["destroy_registered"] = lightning_tp.strategies.shared._destroy_registered
     gc.collect()  # the runs' reference cycles hold the groups' finished work: free it while the interpreter is whole
     dist.destroy_process_group()
     gc.collect()

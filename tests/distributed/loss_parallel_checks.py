@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_tp.loss_parallel import (
+from lightning_tp.parallel.loss_parallel import (
     causal_lm_loss,
     install_loss_parallel,
     lm_head_style,

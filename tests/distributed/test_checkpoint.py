@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_tp.checkpoint import IncompleteCheckpointError, check_checkpoint, partial_path, stored_entries
+from lightning_tp.checkpoint.publish import partial_path
+from lightning_tp.checkpoint.validation import IncompleteCheckpointError, check_checkpoint, stored_entries
 from tests.helpers.launch import torchrun
 from tests.helpers.models import quiet_trainer
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
@@ -183,7 +184,7 @@ def test_expert_parallel_checkpoints_resume_across_ep_sizes(tp2: dict[str, Any],
 @pytest.mark.scenarios("ckpt_tp2", "ep")
 def test_tp_split_experts_resume_from_any_checkpoint(tp2: dict[str, Any], single_moe: dict[str, Any]) -> None:
     """The experts split TP-wise (`moe_tp_experts`: the packed gate/up weight and its AdamW states are `_StridedShard`s,
-    which DCP and torch's full-state loader misplace; see lightning_tp/dcp_layouts.py) resume from an ep 2
+    which DCP and torch's full-state loader misplace; see lightning_tp/checkpoint/dcp_layouts.py) resume from an ep 2
     checkpoint, from their own sharded checkpoint and from a one-process checkpoint file, within 1e-5 of one
     process. All three were off by ~3e-3 in the first resumed loss before (and a sharded save of such a weight
     failed in DCP's own planner)."""
@@ -209,7 +210,7 @@ def test_lora_resume_without_frozen_weights(tp2: dict[str, Any]) -> None:
 @pytest.mark.scenarios("ckpt_tp2", "dropout", "full")
 def test_exact_resume_from_file_urls(tp2: dict[str, Any]) -> None:
     """Through fsspec and the commit marker on 2 processes; the second save at the URL replaced the first."""
-    from lightning_tp.remote import COMMIT_MARKER
+    from lightning_tp.checkpoint.remote import COMMIT_MARKER
 
     for result in tp2["ranks"]:
         _assert_close(result["url"], _after(result["dropout"]["reference"], 6), EXACT)
@@ -359,7 +360,7 @@ def test_a_tied_sharded_model_saves_transformers_keys(tp2: dict[str, Any], name:
 def test_export_round_trip(tp2: dict[str, Any], name: str, scenario: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lightning_tp.export import export_checkpoint
+    from lightning_tp.tools.export import export_checkpoint
 
     out = export_checkpoint(tp2["out"] / name, tmp_path / "exported")
     expected = tp2["ranks"][0]["final_full_logits" if name.endswith(".ckpt") else "final_logits"]
@@ -371,7 +372,7 @@ def test_export_round_trip(tp2: dict[str, Any], name: str, scenario: str, tmp_pa
 def test_export_from_a_file_url(tp2: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lightning_tp.export import main
+    from lightning_tp.tools.export import main
 
     assert main([(tp2["out"] / "url_final").as_uri(), str(tmp_path / "exported")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
@@ -384,7 +385,7 @@ def test_export_lora_run_adapter_and_merged(tp2: dict[str, Any], tmp_path: Path)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lightning_tp.export import export_checkpoint
+    from lightning_tp.tools.export import export_checkpoint
     from tests.helpers.cases import _checkpoint
 
     expected = tp2["ranks"][0]["lora_logits"]
@@ -401,7 +402,7 @@ def test_vision_language_model_resumes_exactly_and_exports(tp2: dict[str, Any], 
     losses; the final checkpoint exports to a directory `AutoModelForImageTextToText` loads with the same logits."""
     from transformers import AutoModelForImageTextToText
 
-    from lightning_tp.export import export_checkpoint
+    from lightning_tp.tools.export import export_checkpoint
     from tests.helpers.models import vlm_batches
 
     result = tp2["ranks"][0]["vlm"]

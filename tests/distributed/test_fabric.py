@@ -1,5 +1,5 @@
-"""``lightning_tp.fabric.TensorParallelStrategy`` against one Fabric process, in two launches: 2 processes (TP 2) and
-4 processes (dp_shard 2 x tp 2). The reference runs in the same worker (see fabric_worker.py)."""
+"""``lightning_tp.strategies.fabric.TensorParallelStrategy`` against one Fabric process, in two launches: 2 processes
+(TP 2) and 4 processes (dp_shard 2 x tp 2). The reference runs in the same worker (see fabric_worker.py)."""
 
 from __future__ import annotations
 

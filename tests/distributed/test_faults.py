@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_tp.checkpoint import check_checkpoint
+from lightning_tp.checkpoint.validation import check_checkpoint
 from tests.helpers.faults import launch, wait_gone
 
 WORKER = Path(__file__).with_name("fault_worker.py")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_tp.checkpoint import check_checkpoint
+from lightning_tp.checkpoint.validation import check_checkpoint
 from tests.helpers.faults import launch, wait_gone
 from tests.helpers.resume import STEPS
 

@@ -252,7 +252,7 @@ def run_vlm_generate(ctx: Context) -> dict:
     from tests.helpers.models import build_vlm, vlm_prompt
 
     if not dist.is_initialized():  # selected alone (`-k`): no Trainer scenario has started the process group
-        from lightning_tp.integration import destroy_process_groups_at_exit
+        from lightning_tp.strategies.shared import destroy_process_groups_at_exit
 
         dist.init_process_group("gloo", timeout=tripwire_timeout())
         destroy_process_groups_at_exit()
@@ -282,12 +282,12 @@ def run_save_failure(ctx: Context) -> dict:
 
 @SCENARIOS.register("whole_tensors")
 def run_whole_tensors(ctx: Context) -> dict:
-    """`lightning_tp.gather.whole_tensor` (the gather of save_pretrained, the adapter save, save_merged) in slices of
-    a third of each tensor against `full_tensor()`: every parameter of a model sharded as the strategy shards it (TP,
-    and FSDP2's strided shards in 2-D), and uneven and fully split layouts; kept on rank 0 only."""
+    """`lightning_tp.parallel.gather.whole_tensor` (the gather of save_pretrained, the adapter save, save_merged) in
+    slices of a third of each tensor against `full_tensor()`: every parameter of a model sharded as the strategy shards
+    it (TP, and FSDP2's strided shards in 2-D), and uneven and fully split layouts; kept on rank 0 only."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from lightning_tp.gather import whole_tensor
+    from lightning_tp.parallel.gather import whole_tensor
     from tests.helpers.models import build_causal_lm, tiny_config
 
     if not dist.is_initialized():
@@ -440,7 +440,7 @@ def run_group_timeouts(ctx: Context) -> dict:
     from lightning_tp import ParallelLayout
 
     if not dist.is_initialized():  # selected alone (`-k`), no Trainer scenario has started the process group
-        from lightning_tp.integration import destroy_process_groups_at_exit
+        from lightning_tp.strategies.shared import destroy_process_groups_at_exit
 
         dist.init_process_group("gloo", timeout=tripwire_timeout())
         destroy_process_groups_at_exit()  # as the strategy does for a group it created

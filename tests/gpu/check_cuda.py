@@ -67,7 +67,7 @@ def main() -> None:
     report("resume_mid_epoch_with_dropout", gaps=gaps, save_s=save_s)
     from transformers import AutoModelForCausalLM
 
-    from lightning_tp.export import export_checkpoint
+    from lightning_tp.tools.export import export_checkpoint
 
     out = export_checkpoint(tmp / "final", tmp / "exported")
     exported = AutoModelForCausalLM.from_pretrained(out).cuda()

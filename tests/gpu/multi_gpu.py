@@ -200,7 +200,7 @@ def check_resume_export(name: str, layout: dict, extra: dict, args: argparse.Nam
     model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_tp.export import export_checkpoint
+    from lightning_tp.tools.export import export_checkpoint
     from tests.helpers.resume import ResumeModule, SaveAt
 
     out = args.out / name

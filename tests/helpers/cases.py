@@ -175,8 +175,8 @@ def _meta_lora_on_one_process(kind: str) -> Any:
     read from its files, the adapters initialised the PEFT way)."""
     import torch
 
-    from lightning_tp.loading import materialize
-    from lightning_tp.lora import initialize_adapters
+    from lightning_tp.checkpoint.loading import materialize
+    from lightning_tp.parallel.lora import initialize_adapters
 
     model = _meta_lora(kind)
     materialize(model.get_base_model(), torch.device("cpu"), tied={})

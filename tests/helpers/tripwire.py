@@ -39,7 +39,7 @@ def worker_setup() -> timedelta:
 
     # The default of the keyword-only `timeout` argument, for this test process only: every strategy a worker (or a
     # LightningCLI config) builds without its own timeout then fails fast instead of hanging.
-    from lightning_tp.fabric import TensorParallelStrategy as FabricStrategy
+    from lightning_tp.strategies.fabric import TensorParallelStrategy as FabricStrategy
 
     TensorParallelStrategy.__init__.__kwdefaults__["timeout"] = timeout
     FabricStrategy.__init__.__kwdefaults__["timeout"] = timeout

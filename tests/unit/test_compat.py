@@ -9,9 +9,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from lightning_tp import compat
-from lightning_tp.checkpoint import install_distributed_save_pretrained
-from lightning_tp.hooks import run_on_parameter_views
-from lightning_tp.lora import install_distributed_save
+from lightning_tp.checkpoint.hf_saves import install_distributed_save, install_distributed_save_pretrained
+from lightning_tp.parallel.hooks import run_on_parameter_views
 from tests.helpers.models import build_causal_lm, tiny_config
 
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lightning_tp.context_parallel import (
+from lightning_tp.parallel.context_parallel import (
     context_parallel_problem,
     decoder_stack,
     gathered_positions,
@@ -17,7 +17,7 @@ from lightning_tp.context_parallel import (
     local_positions,
     padded_length,
 )
-from lightning_tp.fsdp import block_classes
+from lightning_tp.parallel.fsdp import block_classes
 from tests.helpers.models import (
     VOCAB,
     build_causal_lm,
@@ -162,7 +162,7 @@ def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str) -> None
 def test_the_lower_right_causal_kernel_path_gives_the_same_numbers(one_rank_mesh, monkeypatch) -> None:
     """On CUDA a plain causal piece goes to SDPA as `causal_lower_right` (no mask in memory); torch runs the same on
     the CPU (materialising it), so the path is checked here."""
-    import lightning_tp.context_parallel as context_parallel
+    import lightning_tp.parallel.context_parallel as context_parallel
 
     monkeypatch.setattr(context_parallel, "uses_lower_right_kernel", lambda device: True)
     batch = lm_batches(1)[0]

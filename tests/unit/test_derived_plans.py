@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from lightning_tp import resolve_plan
-from lightning_tp.derived_plans import FUSED_QKV_LAYOUTS, derive_plan
-from lightning_tp.inspect import format_report, inspect_model
-from lightning_tp.plan import plan_source
-from lightning_tp.tensor_parallel import localize_heads
+from lightning_tp.parallel.tensor_parallel import localize_heads
+from lightning_tp.plans.derived import FUSED_QKV_LAYOUTS, derive_plan
+from lightning_tp.plans.resolve import plan_source
+from lightning_tp.tools.inspect import format_report, inspect_model
 from tests.helpers.models import DERIVED_KINDS, tiny_config
 
 
@@ -196,7 +196,7 @@ def test_a_structure_not_understood_is_refused_naming_the_module_and_the_fix(mod
 
 
 def test_every_fused_layout_is_a_style_of_the_table():
-    from lightning_tp.styles import STYLES
+    from lightning_tp.plans.styles import STYLES
 
     for model_type, layout in FUSED_QKV_LAYOUTS.items():
         assert layout.style in ("colwise", "conv1d_colwise_qkv", "packed_colwise_qkv"), model_type
@@ -260,7 +260,7 @@ def test_gpt2_conv1d_layers_get_the_conv1d_styles_and_their_shapes():
 def test_lora_on_a_conv1d_layer_is_refused_by_name():
     from peft import LoraConfig, get_peft_model
 
-    from lightning_tp.lora import extend_plan_to_adapters
+    from lightning_tp.parallel.lora import extend_plan_to_adapters
 
     model = get_peft_model(meta_model("gpt2"), LoraConfig(r=2, target_modules=["c_attn"])).base_model.model
     with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn.*Conv1D"):
@@ -268,8 +268,8 @@ def test_lora_on_a_conv1d_layer_is_refused_by_name():
 
 
 def test_sequence_parallel_rewrites_derived_plans_and_keeps_their_head_styles():
-    from lightning_tp.derived_plans import decoder_layer_list
-    from lightning_tp.sequence_parallel import GatherSequence, sequence_parallel_plan
+    from lightning_tp.parallel.sequence_parallel import GatherSequence, sequence_parallel_plan
+    from lightning_tp.plans.derived import decoder_layer_list
 
     def rewrite(kind):
         model = meta_model(kind)

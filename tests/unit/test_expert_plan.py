@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_tp.expert_parallel import EP_STYLES, resolve_expert_plan
-from lightning_tp.inspect import format_report, inspect_model
 from lightning_tp.layout import ParallelLayout
-from lightning_tp.plan import resolve_plan
-from lightning_tp.router_loss import global_load_balancing_loss, router_loss_module
+from lightning_tp.parallel.expert_parallel import EP_STYLES, resolve_expert_plan
+from lightning_tp.parallel.router_loss import global_load_balancing_loss, router_loss_module
+from lightning_tp.plans.resolve import resolve_plan
+from lightning_tp.tools.inspect import format_report, inspect_model
 from tests.helpers.models import build_causal_lm, tiny_config
 
 
@@ -110,7 +110,7 @@ def test_the_tp_plans_expert_rules_do_not_matter_under_ep() -> None:
     out (expert parallelism places the experts), so the model trains with the rest of its plan."""
     from benchmarks.coverage import build_model
     from benchmarks.coverage import tiny_config as coverage_config
-    from lightning_tp.expert_parallel import expert_modules_of
+    from lightning_tp.parallel.expert_parallel import expert_modules_of
 
     model = build_model(coverage_config("aria_text"))
     with pytest.raises(ValueError, match="packed_rowwise"):
@@ -124,7 +124,7 @@ def test_fp16_is_refused_and_counts_stay_fp32_under_a_16_bit_default_dtype() -> 
     """`16-true` is refused with EP (FSDP2 divides fp16 expert gradients twice on a one-rank group); under
     `bf16-true`, Lightning sets a bf16 default dtype for the forward, and the per-expert counts and the router loss's
     statistics stay fp32 (a bf16 `ones` failed in `scatter_add` into the fp32 counts)."""
-    from lightning_tp.expert_parallel import _record_load, expert_parallel_problem
+    from lightning_tp.parallel.expert_parallel import _record_load, expert_parallel_problem
 
     model = build_causal_lm(tiny_config("qwen3_moe"))
     problem = expert_parallel_problem(model, sequence_parallel=False, precision="16-true", presharded=None)

@@ -1,5 +1,5 @@
-"""``lightning_tp.export``: checkpoints of the strategy's format, made in one process without Lightning, exported to
-Transformers and PEFT directories that load with no missing keys and give the original logits."""
+"""``lightning_tp.tools.export``: checkpoints of the strategy's format, made in one process without Lightning, exported
+to Transformers and PEFT directories that load with no missing keys and give the original logits."""
 
 import copy
 import json
@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from lightning_tp.discovery import describe_models
-from lightning_tp.export import export_checkpoint, main
-from lightning_tp.safetensors_writer import Item, Spec, write_safetensors
+from lightning_tp.checkpoint.safetensors import Item, Spec, write_safetensors
+from lightning_tp.plans.discovery import describe_models
+from lightning_tp.tools.export import export_checkpoint, main
 from tests.helpers.models import VOCAB, build_causal_lm, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -534,7 +534,8 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path):
     """Issue 11, security: a crafted single file, a replaced meta.pt, a replaced DCP index each ran a command."""
     import pickle
 
-    from lightning_tp.checkpoint import UntrustedCheckpointError, check_checkpoint
+    from lightning_tp.checkpoint.trust import UntrustedCheckpointError
+    from lightning_tp.checkpoint.validation import check_checkpoint
 
     model = build_causal_lm(tiny_config("llama"))
     probe = tmp_path / "probe"

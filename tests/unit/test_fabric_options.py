@@ -9,8 +9,8 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_tp
-from lightning_tp import fabric as tp_fabric
-from lightning_tp.fabric import TensorParallelStrategy, _check_fresh, _parameter_names, _split_state
+from lightning_tp.strategies import fabric as tp_fabric
+from lightning_tp.strategies.fabric import TensorParallelStrategy, _check_fresh, _parameter_names, _split_state
 
 
 def test_tp_is_registered_in_both_registries_without_one_overriding_the_other() -> None:
@@ -18,7 +18,7 @@ def test_tp_is_registered_in_both_registries_without_one_overriding_the_other() 
     assert StrategyRegistry["tp"]["strategy"] is lightning_tp.TensorParallelStrategy
     assert TensorParallelStrategy is not lightning_tp.TensorParallelStrategy
     assert isinstance(Fabric(strategy="tp", accelerator="cpu", devices=1).strategy, TensorParallelStrategy)
-    assert lightning_tp.fabric is tp_fabric
+    assert lightning_tp.fabric.TensorParallelStrategy is TensorParallelStrategy  # the public path
 
 
 @pytest.mark.parametrize("name", ["throughput_monitor", "preemption_signals", "step_timeout", "gc_every_n_steps"])

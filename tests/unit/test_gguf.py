@@ -1,4 +1,5 @@
-"""lightning_tp.gguf without converting anything: what it refuses, what it reuses, where it finds the wheel's file."""
+"""lightning_tp.tools.gguf without converting anything: what it refuses, what it reuses, where it finds the wheel's
+file."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_tp import gguf
+from lightning_tp.tools import gguf
 
 
 def test_refuses_to_write_over_a_directory_it_did_not_write(tmp_path) -> None:

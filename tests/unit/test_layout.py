@@ -60,7 +60,7 @@ def test_layout_names_cp_only_when_it_splits():
 
 def test_checkpoints_record_cp_only_when_it_splits():
     """A checkpoint written before the cp axis existed records the same sizes as one written without it."""
-    from lightning_tp.checkpoint_io import layout_sizes
+    from lightning_tp.checkpoint.state import layout_sizes
 
     assert layout_sizes(ParallelLayout(tp_size=2, dp_shard_size=2)) == {"tp": 2, "dp_shard": 2, "dp_replicate": 1}
     assert layout_sizes(ParallelLayout(tp_size=2, cp_size=2))["cp"] == 2

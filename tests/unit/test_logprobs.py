@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import lightning_tp
-from lightning_tp.loss_parallel import _gather_logits_without_labels
+from lightning_tp.parallel.loss_parallel import _gather_logits_without_labels
 from tests.helpers.process_group import one_rank_mesh
 
 

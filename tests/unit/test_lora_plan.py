@@ -3,8 +3,8 @@ import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 
 from lightning_tp import resolve_plan
-from lightning_tp.checkpoint import publish_directory
-from lightning_tp.lora import check_peft_supported, extend_plan_to_adapters
+from lightning_tp.checkpoint.publish import publish_directory
+from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters
 from tests.helpers.models import build_causal_lm, tiny_config
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_tp import ThroughputMonitor
 from lightning_tp.compat import CUDA_FLOPS
-from lightning_tp.monitor import matmul_dtype
+from lightning_tp.runtime.monitor import matmul_dtype
 
 
 class _Tiny(L.LightningModule):
@@ -91,7 +91,7 @@ def test_counts_every_micro_batch_and_closes_at_the_optimizer_step() -> None:
 def test_peak_memory_is_the_windows_own() -> None:
     """A 512 MiB spike before training is not in the reported peak (the window's peak is reset when it opens)."""
     trainer, _ = _fit(_Tiny(spike_mb=512), steps=2, log_every=1)
-    from lightning_tp.monitor import peak_rss_mb
+    from lightning_tp.runtime.monitor import peak_rss_mb
 
     rss_now = peak_rss_mb()
     assert float(trainer.callback_metrics["peak_memory_mb"]) < rss_now + 256

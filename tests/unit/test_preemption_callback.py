@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from lightning_tp import TensorParallelStrategy
-from lightning_tp.preemption import PreemptionCheckpoint, resolve_signals
+from lightning_tp.runtime.preemption import PreemptionCheckpoint, resolve_signals
 from tests.helpers.models import quiet_trainer
 
 
@@ -96,8 +96,8 @@ def test_saves_at_the_next_optimizer_step_then_resumes_exactly(tmp_path: Any) ->
 
 def test_hpc_resume_skips_a_save_killed_midway(tmp_path: Any) -> None:
     """Lightning counts the hidden `.hpc_ckpt_2.ckpt.partial` of a killed save as the newest: resume the whole one."""
-    from lightning_tp.checkpoint import partial_path
-    from lightning_tp.preemption import skip_unfinished_hpc_checkpoint
+    from lightning_tp.checkpoint.publish import partial_path
+    from lightning_tp.runtime.preemption import skip_unfinished_hpc_checkpoint
 
     (tmp_path / "hpc_ckpt_1.ckpt").mkdir()
     partial_path(tmp_path / "hpc_ckpt_2.ckpt").mkdir()

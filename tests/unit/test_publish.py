@@ -7,15 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_tp.checkpoint import (
-    IncompleteCheckpointError,
-    check_checkpoint,
-    check_save_target,
-    clear_partial,
-    partial_path,
-    publish,
-    publish_directory,
-)
+from lightning_tp.checkpoint.publish import check_save_target, clear_partial, partial_path, publish, publish_directory
+from lightning_tp.checkpoint.validation import IncompleteCheckpointError, check_checkpoint
 
 
 def test_a_file_replaces_a_file_in_one_rename(tmp_path: Path) -> None:

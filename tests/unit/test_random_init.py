@@ -4,7 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_tp.random_init import initialize_transformers_weights, random_state_of_rank_zero, whole_parameters
+from lightning_tp.parallel.random_init import (
+    initialize_transformers_weights,
+    random_state_of_rank_zero,
+    whole_parameters,
+)
 from tests.helpers.models import tiny_config
 
 
@@ -45,7 +49,7 @@ def test_plain_parameters_are_initialised_in_place() -> None:
 
 def test_a_plain_module_built_on_meta_is_reset_as_its_constructor_draws() -> None:
     """``materialize_modules`` resets layer by layer in the constructor's order: the same values as building it."""
-    from lightning_tp.loading import materialize_modules
+    from lightning_tp.checkpoint.loading import materialize_modules
     from tests.helpers.cases import _meta_mlp, _mlp
 
     module = _meta_mlp()
@@ -60,7 +64,7 @@ def test_dropout_on_shards_is_warned_about_naming_where_and_only_when_tp_or_cp_s
     import warnings
 
     from lightning_tp.layout import ParallelLayout
-    from lightning_tp.rng import active_dropout, warn_repeated_dropout
+    from lightning_tp.parallel.rng import active_dropout, warn_repeated_dropout
     from tests.helpers.models import build_causal_lm, tiny_config
 
     model = build_causal_lm(tiny_config("llama", attention_dropout=0.1))
@@ -82,7 +86,7 @@ def test_dtensor_random_tracker_is_not_created_on_cpu() -> None:
 
     from torch.distributed.tensor import _random
 
-    from lightning_tp.rng import prepare_dtensor_random
+    from lightning_tp.parallel.rng import prepare_dtensor_random
     from tests.helpers.process_group import one_rank_mesh
 
     with one_rank_mesh() as mesh, warnings.catch_warnings():

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_tp import TensorParallelStrategy
-from lightning_tp.checkpoint import IncompleteCheckpointError
-from lightning_tp.remote import COMMIT_MARKER, plan_save, resolve
+from lightning_tp.checkpoint.remote import COMMIT_MARKER, plan_save, resolve
+from lightning_tp.checkpoint.validation import IncompleteCheckpointError
 from tests.helpers.cases import CHECKPOINT_ENV
 from tests.helpers.models import build_causal_lm, quiet_trainer, tiny_config
 from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
@@ -190,7 +190,7 @@ def test_model_checkpoint_at_a_url_keeps_top_k_and_last(run: dict[str, Any]) -> 
 def test_export_reads_a_url(run: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lightning_tp.export import main
+    from lightning_tp.tools.export import main
 
     url = f"{run['root']}/final"
     assert main([url, str(tmp_path / "exported")]) == 0
@@ -203,7 +203,7 @@ def test_export_reads_a_url(run: dict[str, Any], tmp_path: Path) -> None:
 
 def test_a_crafted_marker_removes_nothing(root: str) -> None:
     """The marker steers what removal deletes: a name outside its data directory makes it unreadable."""
-    from lightning_tp.remote import remove_checkpoint
+    from lightning_tp.checkpoint.remote import remove_checkpoint
 
     base = root.removeprefix("memory://")
     MEM.pipe_file(f"/{base}/notes.txt", b"mine")
@@ -216,7 +216,7 @@ def test_a_crafted_marker_removes_nothing(root: str) -> None:
 
 
 def test_a_url_holding_the_other_kind_of_checkpoint_is_refused(root: str) -> None:
-    from lightning_tp.remote import plan_save
+    from lightning_tp.checkpoint.remote import plan_save
 
     base = root.removeprefix("memory://")
     MEM.pipe_file(f"/{base}/file.ckpt", b"PK\x03\x04")  # the start of a torch.save archive: a checkpoint
@@ -228,7 +228,7 @@ def test_a_url_holding_the_other_kind_of_checkpoint_is_refused(root: str) -> Non
 
 
 def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(root: str, monkeypatch) -> None:
-    from lightning_tp import remote
+    from lightning_tp.checkpoint import remote
 
     url = f"{root}/last"
     calls = []

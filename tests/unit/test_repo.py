@@ -2,6 +2,7 @@
 has no import cycle, and every private name of an upstream package is used through ``lightning_tp/compat.py``."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,3 +221,45 @@ def test_package_has_no_import_cycle(tmp_path):
     sample.write_text("from . import x\nfrom ..a import b\nimport lightning_tp.c.d\nfrom lightning_tp import e\n")
     modules = {"fabric", "fabric.x", "a", "a.b", "c.d", "e", "unrelated"}
     assert _imports_of("fabric.strategy", sample, modules) == {"fabric", "fabric.x", "a", "a.b", "c.d", "e"}
+
+
+def _subpackages() -> list[Path]:
+    return sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
+
+
+def _may_import(init: Path) -> set[str]:
+    """The layers a subpackage's docstring says it may import (its ``May import ...:`` paragraph)."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    assert "May import" in doc, f"{init}: the docstring must say what the subpackage may import"
+    paragraph = doc.split("May import", 1)[1].split("\n\n", 1)[0]
+    return {name.removeprefix("lightning_tp.") for name in re.findall(r"``([\w.]+)``", paragraph)}
+
+
+def test_each_subpackage_imports_only_the_layers_its_docstring_allows():
+    """The folders are layers: a subpackage imports its own modules and the layers its ``__init__`` docstring names,
+    and those permissions form no cycle (so no import cycle can form between subpackages), at module level and
+    inside functions alike."""
+    modules = _module_names()
+    allowed = {init.name: _may_import(init / "__init__.py") for init in _subpackages()}
+    assert allowed, "no subpackage found"
+    assert _cycle({layer: names & set(allowed) for layer, names in allowed.items()}) is None
+    wrong = []
+    for name, path in modules.items():
+        layer = name.split(".")[0]
+        if layer not in allowed:
+            continue
+        for target in _imports_of(name, path, set(modules)):
+            other = target.split(".")[0]
+            if other != layer and other not in allowed[layer]:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, f"imports across layers the subpackages' docstrings do not allow: {wrong}"
+
+
+def test_each_subpackage_lists_its_modules():
+    """``__all__`` of each subpackage names its modules, so ``help(lightning_tp.parallel)`` shows the room."""
+    for package in _subpackages():
+        tree = ast.parse((package / "__init__.py").read_text())
+        found = [n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "__all__"]
+        assert found, f"{package.name}/__init__.py has no __all__"
+        listed = ast.literal_eval(found[0].value)
+        assert sorted(listed) == sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__"), package.name

@@ -91,7 +91,7 @@ def test_sizes_from_accelerate_parallelism_config():
 
 def test_from_pretrained_builds_on_meta_and_remembers_the_checkpoint(tmp_path):
     import lightning_tp
-    from lightning_tp.loading import CHECKPOINT_ATTR, checkpoint_keys
+    from lightning_tp.checkpoint.loading import CHECKPOINT_ATTR, checkpoint_keys
 
     build_causal_lm(tiny_config("tied")).save_pretrained(tmp_path)
     model = lightning_tp.from_pretrained(tmp_path)
@@ -148,7 +148,7 @@ def test_frozen_weights_left_out_need_a_distributed_checkpoint() -> None:
 
 
 def test_a_model_reachable_twice_is_sharded_once() -> None:
-    from lightning_tp.discovery import transformers_models
+    from lightning_tp.plans.discovery import transformers_models
     from tests.helpers.models import build_causal_lm, tiny_config
 
     root = torch.nn.Module()
@@ -160,7 +160,7 @@ def test_a_model_reachable_twice_is_sharded_once() -> None:
 def test_each_child_holding_parameters_is_one_fsdp_unit_and_shared_weights_are_refused() -> None:
     """A plain LightningModule under data parallelism: one FSDP2 unit per child holding parameters (the same child
     under two names once); children sharing a parameter get a clear error naming both."""
-    from lightning_tp.fsdp import fsdp_units
+    from lightning_tp.parallel.fsdp import fsdp_units
 
     class Root(torch.nn.Module):
         def __init__(self) -> None:
@@ -179,7 +179,7 @@ def test_each_child_holding_parameters_is_one_fsdp_unit_and_shared_weights_are_r
 
 def test_bf16_mixed_keeps_fp32_parameters_in_fsdp2_unless_bf16_all_gathers_are_asked_for() -> None:
     """``bf16-mixed`` means autocast over fp32 weights on every layout; FSDP2 casts only with ``fsdp_param_dtype``."""
-    from lightning_tp.fsdp import fsdp_mixed_precision
+    from lightning_tp.parallel.fsdp import fsdp_mixed_precision
 
     default = fsdp_mixed_precision("bf16-mixed")
     assert default.param_dtype is None and default.reduce_dtype is None
@@ -191,7 +191,7 @@ def test_bf16_mixed_keeps_fp32_parameters_in_fsdp2_unless_bf16_all_gathers_are_a
 
 def test_16_bit_true_precisions_reduce_gradients_in_fp32() -> None:
     """A 16-bit reduce-scatter rounds at every hop of the ring; one process rounds a batch's gradient once."""
-    from lightning_tp.fsdp import fsdp_mixed_precision
+    from lightning_tp.parallel.fsdp import fsdp_mixed_precision
 
     for precision in ("bf16-true", "16-true"):
         policy = fsdp_mixed_precision(precision)
@@ -245,7 +245,7 @@ def test_resume_unpickles_only_plain_data_onto_the_cpu(tmp_path, monkeypatch):
     and meta.pt is loaded onto the CPU (saved from cuda:0, it would land on GPU 0 of every rank otherwise)."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_tp.checkpoint import UntrustedCheckpointError
+    from lightning_tp.checkpoint.trust import UntrustedCheckpointError
 
     path = tmp_path / "ckpt"
     dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=path, no_dist=True)
@@ -268,7 +268,7 @@ def test_shard_files_unpickle_only_plain_data(tmp_path):
     naming the entry and the opt-in, and still loads plain values."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_tp.checkpoint import UntrustedCheckpointError, index_reader, safe_load_planner
+    from lightning_tp.checkpoint.trust import UntrustedCheckpointError, index_reader, safe_load_planner
 
     probe = tmp_path / "probe"
     crafted, plain = tmp_path / "crafted", tmp_path / "plain"
@@ -297,7 +297,7 @@ def test_options_and_strategies_pickle_and_copy_with_a_plan() -> None:
     import pickle
 
     from lightning_tp import ParallelOptions
-    from lightning_tp.fabric import TensorParallelStrategy as FabricStrategy
+    from lightning_tp.strategies.fabric import TensorParallelStrategy as FabricStrategy
 
     plan = {"model.layers.*.mlp.down_proj": "rowwise"}
     options = ParallelOptions(tp_plan=plan)
@@ -344,7 +344,7 @@ def test_compile_takes_torch_compile_arguments_and_names_a_wrong_key() -> None:
 
 
 def test_accumulate_grads_is_checked_when_built_and_warned_about_where_ignored() -> None:
-    from lightning_tp.fabric import TensorParallelStrategy as FabricStrategy
+    from lightning_tp.strategies.fabric import TensorParallelStrategy as FabricStrategy
 
     for strategy in (TensorParallelStrategy, FabricStrategy):
         with pytest.raises(ValueError, match="`accumulate_grads` must be one of .*got 'whole'"):

@@ -1,5 +1,5 @@
-"""The style table (lightning_tp/styles.py) against Transformers' own registry and layers: every registered style is
-known, and each table fact is what the style really does to real parameters (sharded on a one-rank gloo group, in
+"""The style table (lightning_tp/plans/styles.py) against Transformers' own registry and layers: every registered style
+is known, and each table fact is what the style really does to real parameters (sharded on a one-rank gloo group, in
 this process)."""
 
 import math
@@ -12,9 +12,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_tp import REFUSED_STYLES, SUPPORTED_STYLES, resolve_plan
-from lightning_tp.inspect import inspect_model, local_shape
-from lightning_tp.lora import extend_plan_to_adapters
-from lightning_tp.styles import STYLES
+from lightning_tp.parallel.lora import extend_plan_to_adapters
+from lightning_tp.plans.styles import STYLES
+from lightning_tp.tools.inspect import inspect_model, local_shape
 from tests.helpers.models import build_causal_lm, tiny_config
 from tests.helpers.process_group import one_rank_mesh as one_rank_mesh_of_gloo
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 
 from lightning_tp import TensorParallelStrategy
-from lightning_tp.watchdog import resolve_step_timeout
+from lightning_tp.runtime.watchdog import resolve_step_timeout
 from tests.helpers.launch import ROOT
 
 
@@ -30,7 +30,7 @@ STUCK = """
 import time
 import lightning as L
 import torch
-from lightning_tp.watchdog import StepWatchdog
+from lightning_tp.runtime.watchdog import StepWatchdog
 from tests.helpers.models import quiet_trainer
 
 class Stuck(L.LightningModule):
@@ -65,7 +65,7 @@ ADAPTIVE = """
 import sys, time
 import lightning as L
 import torch
-import lightning_tp.watchdog as watchdog
+import lightning_tp.runtime.watchdog as watchdog
 from tests.helpers.models import quiet_trainer
 
 watchdog.AUTO_FLOOR_S = 1.0  # the 45 s floor, scaled down to this test's millisecond steps

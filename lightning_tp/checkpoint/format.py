@@ -1,0 +1,30 @@
+"""The checkpoint format's constants: file names and the keys this package adds to Lightning's checkpoint dict.
+Every other module reads them from here."""
+
+from __future__ import annotations
+
+import re
+
+#: Lightning's name for the file with everything that is not a model or optimizer tensor.
+META_FILENAME = "meta.pt"
+
+
+#: DCP's index of a checkpoint directory.
+DCP_INDEX = ".metadata"
+
+
+#: The entries this strategy adds to Lightning's checkpoint dict.
+MODELS_KEY = "lightning_tp"
+
+
+RNG_KEY = "lightning_tp_rng"
+
+
+#: Lightning's key of the model's tensors in the checkpoint dict (a DCP directory's entries are ``state_dict.NAME``).
+MODEL_KEY = "state_dict"
+
+
+#: The files of a checkpoint directory: DCP's index (global or per rank, and the temporary name it is written under)
+#: and shards, Lightning's ``META_FILENAME``. A directory holding only these (or nothing) is one this package may
+#: replace or remove; anything else in it is someone else's. Also what a URL's data directory may hold (`remote`).
+CHECKPOINT_FILE = re.compile(rf"(__\d+)?{re.escape(DCP_INDEX)}(\.tmp)?|{re.escape(META_FILENAME)}|__\d+_\d+\.distcp")

@@ -1,0 +1,164 @@
+"""Standard Hugging Face directories written from a sharded model while it keeps training: ``save_pretrained`` of a
+sharded Transformers model, PEFT's adapter save, and the model with its adapters merged (:func:`save_merged`). The
+ranks gather one tensor at a time; rank 0 writes, published by renames once complete."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_tp.checkpoint.publish import is_main, publish_directory, run_on_main_and_share_failure
+from lightning_tp.parallel.gather import whole_tensor
+from lightning_tp.parallel.lora import adapter_keys, check_mergeable, merged_weight
+
+
+def install_distributed_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(dir)``, called on every rank of a sharded Transformers model, write one standard
+    directory (whole tensors, ``config.json``, generation config) from rank 0, published by renames once complete.
+
+    Transformers' own ``save_pretrained`` fails on DTensor parameters ("invalid python storage"). The ranks gather one
+    tensor at a time; rank 0 keeps them on the CPU and hands them to Transformers' writer (which names, shards and
+    de-duplicates tied weights), so the peak on rank 0 is the model's size in host memory. For a checkpoint of any
+    size, ``python -m lightning_tp.export`` streams one tensor at a time instead."""
+
+    def gather(is_main: bool) -> dict[str, Any]:
+        state = {}
+        gathered: dict[int, torch.Tensor | None] = {}
+        # `keep_vars`: tied weights (`lm_head.weight` of a tied model) come as one object under two names. Gathered
+        # once and kept as one tensor, so that Transformers sees the shared storage and writes only its own keys.
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) not in gathered:
+                gathered[id(tensor)] = whole_tensor(tensor, keep=is_main)  # a collective, on every rank
+            if is_main:
+                state[name] = gathered[id(tensor)]
+        return state
+
+    # A given `state_dict`: the caller gathered the tensors already and may call from one rank only (`save_merged`
+    # does), so no collective.
+    install_publishing_save_pretrained(model, gather, given_state="call_through")
+
+
+def install_publishing_save_pretrained(
+    model: nn.Module,
+    gather: Callable[[bool], dict[str, Any]],
+    *,
+    given_state: Literal["call_through", "publish"],
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Replace ``model.save_pretrained`` (on this instance, once) by a collective one: every rank calls it, every rank
+    runs ``gather(is_main)`` (the state dict to write, whole, needed on the main rank only), the main rank writes it
+    with the original method into a temporary directory renamed into place once complete, and a failure there raises
+    on every rank. ``is_main_process`` picks the writing rank (default: rank 0).
+
+    A caller's own ``state_dict``: ``given_state="call_through"`` hands the call to the original method as it is (no
+    collective: the caller may be on one rank only); ``"publish"`` writes it from the main rank as above, without
+    ``gather``. ``defaults``: keyword arguments for the original method unless the caller passes them."""
+    if getattr(model, "_lightning_tp_save", False):
+        return
+    original = model.save_pretrained
+
+    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        state = kwargs.pop("state_dict", None)
+        if state is not None and given_state == "call_through":
+            return original(save_directory, *args, state_dict=state, **kwargs)
+        main = kwargs.pop("is_main_process", None)
+        main = is_main() if main is None else main
+        if state is None:
+            state = gather(main)
+        for key, value in (defaults or {}).items():
+            kwargs.setdefault(key, value)
+
+        def write() -> None:
+            with publish_directory(save_directory) as tmp:
+                original(tmp, *args, state_dict=state, is_main_process=True, **kwargs)
+
+        run_on_main_and_share_failure(write, is_main=is_main)
+
+    model.save_pretrained = save_pretrained
+    model._lightning_tp_save = True
+
+
+def gather_adapter_state_dict(peft_model: nn.Module) -> dict[str, Any]:
+    """The adapter tensors (``lora_`` entries of the state dict) and other trainable tensors, whole, on the CPU of
+    every rank. Every rank must call it: gathering a shard is a collective."""
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    state = {}
+    for name, tensor in peft_model.state_dict().items():
+        # PEFT selects what to save from these: adapters, and trainable biases (`bias="all"` / `"lora_only"`).
+        if "lora_" not in name and name not in trainable:
+            continue
+        state[name] = whole_tensor(tensor, keep=True).contiguous()
+    return state
+
+
+def install_distributed_save(peft_model: nn.Module) -> None:
+    """Make ``peft_model.save_pretrained(dir)``, called on every rank, write one standard adapter directory (whole
+    tensors, ``adapter_config.json``) from rank 0, into a temporary directory renamed into place once complete.
+
+    PEFT's own ``save_pretrained`` would write each rank's DTensor shards (or fail on them)."""
+    install_publishing_save_pretrained(
+        peft_model,
+        lambda is_main: gather_adapter_state_dict(peft_model),  # every rank keeps them: small
+        given_state="publish",
+        defaults={"save_embedding_layers": False},  # "auto" may ask the hub about the base model
+    )
+
+
+def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, str]]:
+    """The LoRA layers of the base model, its state dict whole on the CPU of rank 0 (empty elsewhere), and the names
+    under which a tensor is seen again (tied weights: ``{"lm_head.weight": "model.embed_tokens.weight"}``), gathered
+    once. Every rank must call it (gathering a shard is a collective); what can be wrong is checked before, on every
+    rank."""
+    from peft.tuners.lora import LoraLayer
+
+    keep = is_main()
+    base = peft_model.get_base_model()
+    layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    check_mergeable(layers)
+    full: dict[str, Any] = {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in base.state_dict(keep_vars=True).items():  # `keep_vars`: one object under each tied name
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+            continue
+        first[id(tensor)] = name
+        whole = whole_tensor(tensor, keep=keep)  # a collective: one tensor at a time, in slices
+        if keep:
+            full[name] = whole
+    return layers, full, aliases
+
+
+def _merge(layers: dict[str, nn.Module], full: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """The active adapters merged (:func:`merged_weight`), under the base model's own names (what
+    ``merge_and_unload`` gives); inactive adapters are left out, as ``merge_and_unload`` drops them. A tied name holds
+    the very tensor of the name it is tied to, so that Transformers writes it once, as its own ``save_pretrained``;
+    merging an adapter into one of them unties them."""
+    for alias, source in aliases.items():
+        full[alias] = full[source]
+    for name, layer in layers.items():
+        adapters = {key: full.pop(f"{name}.{key}") for key in adapter_keys(layer)}
+        key = f"{name}.base_layer.weight"
+        full[key] = merged_weight(layer, base_weight=full[key], adapters=adapters)
+    return {k.replace(".base_layer.", "."): v for k, v in full.items() if ".lora_" not in k}
+
+
+def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwargs: Any) -> None:
+    """Write the model with its LoRA adapters merged (:func:`merged_weight`: PEFT's own delta, ``Conv1D`` included)
+    as a standard Transformers directory (``config.json``, safetensors), loadable with
+    ``AutoModelForCausalLM.from_pretrained`` on one process, without changing the sharded model that keeps training.
+    Call it on every rank: they gather one tensor at a time; rank 0 merges and writes, and a failure there raises on
+    every rank."""
+    layers, full, aliases = _gather_base_state(peft_model)
+    main = is_main()
+
+    def write() -> None:
+        state = _merge(layers, full, aliases)
+        with publish_directory(directory) as tmp:
+            peft_model.get_base_model().save_pretrained(tmp, state_dict=state, is_main_process=True, **save_kwargs)
+
+    run_on_main_and_share_failure(write, is_main=main)

@@ -1,0 +1,207 @@
+"""Writes that survive a crash and never remove what this package did not write.
+
+Every save goes to a hidden sibling (``.NAME.partial``) that is renamed over ``NAME`` only after every rank has
+finished writing; what rank 0 writes alone goes through :func:`run_on_main_and_share_failure`, so a failure there
+raises on every rank instead of leaving the others in a collective; directories are published file by file with
+:func:`publish_directory`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch.distributed as dist
+
+from lightning_tp.checkpoint.format import CHECKPOINT_FILE
+from lightning_tp.compat import distributed_is_initialized, get_default_store
+
+
+def is_main() -> bool:
+    """Whether this process is rank 0 (or the only one)."""
+    return not distributed_is_initialized() or dist.get_rank() == 0
+
+
+#: How long the other ranks wait for a write of the main rank: far longer than a process-group timeout, since a
+#: healthy write of a large file (a full checkpoint, a merged model) can take many minutes; a main rank that dies
+#: ends the job sooner (its launcher stops the others).
+MAIN_WRITE_TIMEOUT = timedelta(hours=2)
+
+
+_calls = 0  # numbers the store keys of each call: every rank makes the same calls in the same order
+
+
+def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
+    """Run ``fn`` on the main rank; every rank then learns whether it failed and raises with it. A failed write on
+    rank 0 (a full disk, say) must not leave the other ranks waiting in a barrier.
+
+    The others wait in the c10d store, not in a collective: a collective gives up after the process group's timeout
+    (the strategy's ``timeout``), and a healthy write longer than that would kill the job. The store waits up to
+    :data:`MAIN_WRITE_TIMEOUT`."""
+    global _calls
+    if not distributed_is_initialized():
+        if is_main:
+            fn()
+        return
+    # Which ranks write: agreed first (a small, quick collective), so that none waits for a result never coming.
+    flags: list[bool] = [False] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(is_main))
+    writers = [rank for rank, flag in enumerate(flags) if flag]
+    _calls += 1
+    # The default store is shared by every process of the job.
+    store = get_default_store()
+    prefix = f"lightning_tp/run_on_main/{_calls}"
+    if is_main:
+        error = ""
+        try:
+            fn()
+        except Exception as err:  # shared below, then raised on every rank
+            error = f"{type(err).__name__}: {err}"
+        store.set(f"{prefix}/{dist.get_rank()}", "1" + error)  # "1" + the error, "" when it worked
+    keys = [f"{prefix}/{rank}" for rank in writers]
+    if keys:
+        store.wait(keys, MAIN_WRITE_TIMEOUT)
+    for rank, key in zip(writers, keys, strict=True):
+        error = store.get(key).decode()[1:]
+        if error:
+            raise RuntimeError(f"Writing failed on rank {rank}: {error}")
+
+
+@contextmanager
+def publish_directory(directory: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary sibling of ``directory`` to write into; on success each written file is renamed into
+    ``directory`` (an atomic replace per file), so no reader sees a half-written file, and files already there that
+    this write does not produce (a tokenizer, logs) are kept. On failure the temporary directory is removed and
+    ``directory`` is left as it was. A file at ``directory`` is refused before anything is written."""
+    target = Path(directory)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{target} is a file, not a directory to write into: choose another path.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield str(tmp)
+        target.mkdir(exist_ok=True)
+        for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            destination = target / file.relative_to(tmp)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, destination)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # made by mkdtemp above: ours, whatever it holds
+
+
+def partial_path(path: Path) -> Path:
+    """Where a save to ``path`` writes until every rank has finished."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def previous_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.previous")
+
+
+#: How every torch.save archive (Lightning's single-file checkpoints) begins: a zip file.
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """What ``directory`` holds that no save of this package writes (sub-directories included)."""
+    return sorted(
+        entry.name for entry in directory.iterdir() if entry.is_dir() or not CHECKPOINT_FILE.fullmatch(entry.name)
+    )
+
+
+def _is_ours(path: Path) -> bool:
+    """Whether ``path`` is something a save of this package may replace or remove: a link (replaced, never followed:
+    ModelCheckpoint's ``save_last="link"``), a checkpoint directory (see ``CHECKPOINT_FILE``), or an empty file or
+    torch.save archive (a single-file checkpoint, whole or cut short)."""
+    if path.is_symlink():
+        return True
+    if path.is_dir():
+        return not _foreign_entries(path)
+    if path.is_file():
+        with open(path, "rb") as f:
+            return is_checkpoint_file(f)
+    return not path.exists()
+
+
+def is_checkpoint_file(f: BinaryIO) -> bool:
+    """Whether the open file ``f`` is one a save of this package may replace or remove: empty, or a torch.save
+    archive (whole or cut short)."""
+    return f.read(len(_ZIP_MAGIC)) in (b"", _ZIP_MAGIC)
+
+
+def save_target_refusal(path: Path) -> OSError | None:
+    """Why a save to ``path`` must not start, or ``None``: it would replace or remove what this package did not
+    write: a directory with other files (a run directory, a tokenizer), a file that is not a checkpoint, or a
+    ``.NAME.partial`` / ``.NAME.previous`` someone else made. Reads the file system only."""
+    if path.is_symlink():
+        return None  # the link is replaced, its target kept
+    if path.is_dir() and not _is_ours(path):
+        foreign = _foreign_entries(path)
+        return IsADirectoryError(
+            f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint (it holds "
+            f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}), and saving replaces the path as a whole. "
+            f"Save to a new path, e.g. {path / 'last.ckpt'}."
+        )
+    if path.exists() and not _is_ours(path):
+        return FileExistsError(
+            f"Cannot save a checkpoint to {path}: a file that is not a checkpoint is there, and saving would replace "
+            "it. Save to a new path, or move the file away."
+        )
+    for staging in (partial_path(path), previous_path(path)):
+        if not _is_ours(staging):
+            return FileExistsError(
+                f"Cannot save a checkpoint to {path}: {staging} exists and was not written by a save of this package "
+                "(it holds other files); saving would remove it. Move it away."
+            )
+    return None
+
+
+def check_save_target(path: Path) -> None:
+    """Raise :func:`save_target_refusal`'s error, if any."""
+    refusal = save_target_refusal(path)
+    if refusal is not None:
+        raise refusal
+
+
+def remove_written(path: Path) -> None:
+    """Remove ``path`` if it is ours to remove (see :func:`_is_ours`); else raise, removing nothing."""
+    if not _is_ours(path):
+        raise FileExistsError(f"Refusing to remove {path}: it was not written by a save of this package.")
+    if path.is_symlink() or path.is_file():  # a link (ModelCheckpoint's `save_last="link"`) is removed, not followed
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def clear_partial(path: Path) -> None:
+    """Remove what an interrupted save to ``path`` left behind (main rank only, before the save starts)."""
+    remove_written(partial_path(path))
+
+
+def publish(path: Path) -> None:
+    """Make the finished ``.NAME.partial`` the checkpoint at ``path`` (main rank only, after every rank wrote).
+
+    A file replaces a file (or a link) in one atomic rename. A directory takes two: the old checkpoint moves aside,
+    the new one takes its name; the old one is deleted last. A crash between those renames leaves ``.NAME.previous``
+    whole, and :func:`check_checkpoint` points to it (``ckpt_path="last"`` does not look there: resume from it by
+    name). Only what a save of this package wrote (or a link) is ever moved aside or removed."""
+    staged = partial_path(path)
+    if not (path.exists() or path.is_symlink()):
+        os.replace(staged, path)  # nothing to replace; a `.NAME.previous` left by a crash is removed once replaced
+        remove_written(previous_path(path))
+        return
+    if not _is_ours(path):  # checked before the save started; the path may have changed since
+        raise FileExistsError(f"Refusing to replace {path}: it was not written by a save of this package.")
+    if staged.is_file() and (path.is_file() or path.is_symlink()):
+        os.replace(staged, path)  # one atomic rename: no moment without a checkpoint
+        return
+    previous = previous_path(path)
+    remove_written(previous)  # an older one, from a save interrupted earlier: `path` is whole
+    os.replace(path, previous)
+    os.replace(staged, path)
+    remove_written(previous)

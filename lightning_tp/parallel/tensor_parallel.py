@@ -1,0 +1,600 @@
+"""Applying a resolved plan to a module on the TP mesh axis.
+
+Transformers' style names are applied with Transformers' own TP layers (``apply_tensor_parallelism``); torch
+``ParallelStyle`` entries with ``parallelize_module``. Then every parameter the plan left whole becomes a replicated
+DTensor, so that the model holds DTensors only. Without that, a TP model mixes DTensors (sharded weights) with plain
+tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fail on the mix (torch 2.13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_tp.compat import (
+    distributed_is_initialized,
+    parameter_dict,
+    strided_shard,
+    transformers_apply_tensor_parallelism,
+)
+from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
+from lightning_tp.parallel.kv_heads import ColwiseKVHeads, kv_head_layout, localize_kv_groups
+from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, style_names
+
+#: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
+SHARDED_MARKER = "_lightning_tp_mesh"
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether the module already holds TP shards (from this package, or from Transformers' ``from_pretrained``)."""
+    if getattr(module, SHARDED_MARKER, None) is not None:
+        return True
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: ResolvedPlan, *, device: torch.device | None = None
+) -> nn.Module:
+    """Shard ``module`` in place following ``plan`` (from :func:`lightning_tp.plans.resolve.resolve_plan` on this
+    module).
+
+    ``device``: where the parameters the plan leaves whole go (sharded ones land on the mesh's device while they are
+    cut). Modules on the meta device stay there, to be materialised after sharding.
+    """
+    assert tp_mesh.ndim == 1, "apply_tensor_parallel takes the 1-D TP sub-mesh"
+    apply_tensor_parallelism = transformers_apply_tensor_parallelism()
+
+    # Transformers' layers install forward hooks on the modules and shard each listed parameter. Sharding slices the
+    # local copy (no communication), so the weights must be identical on every TP rank beforehand (same seed or file).
+    apply_tensor_parallelism(module, tp_mesh, plan.transformers_styles)
+    own = own_layer_styles(module, plan)
+    if plan.torch_styles or own:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
+    retie(module, plan.tied)
+    localize_heads(module, plan, tp_size=tp_mesh.size(), rank=tp_mesh.get_local_rank())
+    slice_alibi_heads(module, plan.alibi_heads, tp_mesh=tp_mesh)
+    if device is not None and not on_meta(module):
+        module.to(device)
+    # The experts of expert parallelism stay plain: the EP stage splits them over the expert mesh next.
+    replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce, keep=plan.expert_modules)
+    keep_gradient_layout(module, plan)
+    setattr(module, SHARDED_MARKER, tp_mesh)
+    return module
+
+
+class Conv1DParallel(ParallelStyle):
+    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight stored [in, out]) split column-wise (output features: weight
+    dim 1 and bias; ``split_factor`` > 1: packed blocks such as [q | k | v], each rank holding its slice of every block)
+    or row-wise (input features: weight dim 0, bias replicated and added once after the partial outputs are summed).
+    The forward runs on the local shards with plain tensors in and out, as Transformers' column-/row-wise layers do:
+    a column-wise input's gradient is summed over the TP group, a row-wise output is all-reduced."""
+
+    #: The weight's output-feature dim: 1 for Conv1D ([in, out]); 0 for nn.Linear ([out, in], :class:`PackedLinear`).
+    out_dim = 1
+
+    def __init__(self, *, column: bool, split_factor: int = 1):
+        super().__init__()
+        self.column = column
+        self.split_factor = split_factor
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.column:
+            packed = self.split_factor > 1
+            placements = {
+                "weight": strided_shard(self.out_dim, self.split_factor) if packed else Shard(self.out_dim),
+                "bias": strided_shard(0, self.split_factor) if packed else Shard(0),
+            }
+        else:
+            placements = {"weight": Shard(0), "bias": Replicate()}
+        for name, placement in placements.items():
+            param = parameter_dict(module).get(name)
+            if param is not None and not isinstance(param, DTensor):
+                parameter_dict(module)[name] = nn.Parameter(
+                    distribute_tensor(param, device_mesh, [placement], src_data_rank=None),
+                    requires_grad=param.requires_grad,
+                )
+        column, matmul, out_dim = self.column, self._matmul, self.out_dim
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight.to_local()
+            bias = module.bias.to_local() if module.bias is not None else None
+            shape = (*x.shape[:-1], weight.shape[out_dim])
+            x = x.reshape(-1, x.shape[-1])
+            if column:
+                # The input is replicated; its gradient is this rank's part of the sum over the output slices.
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
+                    grad_placements=[Partial()]
+                )
+                out = matmul(x, weight)
+                return (out if bias is None else out + bias).view(shape)
+            partial = DTensor.from_local(matmul(x, weight), device_mesh, [Partial()], run_check=False)
+            out = partial.redistribute(placements=[Replicate()]).to_local()
+            return (out if bias is None else out + bias).view(shape)
+
+        module.forward = forward
+        return module
+
+
+class PackedLinear(Conv1DParallel):
+    """An ``nn.Linear`` (weight [out, in]) whose output packs q, k and v as [q | k | v] blocks, split column-wise block
+    by block (MPT's ``Wqkv``)."""
+
+    out_dim = 0
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight.t()
+
+
+#: The package's own layer styles (``registered=False`` in the style table), as torch ``ParallelStyle``s, each built
+#: from its module's name and the plan.
+OWN_LAYER_STYLES: dict[str, Callable[[str, ResolvedPlan], ParallelStyle]] = {
+    "conv1d_colwise": lambda name, plan: Conv1DParallel(column=True),
+    "conv1d_colwise_qkv": lambda name, plan: Conv1DParallel(column=True, split_factor=3),
+    "conv1d_rowwise": lambda name, plan: Conv1DParallel(column=False),
+    "packed_colwise_qkv": lambda name, plan: PackedLinear(column=True, split_factor=3),
+    "colwise_kv_heads": lambda name, plan: ColwiseKVHeads(plan.kv_heads_of(name)),
+}
+
+
+def own_layer_styles(module: nn.Module, plan: ResolvedPlan) -> dict[str, ParallelStyle]:
+    """The plan's module entries that name one of :data:`OWN_LAYER_STYLES`, as torch styles."""
+    modules = dict(module.named_modules())
+    return {
+        name: OWN_LAYER_STYLES[style](name, plan)
+        for name, style in plan.styles.items()
+        if isinstance(style, str) and style in OWN_LAYER_STYLES and name in modules
+    }
+
+
+def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank: int) -> None:
+    """``local_heads``: each named attention module's head counts become the rank's own (its q/k/v projections are
+    column-sharded, so each rank computes ``count / tp_size`` whole heads; divisibility was checked with the plan).
+    An attention module whose KV heads are replicated gets its rank's KV heads and grouping instead
+    (:func:`lightning_tp.parallel.kv_heads.localize_kv_groups`)."""
+    modules = dict(module.named_modules())
+    for name in plan.local_heads:
+        attention = modules[name]
+        for attribute in HEAD_COUNT_ATTRIBUTES:
+            count = getattr(attention, attribute, None)
+            if name in plan.kv_replicated and attribute in KV_HEAD_COUNT_ATTRIBUTES:
+                continue
+            if isinstance(count, int) and not isinstance(count, bool):
+                assert count % tp_size == 0, (name, attribute, count, tp_size)
+                setattr(attention, attribute, count // tp_size)
+    for name, (query_heads, kv_heads) in plan.kv_replicated.items():
+        layout = kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=rank)
+        attributes = KV_HEAD_COUNT_ATTRIBUTES if name in plan.local_heads else ()
+        localize_kv_groups(modules[name], layout, count_attributes=attributes)
+
+
+def slice_alibi_heads(module: nn.Module, names: list[str], *, tp_mesh: DeviceMesh) -> None:
+    """``local_heads_alibi``: the ALiBi biases the model builds for every head (Bloom's ``alibi`` keyword,
+    [batch * heads, 1, keys], batch-major; MPT's ``position_bias``, [heads, 1, keys]) sliced to this rank's heads
+    (contiguous, as the column split gives them) before each named attention module runs."""
+    rank, tp_size = tp_mesh.get_local_rank(), tp_mesh.size()
+    modules = dict(module.named_modules())
+
+    def hook(attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        heads = next(getattr(attention, a) for a in ("num_heads", "n_heads") if hasattr(attention, a))  # the rank's
+        if kwargs.get("alibi") is not None:  # Bloom: [batch * heads, 1, keys]
+            alibi = kwargs["alibi"]
+            batch = alibi.shape[0] // (heads * tp_size)
+            whole = alibi.view(batch, heads * tp_size, *alibi.shape[1:])
+            mine = whole[:, rank * heads : (rank + 1) * heads].reshape(batch * heads, *alibi.shape[1:])
+            return args, {**kwargs, "alibi": mine}
+        if kwargs.get("position_bias") is not None:  # MPT: [heads, 1, keys]
+            bias = kwargs["position_bias"]
+            return args, {**kwargs, "position_bias": bias[rank * heads : (rank + 1) * heads]}
+        return None
+
+    for name in names:
+        modules[name].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def transformers_tp_mesh(model: nn.Module) -> DeviceMesh:
+    """The TP mesh of a model sharded by Transformers' ``from_pretrained(distributed_config=...)``."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    if len(meshes) != 1 or next(iter(meshes.values())).ndim != 1:
+        raise ValueError(
+            f"{type(model).__name__} was sharded by Transformers on more than a 1-D tensor-parallel mesh (FSDP or "
+            "pipeline sizes in its `distributed_config`). Load it with `DistributedConfig(tp_size=...)` alone, or "
+            "without one, and let the strategy apply FSDP2."
+        )
+    return next(iter(meshes.values()))
+
+
+def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: ResolvedPlan) -> nn.Module:
+    """Bring a model that ``from_pretrained(distributed_config=...)`` sharded into the state that
+    :func:`apply_tensor_parallel` leaves: its whole parameters become replicated DTensors, so that optimizers and
+    clipping see DTensors only.
+
+    Transformers' ``replicated_with_grad_allreduce`` layer hooks plain parameters in their first forward; it is
+    removed (it lives in the instance's ``forward``) and replaced by the same gradient sum on the local view.
+    """
+    for name in plan.grad_allreduce:
+        model.get_submodule(name).__dict__.pop("forward", None)
+    replicate_unsharded_parameters(model, tp_mesh, grad_allreduce=plan.grad_allreduce)
+    keep_gradient_layout(model, plan)
+    setattr(model, SHARDED_MARKER, tp_mesh)
+    return model
+
+
+#: Largest number of bytes moved to the device per broadcast when taking rank 0's values (NCCL needs device tensors).
+_BROADCAST_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+@torch.no_grad()
+def take_rank_zero_values(module: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
+    """Give every rank of ``group`` (default: all ranks) rank 0's values of the module's parameters and buffers, where
+    they differ; return the names of the tensors taken from rank 0 (the same list on every rank).
+
+    TP and FSDP2 both slice each rank's own copy, so ranks built with different seeds would otherwise train a model
+    that is no single model. As torch's parallel styles do (``src_data_rank=0``), rank 0's values win: the run then
+    equals one process initialised like rank 0. One all-gather of a checksum per tensor tells which tensors differ
+    (every rank compares the same gathered values, so every rank takes the same decision), then only those are
+    broadcast. Sharded (DTensor) and meta tensors are left alone.
+    """
+    if not distributed_is_initialized() or dist.get_world_size(group) == 1:
+        return []
+    names, tensors, sums = [], [], []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor is None or isinstance(tensor, DTensor) or tensor.is_meta:
+            continue
+        data = tensor.detach()
+        if data.is_complex():
+            data = torch.view_as_real(data)  # complex rotary tables: a real view, no copy
+        elif not data.is_floating_point():
+            data = data.double()  # integer and boolean buffers (position ids, masks): small
+        names.append(name)
+        tensors.append(tensor)
+        sums.append(torch.stack([data.sum(dtype=torch.float64), torch.linalg.vector_norm(data, dtype=torch.float64)]))
+    if not sums:
+        return []
+    device = _collective_device(group)
+    local = torch.stack(sums).to(device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    reference = gathered[0]
+    differs = torch.zeros(len(names), dtype=torch.bool, device=device)
+    for other in gathered[1:]:
+        # Exact comparison (NaN equal to NaN): identical tensors give identical checksums.
+        same = (other == reference) | (other.isnan() & reference.isnan())
+        differs |= ~same.all(dim=1)
+    indices = differs.nonzero().flatten().tolist()
+    _broadcast_from_rank_zero([tensors[i] for i in indices], group=group, device=device)
+    return [names[i] for i in indices]
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_from_rank_zero(
+    tensors: list[torch.Tensor], *, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Overwrite ``tensors`` on every rank with rank 0's values, in buckets of one dtype flattened into one tensor on
+    ``device`` (bounded device memory when the model lives on the CPU)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    buckets: list[list[torch.Tensor]] = []
+    filled = 0
+    for tensor in sorted(tensors, key=lambda t: str(t.dtype)):
+        size = tensor.numel() * tensor.element_size()
+        if not buckets or buckets[-1][0].dtype != tensor.dtype or filled + size > _BROADCAST_BUCKET_BYTES:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(tensor)
+        filled += size
+    for bucket in buckets:
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
+        dist.broadcast(flat, src=src, group=group)
+        for tensor, values in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+            tensor.detach().copy_(values.view_as(tensor))
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any parameter of the module is on the meta device (built without memory, to be materialised)."""
+    return any(t.is_meta for t in module.parameters())
+
+
+def retie(module: nn.Module, tied: dict[str, str]) -> None:
+    """Point every alias of a shared parameter at the one held under its first name again: sharding and ``to_empty``
+    replace that parameter (``to_empty`` gives every alias its own storage)."""
+    for alias, source in tied.items():
+        owner_name, _, param_name = alias.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        parameter_dict(owner)[param_name] = module.get_parameter(source)
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group``. For a replicated parameter used on sharded
+    activations (Qwen3's per-head q/k norms; norms under sequence parallelism): each rank's gradient covers its own
+    heads or tokens only. The sum is taken in fp32 where the gradient is 16-bit (FSDP2's bf16 all-gathers, the
+    ``-true`` precisions), as one process sums those heads' or tokens' contributions in fp32 before rounding."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        reduce_dtype = torch.float32 if grad.dtype in (torch.bfloat16, torch.float16) else grad.dtype
+        # A new tensor (autograd may share the incoming gradient), in fp32 for 16-bit gradients.
+        total = grad.to(reduce_dtype, memory_format=torch.contiguous_format, copy=True)
+        dist.all_reduce(total, group=ctx.group)
+        return total.to(grad.dtype), None
+
+
+def replicate_unsharded_parameters(
+    module: nn.Module, tp_mesh: DeviceMesh, *, grad_allreduce: Iterable[str] = (), keep: Iterable[str] = ()
+) -> None:
+    """Turn every plain parameter into a ``Replicate()`` DTensor on ``tp_mesh``; its module's forward then runs on the
+    local tensor (a view: no copy, no communication). Modules named in ``grad_allreduce`` get their parameters'
+    gradients summed over the TP group in backward (Transformers' ``replicated_with_grad_allreduce``). Modules in
+    ``keep`` (and everything under them) are left as they are."""
+    summed = set(grad_allreduce)
+    kept = tuple(keep)
+    replaced: dict[int, nn.Parameter] = {}  # a parameter shared by several modules (tied) is wrapped once
+    modules = dict(module.named_modules())
+    for name, submodule in modules.items():
+        if kept and (name in kept or name.startswith(tuple(f"{k}." for k in kept))):
+            continue
+        local_names = []
+        for param_name, param in list(parameter_dict(submodule).items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                if isinstance(param, DTensor):
+                    continue
+                replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
+                replaced[id(param)] = nn.Parameter(replicated, requires_grad=param.requires_grad)
+            parameter_dict(submodule)[param_name] = replaced[id(param)]
+            local_names.append(param_name)
+        if local_names:
+            view = _local_view(tp_mesh.get_group() if name in summed else None)
+            if isinstance(submodule, (nn.ParameterDict, nn.ParameterList)) and name:
+                # A parameter container has no forward: its owner (e.g. PEFT's LoRA embedding) reads it in its own.
+                owner = modules[name.rpartition(".")[0]]
+                run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
+            else:
+                run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
+    _run_replicated_subtrees_on_views(module, {id(p) for p in replaced.values()}, summed)
+
+
+def _run_replicated_subtrees_on_views(module: nn.Module, replicated: set[int], summed: set[str]) -> None:
+    """A module whose whole subtree was left whole (a vision tower, a projector, a norm) also swaps its descendants'
+    parameters during its own call: some forwards read a child's parameters without calling the child
+    (``nn.MultiheadAttention`` passes ``out_proj.weight`` to ``F.multi_head_attention_forward``), which would
+    otherwise meet the replicated DTensor. Only ``Replicate`` DTensors on one mesh axis are swapped: a parameter
+    FSDP2 holds sharded at that moment is left to its unit, whose own views run after its all-gather. Subtrees
+    holding a TP-sharded parameter, or a module whose gradients are summed over the TP group, keep per-module views
+    only."""
+
+    def visit(name: str, submodule: nn.Module) -> tuple[bool, list[nn.Module]]:
+        """Whether the subtree holds only parameters replicated here, and its modules holding parameters."""
+        own = [p for p in parameter_dict(submodule).values() if p is not None]
+        whole = name not in summed and all(id(p) in replicated for p in own)
+        holders = [submodule] if own else []
+        inside: list[nn.Module] = []
+        for child_name, child in submodule.named_children():
+            child_whole, child_holders = visit(f"{name}.{child_name}" if name else child_name, child)
+            whole = whole and child_whole
+            inside += child_holders
+        if whole and inside:
+            _swap_subtree_on_call(submodule, inside)
+        return whole, holders + inside
+
+    visit("", module)
+
+
+def _replicated_local(param: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor of a parameter replicated over one mesh axis (the TP group), else ``None``."""
+    if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements == (Replicate(),):
+        return param.to_local()
+    return None
+
+
+def _swap_subtree_on_call(module: nn.Module, holders: list[nn.Module]) -> None:
+    """During each call of ``module``, the replicated parameters of ``holders`` are their local tensors; afterwards
+    each is put back, unless something else (FSDP2 resharding a unit inside) replaced it meanwhile."""
+    pending: list[list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]] = []
+
+    def swap(_module: nn.Module, _args: Any) -> None:
+        swapped = []
+        for holder in holders:
+            params = parameter_dict(holder)
+            for name, param in list(params.items()):
+                local = _replicated_local(param) if param is not None else None
+                if local is not None:
+                    params[name] = local
+                    swapped.append((params, name, param, local))
+        pending.append(swapped)
+
+    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if pending:
+            for params, name, param, local in pending.pop():
+                if params.get(name) is local:
+                    params[name] = param
+
+    module.register_forward_pre_hook(swap)
+    module.register_forward_hook(restore, prepend=True, always_call=True)
+
+
+class _GradInParameterLayout(torch.autograd.Function):
+    """Identity forward on a DTensor parameter; backward gives its gradient the parameter's layout."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor) -> DTensor:  # type: ignore[override]
+        ctx.mesh, ctx.placements = param.device_mesh, param.placements
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        if isinstance(grad, DTensor) and grad.placements != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
+
+
+#: Styles whose DTensor backward returns the weight's gradient in another layout than the weight's: the embeddings.
+_GRADIENT_LAYOUT_STYLES = style_names(kind="embedding")
+
+
+def keep_gradient_layout(module: nn.Module, plan: ResolvedPlan) -> None:
+    """Give the gradients of embedding weights their weight's layout as they are computed.
+
+    DTensor computes the gradient of a vocabulary-sharded embedding (``embedding_rowwise``) replicated, at full size
+    (torch 2.13): it would stay allocated at full size on every rank until the optimizer step. Redistributing
+    ``Replicate`` to ``Shard`` in backward is a local slice (no communication). The module's forward takes the view
+    of its current parameter each time, so it survives ``to_empty``, ``.to()`` and FSDP2 swapping parameters.
+    """
+    modules = dict(module.named_modules())
+    for name, style in plan.styles.items():
+        if style in _GRADIENT_LAYOUT_STYLES and isinstance(modules.get(name), nn.Embedding):
+            run_on_parameter_views(modules[name], {"weight": _in_parameter_layout})
+
+
+def _in_parameter_layout(param: torch.Tensor) -> torch.Tensor:
+    if isinstance(param, DTensor) and param.requires_grad and torch.is_grad_enabled():
+        return _GradInParameterLayout.apply(param)
+    return param
+
+
+def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def view(param: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return param
+        local = param.to_local()
+        if grad_group is not None and local.requires_grad and torch.is_grad_enabled():
+            local = _AllReduceGrad.apply(local, grad_group)
+        return local
+
+    return view
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Regions: the attention and MLP of a dense decoder layer, between one column-wise entry and one row-wise exit
+
+#: Transformers styles a decoder layer may hold for its regions to be rewritten with torch's styles.
+_REWRITABLE = style_names(rewritable=True)
+
+
+def decoder_layers(model: nn.Module, styles: Mapping[str, Any], blocks: set[type]) -> list[str]:
+    """The decoder layers (instances of ``blocks``) with plan entries: ``_no_split_modules`` also lists vision and
+    audio blocks, which the plan leaves alone."""
+    return [name for name, m in model.named_modules() if type(m) in blocks and layer_entries(styles, name)]
+
+
+def layer_stacks(layers: list[str]) -> dict[str, list[str]]:
+    """The layers grouped by the module list holding them (``model.language_model.layers``,
+    ``model.vision_tower.encoder.layers``): a vision-language model has one stack per tower."""
+    stacks: dict[str, list[str]] = {}
+    for layer in layers:
+        stacks.setdefault(layer.rpartition(".")[0], []).append(layer)
+    return stacks
+
+
+def text_decoder_layers(model: nn.Module, layers: list[str]) -> list[str]:
+    """The stack of ``layers`` that runs on the token embeddings: the one under the module holding the input
+    embedding (a vision tower's stack runs on patches, whose sequence is another). All of them when that module is
+    not found."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    owner = next((name.rpartition(".")[0] for name, m in model.named_modules() if m is embedding and name), None)
+    if owner is None:
+        return layers
+    mine = [layer for layer in layers if layer.rpartition(".")[0].rpartition(".")[0] == owner]
+    return mine or layers
+
+
+def layer_entries(styles: Mapping[str, Any], layer: str) -> dict[str, Any]:
+    """The module entries (not ``.weight``/``.bias`` ones) of the plan under ``layer``."""
+    return {k: v for k, v in styles.items() if k.startswith(f"{layer}.") and not k.endswith((".weight", ".bias"))}
+
+
+def region_problem(styles: Mapping[str, Any], layer: str) -> str | None:
+    """Why ``layer``'s entries are not column-/row-wise pairs, or ``None``."""
+    inside = layer_entries(styles, layer)
+    for key, style in inside.items():
+        if not (isinstance(style, str) and style in _REWRITABLE):
+            return f"{key!r} has style {style!r}. Drop `sequence_parallel` for this model, or override that entry"
+    if not any(style == "rowwise" for style in inside.values()):
+        return f"decoder layer {layer!r} has no row-wise projection"
+    direct = [key for key, style in inside.items() if style == "rowwise" and key.rpartition(".")[0] == layer]
+    if direct:
+        # The region's input is the parent's `hidden_states`: here the whole layer, norms and residuals included.
+        return (
+            f"{direct[0]!r} sits directly in decoder layer {layer!r}, with no attention or MLP module around it to "
+            "take the region's input. Drop `sequence_parallel` for this model"
+        )
+    return None
+
+
+def rewrite_layer_styles(
+    styles: dict[str, Any],
+    layer: str,
+    *,
+    rowwise: Callable[[], ParallelStyle],
+    region: Callable[[], ParallelStyle],
+) -> set[str]:
+    """Rewrite ``layer``'s column-/row-wise entries with torch's styles in place: ``ColwiseParallel`` entries,
+    ``rowwise()`` exits, and ``region()`` on each parent of an exit (``self_attn``, ``mlp``). Returns the regions."""
+    inside = layer_entries(styles, layer)
+    for key in [k for k in styles if k.startswith(f"{layer}.") and k.endswith((".weight", ".bias"))]:
+        if styles[key] in ("colwise", "rowwise"):
+            del styles[key]  # torch's styles shard the parameters of the module entry
+    for key, style in inside.items():
+        if style == "colwise":
+            styles[key] = ColwiseParallel()
+        elif style == "rowwise":
+            styles[key] = rowwise()
+    regions = {key.rsplit(".", 1)[0] for key, style in inside.items() if style == "rowwise"}
+    for name in regions:
+        styles[name] = region()
+    return regions
+
+
+def rewrite_dense_layers(model: nn.Module, plan: ResolvedPlan, *, blocks: set[type]) -> ResolvedPlan:
+    """Decoder layers made of column-/row-wise pairs, rewritten so that each attention and MLP makes its input one
+    replicated DTensor (:class:`ReplicateRegionInput`) shared by its column-wise projections: their partial input
+    gradients are summed and all-reduced once, 2 all-reduces per layer in backward (Megatron's count) instead of one
+    per projection (5 for q, k, v, gate, up) with Transformers' layers. A stack of layers (a vision-language model
+    has one per tower) with any other layer keeps Transformers' layers."""
+    styles: dict[str, Any] = dict(plan.styles)
+    rewritten = False
+    # Stack by stack: a vision tower's layers with another style leave the language model's rewritten.
+    for stack in layer_stacks(decoder_layers(model, styles, blocks)).values():
+        if any(region_problem(styles, layer) for layer in stack):
+            continue
+        for layer in stack:
+            rewrite_layer_styles(styles, layer, rowwise=RowwiseParallel, region=ReplicateRegionInput)
+        rewritten = True
+    if not rewritten:
+        return plan
+    return replace(plan, styles=styles, grad_allreduce=list(plan.grad_allreduce))
+
+
+class ReplicateRegionInput(ParallelStyle):
+    """The module's ``hidden_states`` (whole on every rank) enter as one replicated DTensor, shared by the
+    column-wise projections inside: the backward sums their partial input gradients, then all-reduces once."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def as_dtensor(local: Any) -> Any:
+            return DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
+
+        module.register_forward_pre_hook(on_hidden_states(as_dtensor), with_kwargs=True)
+        return module

@@ -1,0 +1,628 @@
+"""Tensor-parallel plans as data: read a model's plan, merge overrides, expand wildcards, validate, all before any
+weight moves and without any collective, so every rank raises the same error instead of hanging.
+
+A plan maps a module (or parameter) path to a style. Keys use Transformers' convention: ``*`` stands for one path
+component (``model.layers.*.mlp.up_proj``). Values are Transformers' registered style names (``"colwise"``,
+``"rowwise"``, ...) or, for any module, a ``torch.distributed.tensor.parallel.ParallelStyle`` instance.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_tp.plans.derived import derive_plan
+from lightning_tp.plans.styles import (
+    HEAD_COUNT_ATTRIBUTES,
+    KV_GROUPS_ATTRIBUTE,
+    KV_HEAD_COUNT_ATTRIBUTES,
+    REFUSED_STYLES,
+    SUPPORTED_STYLES,
+    facts,
+    style_names,
+)
+
+Style = str | ParallelStyle
+
+#: Styles whose gradient sum over the TP group this package applies itself (not Transformers' hook layer).
+_SUMMED_HERE = style_names(sums_gradients=True)
+#: This package's own styles (Transformers does not register them).
+_OWN_STYLES = style_names(registered=False)
+#: Styles that give an attention module its rank's head counts.
+_HEAD_STYLES = style_names(kind="heads")
+
+#: Output projections whose width counts attention heads (query) and KV heads (key/value).
+_FUSED_PROJECTIONS = ("qkv_proj", "query_key_value", "c_attn", "Wqkv")
+_QUERY_PROJECTIONS = ("q_proj", "query", *_FUSED_PROJECTIONS)
+_SEPARATE_KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value")
+_KV_PROJECTIONS = (*_SEPARATE_KV_PROJECTIONS, "qkv_proj", "query_key_value")
+#: Where activation function classes live: an activation module is applied to an MLP's (sharded) features.
+_ACTIVATION_MODULES = ("transformers.activations", "torch.nn.modules.activation")
+#: Styles whose output holds each rank's slice of the features (heads): a head count must divide by the TP size.
+_COLUMN_STYLES = style_names(output_sharded=True)
+
+
+@dataclass
+class ResolvedPlan:
+    """A plan with concrete names, checked against one module.
+
+    ``styles`` maps each module or parameter path (relative to the module the plan was resolved on) to its style,
+    parameters listed before their module as Transformers' ``apply_tensor_parallelism`` expects.
+    ``grad_allreduce`` lists modules whose replicated parameters get their gradient summed over the TP group.
+    ``tied`` maps each tied parameter alias to the name that holds the parameter.
+    ``head_styles`` maps each attention module given a ``heads`` style (``local_heads``...) to it: kept apart from
+    ``styles`` because it changes the module's head counts only, so the module may take a layer style too (the
+    region input of the dense-layer rewrite or of sequence parallelism).
+    """
+
+    styles: dict[str, Style] = field(default_factory=dict)
+    grad_allreduce: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+    head_styles: dict[str, str] = field(default_factory=dict)
+    #: Attention modules whose K/V projections replicate KV heads (``colwise_kv_heads``): name -> (query heads, KV
+    #: heads) of the whole model.
+    kv_replicated: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Expert parallelism (``ep_size > 1``): the experts modules and their stacked weights, name -> expert-parallel
+    #: style (weights first). TP leaves everything under these modules whole; see
+    # :mod:`lightning_tp.parallel.expert_parallel`.
+    experts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def expert_modules(self) -> list[str]:
+        """The experts modules split over the EP ranks."""
+        return [name for name, style in self.experts.items() if facts(style).kind != "expert"]
+
+    def kv_heads_of(self, name: str) -> tuple[int, int]:
+        """The (query heads, KV heads) of the attention module holding ``name`` (a K/V projection or its adapter)."""
+        owners = [a for a in self.kv_replicated if name.startswith(f"{a}.")]
+        assert owners, f"{name} is under no KV-replicated attention module"
+        return self.kv_replicated[max(owners, key=len)]
+
+    @property
+    def transformers_styles(self) -> dict[str, str]:
+        """The entries applied with Transformers' layers."""
+        return {
+            name: style
+            for name, style in self.styles.items()
+            if isinstance(style, str) and style not in _SUMMED_HERE and style not in _OWN_STYLES
+        }
+
+    @property
+    def alibi_heads(self) -> list[str]:
+        """Attention modules whose ALiBi input is sliced to the rank's heads (``local_heads_alibi``)."""
+        return [name for name, style in self.head_styles.items() if style == "local_heads_alibi"]
+
+    @property
+    def local_heads(self) -> list[str]:
+        """Attention modules whose head counts become the rank's own (``local_heads``)."""
+        return list(self.head_styles)
+
+    @property
+    def torch_styles(self) -> dict[str, ParallelStyle]:
+        """The entries applied with ``torch.distributed.tensor.parallel.parallelize_module``."""
+        return {name: style for name, style in self.styles.items() if isinstance(style, ParallelStyle)}
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def check_style(key: str, style: Any) -> None:
+    """Raise a ``ValueError`` naming ``key`` when ``style`` is refused or unknown."""
+    if isinstance(style, ParallelStyle):
+        return
+    if not isinstance(style, str):
+        raise ValueError(
+            f"tp_plan[{key!r}] = {style!r}: a style must be a Transformers style name or a torch "
+            "`ParallelStyle` instance."
+        )
+    if style in REFUSED_STYLES:
+        raise ValueError(f"tp_plan[{key!r}] = {style!r} is not supported: {REFUSED_STYLES[style]}.")
+    if style not in SUPPORTED_STYLES:
+        raise ValueError(
+            f"tp_plan[{key!r}] = {style!r} is not a known style. Use one of {sorted(SUPPORTED_STYLES)} or a torch "
+            "`ParallelStyle` instance."
+        )
+
+
+def key_regex(key: str) -> re.Pattern[str]:
+    """A plan key as a pattern over module/parameter paths: ``*`` stands for one path component."""
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")))
+
+
+def _match(name: str, patterns: list[tuple[str, re.Pattern[str], Style, bool]]) -> Style | None:
+    """The style of the key that matches ``name`` whole: a user override before the model's own rule, then the most
+    specific key (fewest wildcards)."""
+    best: tuple[tuple[bool, int], Style] | None = None
+    for key, regex, style, is_override in patterns:
+        if regex.fullmatch(name):
+            rank = (is_override, -key.count("*"))
+            if best is None or rank > best[0]:
+                best = (rank, style)
+    return None if best is None else best[1]
+
+
+def model_plan(module: nn.Module) -> dict[str, Style]:
+    """The module's own plan: a Transformers model's ``tp_plan`` (config ``base_model_tp_plan`` plus class rules such
+    as ``lm_head``), or, when its config has none, the plan derived from its decoder structure
+    (:mod:`lightning_tp.plans.derived`; empty when the structure is not recognised), or nothing for any other module."""
+    return plan_source(module)[0]
+
+
+def plan_source(module: nn.Module) -> tuple[dict[str, Style], str, str | None]:
+    """The module's own plan, where it comes from (``"model"``, ``"derived"``, or ``"none"``) and, when there is none,
+    why (the structure a derived plan could not understand, and how to write the plan)."""
+    if not is_transformers_model(module):
+        return {}, "none", None
+    own = dict(getattr(module, "tp_plan", None) or {})
+    if set(own) - {_output_embedding_name(module)}:
+        return own, "model", None
+    try:
+        return derive_plan(module), "derived", None
+    except ValueError as err:
+        # A class rule for lm_head alone (no `base_model_tp_plan`) is kept as it was before plans were derived.
+        return (own, "model", None) if own else ({}, "none", str(err))
+
+
+def _output_embedding_name(model: nn.Module) -> str | None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, m in model.named_modules() if m is out), None) if out is not None else None
+
+
+def resolve_plan(
+    module: nn.Module, tp_plan: str | Mapping[str, Style], *, tp_size: int, leave: tuple[str, ...] = ()
+) -> ResolvedPlan:
+    """Merge ``tp_plan`` into the module's own plan, expand it to concrete names and check it.
+
+    ``tp_plan="auto"`` uses the module's own plan. A dict overrides it key by key with
+    ``DistributedConfig.tp_plan`` semantics: an empty dict means no rules, and a key must match a module or parameter.
+    ``leave``: plan keys (module paths with ``*``) whose rules, and those under them, are dropped before the checks:
+    another parallelism places those modules (expert parallelism's experts), so their TP styles do not matter.
+    """
+    model_name = type(module).__name__
+    if getattr(module, "hf_device_map", None) is not None:
+        raise ValueError(
+            f"{model_name} was loaded with a `device_map` ({module.hf_device_map}), which places whole layers on "
+            "devices and conflicts with tensor parallelism. Load it without `device_map`: the strategy places the "
+            "shards."
+        )
+    if isinstance(tp_plan, str):
+        if tp_plan != "auto":
+            raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {tp_plan!r}.')
+        overrides: dict[str, Style] = {}
+        plan, _, no_plan_reason = plan_source(module)
+    elif isinstance(tp_plan, Mapping):
+        overrides = dict(tp_plan)
+        own, _, no_plan_reason = plan_source(module) if overrides else ({}, "none", None)
+        plan = {**own, **overrides}
+    else:
+        raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
+
+    if leave:
+        under = tuple(f"{k}." for k in leave)
+        left = [key for key in plan if key in leave or key.startswith(under)]
+        if given := [key for key in left if key in overrides]:
+            rank_zero_warn(
+                f"`tp_plan` entries {given} are ignored: expert parallelism places those experts (ep_size > 1)."
+            )
+        plan = {key: style for key, style in plan.items() if key not in left}
+    module_names = [name for name, _ in module.named_modules() if name]
+    all_params = list(module.named_parameters(remove_duplicate=False))
+    unique_params = {name for name, _ in module.named_parameters()}
+    names = set(module_names) | {name for name, _ in all_params}
+
+    refused = {}
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"tp_plan keys must be non-empty module paths, got {key!r}.")
+        if isinstance(style, str) and style in REFUSED_STYLES:
+            # A rule of the model's that matches nothing does nothing (Llama 4's expert rules where every layer is
+            # dense; a composite model's plan also lists its text model's rules under a stale prefix).
+            if key in overrides or any(key_regex(key).fullmatch(n) for n in names):
+                refused[key] = style
+        else:
+            check_style(key, style)
+    if refused:
+        reasons = "; ".join(f"{key!r}: {style!r} ({REFUSED_STYLES[style]})" for key, style in refused.items())
+        raise ValueError(
+            f"{model_name}'s plan uses styles this strategy does not support: {reasons}. To keep those modules whole, "
+            f"pass tp_plan={ {key: 'replicate' for key in refused} }."
+        )
+
+    if not plan:
+        if no_plan_reason is not None and not overrides:
+            raise ValueError(no_plan_reason)
+        if is_transformers_model(module):
+            raise ValueError(
+                f"{model_name} has no tensor-parallel plan (its config has no `base_model_tp_plan`) and `tp_plan` "
+                "gives none. Pass `tp_plan={'model.layers.*.self_attn.q_proj': 'colwise', ...}` to "
+                "TensorParallelStrategy, or use tp_size=1."
+            )
+        raise ValueError(
+            f"{model_name} is not a Transformers model, so it has no plan of its own: pass "
+            "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
+        )
+
+    patterns = [(key, key_regex(key), style, key in overrides) for key, style in plan.items()]
+    unmatched = [
+        key for key, regex, _, is_override in patterns if is_override and not any(regex.fullmatch(n) for n in names)
+    ]
+    if unmatched:
+        raise ValueError(
+            f"tp_plan keys {unmatched} match no module or parameter of {model_name}. Keys are paths relative to the "
+            f"model with `*` for one component; some of its modules: {module_names[:8]}."
+        )
+
+    resolved = ResolvedPlan()
+    param_styles: dict[str, Style | None] = {}
+    for module_name, submodule in module.named_modules():
+        module_style = _match(module_name, patterns) if module_name else None
+        for param_name, _ in submodule.named_parameters(recurse=False, remove_duplicate=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            own = _match(full, patterns)
+            style = own if own is not None else module_style
+            param_styles[full] = style
+            # torch ParallelStyles shard their module's parameters themselves; `local_heads` names a module only.
+            if isinstance(style, str) and full in unique_params and style not in _HEAD_STYLES:
+                resolved.styles[full] = style
+        if isinstance(module_style, str) and module_style in _HEAD_STYLES:
+            resolved.head_styles[module_name] = module_style
+        elif module_style is not None:
+            resolved.styles[module_name] = module_style
+
+    resolved.grad_allreduce = [
+        name
+        for name, style in resolved.styles.items()
+        if style in _SUMMED_HERE and name in module_names and _sees_sharded_features(name, resolved.styles)
+    ]
+    resolved.grad_allreduce += _between_split_projections(module, resolved.styles)
+    resolved.tied = _tied_aliases(module, param_styles)
+    if is_transformers_model(module):
+        resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
+    _check_even_splits(module, resolved.styles, tp_size)
+    _check_local_heads(module, resolved.local_heads, tp_size, kv_replicated=resolved.kv_replicated)
+    return resolved
+
+
+def no_plan(module: nn.Module) -> ResolvedPlan:
+    """The plan of TP over one rank, which splits nothing: no rules (the model's own, which may be refused or missing,
+    are not applied), its tied weights found as :func:`resolve_plan` finds them."""
+    params = {name: None for name, _ in module.named_parameters(remove_duplicate=False)}
+    return ResolvedPlan(tied=_tied_aliases(module, params))
+
+
+def _check_local_heads(
+    module: nn.Module, names: list[str], tp_size: int, *, kv_replicated: Mapping[str, tuple[int, int]]
+) -> None:
+    """A ``local_heads`` module must keep head counts in attributes, each divisible by the TP size (its KV head
+    counts excepted when its KV heads are replicated)."""
+    modules = dict(module.named_modules())
+    for name in names:
+        counts = {
+            a: getattr(modules[name], a)
+            for a in HEAD_COUNT_ATTRIBUTES
+            if isinstance(getattr(modules[name], a, None), int)
+            and not (name in kv_replicated and a in KV_HEAD_COUNT_ATTRIBUTES)
+        }
+        if not counts:
+            raise ValueError(
+                f"tp_plan[{name!r}] = 'local_heads', but {type(modules[name]).__name__} keeps no head count in any "
+                f"of {list(HEAD_COUNT_ATTRIBUTES)}: give that style to the attention module whose code reshapes by "
+                "its head count."
+            )
+        uneven = {a: c for a, c in counts.items() if c % tp_size}
+        if uneven:
+            raise ValueError(
+                f"{name} ({type(modules[name]).__name__}) has head counts {uneven} not divisible by tp_size={tp_size}: "
+                "its heads cannot be split evenly over the TP ranks. Use a tp_size that divides them."
+            )
+
+
+def _check_even_splits(module: nn.Module, styles: Mapping[str, Style], tp_size: int) -> None:
+    """A linear layer whose shards meet another rank-local op must be split on a dim the TP size divides (an MLP's
+    intermediate size, say): uneven shards of a column-wise layer whose output stays sharded, or of the row-wise
+    layer that takes it, fail mid-forward with a different shape on each rank. Layers whose output is gathered or
+    whose replicated input is split locally (``colwise_rep``, ``rowwise_split_input``...) go through DTensor, which
+    pads uneven shards; so do the vocabulary (embeddings, the output head) and the K/V projections of KV-head
+    replication (gathered before use)."""
+    if tp_size == 1:
+        return
+    out = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    head = {id(p) for p in out.parameters()} if isinstance(out, nn.Module) else set()
+    uneven = {}
+    for name, param in module.named_parameters():
+        style = styles.get(name)
+        fact = facts(style)
+        rank_local = fact is not None and (fact.output_sharded or fact.input_sharded)
+        if not rank_local or fact.kind not in ("column", "row") or style == "colwise_kv_heads" or id(param) in head:
+            continue
+        dim = fact.split_dim(param.ndim, is_bias=name.rpartition(".")[2] == "bias")
+        if dim is not None and param.shape[dim] % tp_size:
+            uneven[name] = param.shape[dim]
+    if uneven:
+        sizes = set(uneven.values())
+        good = [d for d in range(1, max(sizes) + 1) if all(size % d == 0 for size in sizes)]
+        shown = dict(list(uneven.items())[:3])
+        raise ValueError(
+            f"{type(module).__name__}: the plan splits {len(uneven)} parameter(s) on a dim not divisible by "
+            f"tp_size={tp_size} (name: size of the split dim, e.g. {shown}), which would fail mid-forward with a "
+            f"different shape on each rank. Use a tp_size that divides them: one of {good}, or keep those modules "
+            "whole (`tp_plan={'<module>': 'replicate'}`)."
+        )
+
+
+def _between_split_projections(module: nn.Module, styles: Mapping[str, Style]) -> list[str]:
+    """Activation functions with learnable parameters (Apertus' xIELU) that the plan does not name, next to a
+    column-wise projection whose output stays sharded and a row-wise one: an MLP's activation runs on the rank's
+    features, so each rank's gradient is a part of the whole one and is summed over the TP group. Only activation
+    modules (Transformers' or torch's): another module there (a norm, a head) may run on the whole hidden states,
+    and is left to the plan. A parameter with one value per sharded feature would need splitting, not a sum:
+    refused by name."""
+    modules = dict(module.named_modules())
+    found = []
+    for name, child in modules.items():
+        params = dict(child.named_parameters(recurse=False))
+        if not name or not params or name in styles or type(child).__module__ not in _ACTIVATION_MODULES:
+            continue
+        if any(f"{name}.{p}" in styles for p in params):
+            continue
+        parent = name.rpartition(".")[0]
+        siblings = {
+            key: style
+            for key, style in styles.items()
+            if key.rpartition(".")[0] == parent and key in modules and key != name
+        }
+        column = [key for key, style in siblings.items() if style in _COLUMN_STYLES]
+        if not column or not any(getattr(facts(style), "kind", None) == "row" for style in siblings.values()):
+            continue
+        widths = {
+            weight.shape[dim]
+            for key in column
+            if isinstance(weight := getattr(modules[key], "weight", None), torch.Tensor)
+            and (dim := facts(styles[key]).split_dim(weight.ndim)) is not None
+        }
+        per_feature = [f"{p} {list(t.shape)}" for p, t in params.items() if widths & set(t.shape)]
+        if per_feature:
+            raise ValueError(
+                f"{type(module).__name__}: {name} ({type(child).__name__}) holds {per_feature}, one value per "
+                f"feature of {column[0]}, whose output the plan splits over the TP ranks: give {name!r} a style in "
+                f"`tp_plan` that splits it the same way, or keep {column[0]!r} whole ('colwise_rep')."
+            )
+        found.append(name)
+    return found
+
+
+def _sees_sharded_features(norm: str, styles: Mapping[str, Style]) -> bool:
+    """Whether a ``replicated_with_grad_allreduce`` module (Qwen3's ``q_norm``) normalises a column-sharded output,
+    so that each rank's gradient covers its own heads only. ``q_norm`` follows ``q_proj``; a module with no such twin
+    follows its planned siblings (none: the style is taken at its word). When that projection is gathered
+    (``colwise_rep``), every rank sees every head, its gradient is already whole, and summing it over the TP group
+    would multiply it by ``tp_size``."""
+    parent, _, leaf = norm.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    twin = f"{prefix}{leaf.removesuffix('_norm')}_proj"
+    if twin in styles:
+        return styles[twin] in _COLUMN_STYLES
+    siblings = [n for n in styles if n.startswith(prefix) and n != norm and "." not in n[len(prefix) :]]
+    return not siblings or any(styles[n] in _COLUMN_STYLES for n in siblings)
+
+
+def _tied_aliases(module: nn.Module, param_styles: Mapping[str, Style | None]) -> dict[str, str]:
+    """Map each alias of a shared parameter to the name that holds it, and check that every alias asks for the same
+    layout (a tied embedding and ``lm_head`` are sharded once and share the shard)."""
+    owner: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) not in owner:
+            owner[id(param)] = name
+            continue
+        source = owner[id(param)]
+        tied[name] = source
+        layouts = {n: _weight_layout(param_styles.get(n), n, param.ndim) for n in (source, name)}
+        if layouts[source] != layouts[name]:
+            raise ValueError(
+                f"Tied parameters {source!r} and {name!r} would be sharded differently "
+                f"({param_styles.get(source)!r} vs {param_styles.get(name)!r}). Give both the same layout, e.g. "
+                "'embedding_rowwise' for the embedding with 'colwise_gather_output' for lm_head (both shard the "
+                "vocabulary), or untie them (`tie_word_embeddings=False`)."
+            )
+    return tied
+
+
+def _weight_layout(style: Style | None, name: str, ndim: int) -> str:
+    """The layout ``style`` gives parameter ``name`` of ``ndim`` dims (equal strings: the same shard on every rank)."""
+    if style is None or isinstance(style, str):
+        fact = facts(style)
+        return "replicated" if fact is None else fact.layout(ndim, is_bias=name.rpartition(".")[2] == "bias")
+    return f"custom {type(style).__name__}"
+
+
+def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> dict[str, tuple[int, int]]:
+    """Check that the TP size divides the heads the plan splits; where it divides the query heads but not the KV
+    heads, give the K/V projections ``colwise_kv_heads`` (in ``plan.styles``, in place) and return their attention
+    modules with the model's (query heads, KV heads) (:mod:`lightning_tp.parallel.kv_heads`). Transformers would load
+    such a model and fail in the first forward; this fails here, naming the sizes that work, when replication cannot
+    help. The models inside a composite one (a vision tower with plan entries) are checked against their own
+    config, without replication."""
+    styles = plan.styles
+    if tp_size == 1:
+        return {}
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    inner = [name for name, m in model.named_modules() if name and is_transformers_model(m) and m.config is not config]
+    for name in inner:
+        inside = {key: style for key, style in styles.items() if key.startswith(f"{name}.")}
+        if inside:
+            _check_head_counts(f"{type(model).__name__}.{name}", model.get_submodule(name).config, inside, tp_size)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return {}
+    model_name = type(model).__name__
+
+    def sharded(projections: tuple[str, ...]) -> list[str]:
+        """The modules of ``projections`` the plan splits column-wise, named by a module or a parameter entry,
+        outside the inner models (checked above)."""
+        names = [name.removesuffix(".weight").removesuffix(".bias") for name in styles]
+        return list(
+            dict.fromkeys(
+                name
+                for name, style in zip(names, styles.values(), strict=True)
+                if name.rsplit(".", 1)[-1] in projections
+                and style in _COLUMN_STYLES
+                and not any(name.startswith(f"{prefix}.") for prefix in inner)
+            )
+        )
+
+    if sharded(_QUERY_PROJECTIONS) and heads % tp_size:
+        good = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(
+            f"{model_name}: num_attention_heads={heads} not divisible by tp_size={tp_size}, so the attention heads "
+            f"cannot be split evenly over the TP ranks (Transformers would load it and fail in the first forward). "
+            f"Use a tp_size that divides the query heads: one of {good}."
+        )
+    if not sharded(_KV_PROJECTIONS):
+        return {}
+
+    def both(query_heads: int, kv: int) -> list[int]:
+        return [d for d in range(1, query_heads + 1) if query_heads % d == 0 and kv % d == 0]
+
+    fused = sharded(_FUSED_PROJECTIONS)
+    if (fused and kv_heads % tp_size) or (kv_heads % tp_size and heads % kv_heads):
+        why = (
+            f"{fused[0]} packs the KV heads with the query heads, and KV-head replication needs separate K/V "
+            "projections"
+            if fused
+            else f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+        raise ValueError(
+            f"{model_name}: num_key_value_heads={kv_heads} not divisible by tp_size={tp_size}, and the KV heads "
+            f"cannot be replicated: {why}. Use a tp_size that divides both head counts: one of "
+            f"{both(heads, kv_heads)}."
+        )
+    modules = dict(model.named_modules())
+    replicated: dict[str, tuple[int, int]] = {}
+    for name in sharded(_SEPARATE_KV_PROJECTIONS):
+        if name not in modules:
+            continue
+        if name not in styles:  # split by parameter entries only: the style applies to the module
+            styles[name] = styles.get(f"{name}.weight", "colwise")
+        attention = name.rpartition(".")[0]
+        owner = modules[attention]
+        # Layers may differ from the config (sliding-window layers with more KV heads, heads per layer).
+        layer_heads, layer_kv = _attention_heads(modules, attention, default=(heads, kv_heads))
+        if layer_kv % tp_size == 0:
+            continue
+        sizes = both(layer_heads, layer_kv)
+        projection = modules[name]
+        base = projection.get_base_layer() if hasattr(projection, "get_base_layer") else projection
+        weight = getattr(base, "weight", None)
+        if layer_heads % tp_size or layer_heads % layer_kv:
+            raise ValueError(
+                f"{model_name}: {attention} has {layer_heads} query heads and {layer_kv} KV heads: tp_size={tp_size} "
+                f"can split neither evenly. Use a tp_size that divides both head counts: one of {sizes}."
+            )
+        if styles[name] != "colwise" or not isinstance(base, nn.Linear) or weight.shape[0] % layer_kv:
+            raise ValueError(
+                f"{model_name}: num_key_value_heads={layer_kv} not divisible by tp_size={tp_size}, and "
+                f"{name} ({type(base).__name__}, style {styles[name]!r}) is not an nn.Linear with 'colwise' whose "
+                f"output holds {layer_kv} KV heads, so its KV heads cannot be replicated. Use a tp_size that divides "
+                f"both head counts: one of {sizes}, or give {name} your own style in `tp_plan`."
+            )
+        for key in [name, *(f"{name}.{p}" for p in ("weight", "bias"))]:
+            if styles.get(key) == "colwise":
+                styles[key] = "colwise_kv_heads"
+        tells_groups = isinstance(getattr(owner, KV_GROUPS_ATTRIBUTE, None), int) or (
+            attention in plan.head_styles
+            and any(isinstance(getattr(owner, a, None), int) for a in KV_HEAD_COUNT_ATTRIBUTES)
+        )
+        if not tells_groups:
+            raise ValueError(
+                f"{model_name}: num_key_value_heads={layer_kv} not divisible by tp_size={tp_size}, and its attention "
+                f"module {attention} ({type(owner).__name__}) keeps no `{KV_GROUPS_ATTRIBUTE}` to be told each rank's "
+                f"grouping, so its KV heads cannot be replicated. Use a tp_size that divides both head counts: one "
+                f"of {sizes}."
+            )
+        replicated[attention] = (layer_heads, layer_kv)
+    for attention in replicated:
+        # The attention is told one grouping for both K and V: a gathered or whole sibling would give it all heads.
+        for leaf in _SEPARATE_KV_PROJECTIONS:
+            sibling = f"{attention}.{leaf}"
+            if sibling in modules and styles.get(sibling) != "colwise_kv_heads":
+                raise ValueError(
+                    f"{model_name}: num_key_value_heads={replicated[attention][1]} not divisible by "
+                    f"tp_size={tp_size}: the KV heads of {attention} are replicated for its other K/V projection, "
+                    f"but {sibling} has style {styles.get(sibling)!r}. Give its K and V projections the same style "
+                    f"('colwise'), or use a tp_size that divides both head counts: one of "
+                    f"{both(*replicated[attention])}."
+                )
+    return replicated
+
+
+def _attention_heads(modules: Mapping[str, nn.Module], attention: str, *, default: tuple[int, int]) -> tuple[int, int]:
+    """An attention module's own (query heads, KV heads), where it keeps ``head_dim`` and ``num_key_value_groups``
+    (layers may differ from the config): its key projection's width over ``head_dim``, and that times the grouping
+    (the key projection, not the query one: a gated query projection is twice as wide); else ``default``."""
+    owner = modules[attention]
+    head_dim, groups = getattr(owner, "head_dim", None), getattr(owner, KV_GROUPS_ATTRIBUTE, None)
+    key = next((modules[f"{attention}.{leaf}"] for leaf in ("k_proj", "key") if f"{attention}.{leaf}" in modules), None)
+    if key is not None and hasattr(key, "get_base_layer"):
+        key = key.get_base_layer()
+    width = getattr(getattr(key, "weight", None), "shape", (None,))[0]
+    if not all(isinstance(v, int) and v > 0 for v in (head_dim, groups, width)) or width % head_dim:
+        return default
+    return width // head_dim * groups, width // head_dim
+
+
+def uneven_kv_projections(module: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
+    """The ``colwise_kv_heads`` projections whose width (KV heads x head_dim) the TP size does not divide: their
+    shards are uneven (some may be empty), which TP alone handles and FSDP2 on top does not."""
+    modules = dict(module.named_modules())
+    return [
+        name
+        for name, style in plan.styles.items()
+        if style == "colwise_kv_heads"
+        and name in modules
+        and isinstance(weight := getattr(modules[name], "weight", None), torch.Tensor)
+        and weight.shape[0] % tp_size
+    ]
+
+
+def _check_head_counts(owner: str, config: Any, styles: Mapping[str, Style], tp_size: int) -> None:
+    """The heads of a model inside a composite one (a vision tower) that its plan entries split must divide by the
+    TP size (no KV-head replication there)."""
+    heads = next(
+        (v for a in ("num_attention_heads", "num_heads") if isinstance(v := getattr(config, a, None), int)), None
+    )
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        return
+
+    def shards(projections: tuple[str, ...]) -> bool:
+        return any(name.rsplit(".", 1)[-1] in projections and style in _COLUMN_STYLES for name, style in styles.items())
+
+    shards_kv = shards(_KV_PROJECTIONS)
+    problems = []
+    if shards(_QUERY_PROJECTIONS) and heads % tp_size:
+        problems.append(f"num_attention_heads={heads}")
+    if shards_kv and isinstance(kv_heads, int) and kv_heads % tp_size:
+        problems.append(f"num_key_value_heads={kv_heads}")
+    if problems:
+        counts = [heads] + ([kv_heads] if shards_kv and isinstance(kv_heads, int) else [])
+        good = [d for d in range(1, max(counts) + 1) if all(c % d == 0 for c in counts)]
+        raise ValueError(
+            f"{owner}: {' and '.join(problems)} not divisible by tp_size={tp_size}, so the attention "
+            f"heads cannot be split evenly over the TP ranks (Transformers would load it and fail in the first "
+            f"forward). Use a tp_size that divides every sharded head count: one of {good}, or leave that model's "
+            "attention out of the plan."
+        )

@@ -1,0 +1,147 @@
+"""A step watchdog: a rank that makes no training progress for ``step_timeout`` dumps every thread's stack and exits.
+
+A rank that stays alive but stops (a stuck data loader, a dead NFS mount, a deadlock) leaves the others waiting in
+their next collective. On gloo they give up at the process-group timeout; on NCCL only NCCL's own watchdog ends them
+(at the same timeout); and under Lightning's launcher a stuck child of rank 0 outlives everyone, since nothing
+signals it. Exiting the stuck rank hands the job to the launcher: torchrun stops the other workers when one exits
+non-zero, Lightning's launcher SIGKILLs the group when a child does, and on gloo the peers see the closed sockets.
+
+Progress is any training or validation batch starting or ending, or a checkpoint being saved; the clock starts at
+``on_train_start`` (after setup and checkpoint loading) and stops when training ends.
+
+The default (``adaptive``) learns how long a training step takes: once the first steps (allocation, compilation) are
+behind, a step may take :data:`AUTO_STEP_FACTOR` times the slowest one seen, and at least :data:`AUTO_FLOOR_S`
+seconds, so that a stuck rank ends the job within about a minute. Whatever is not a training step (the first steps,
+validation, a checkpoint being written, an epoch boundary) gets the generous fixed limit instead.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+
+from lightning_tp.checkpoint.publish import MAIN_WRITE_TIMEOUT
+
+
+def resolve_step_timeout(step_timeout: timedelta | float | None) -> float | None:
+    """``step_timeout`` in seconds (``None``: no watchdog), checked without processes."""
+    if step_timeout is None:
+        return None
+    seconds = step_timeout.total_seconds() if isinstance(step_timeout, timedelta) else step_timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(
+            f"`step_timeout` must be a positive number of seconds or a `timedelta`, or `None` for no watchdog; got "
+            f"{step_timeout!r}. It must exceed the longest step, validation batch and checkpoint save."
+        )
+    return float(seconds)
+
+
+#: ``step_timeout="auto"``: a training step may take this many times the slowest one seen so far ...
+AUTO_STEP_FACTOR = 10
+#: ... and at least this many seconds (a stuck rank then ends the job within about a minute) ...
+AUTO_FLOOR_S = 45.0
+#: ... once this many steps are behind (the first ones allocate, compile and warm caches: not timed).
+AUTO_WARMUP_STEPS = 2
+
+
+class StepWatchdog(L.Callback):
+    """Ends this process (``os._exit(1)``, after dumping every thread's stack to stderr) when no training progress
+    was made for ``timeout`` seconds. Added by ``TensorParallelStrategy`` (its ``step_timeout``).
+
+    ``adaptive``: ``timeout`` is the limit outside training steps only; from the step after
+    :data:`AUTO_WARMUP_STEPS` on, a step (from one batch's start to the next one's, nothing else in between) may take
+    :data:`AUTO_STEP_FACTOR` times the slowest step so far, at least :data:`AUTO_FLOOR_S` seconds."""
+
+    def __init__(self, timeout: timedelta | float, *, adaptive: bool = False) -> None:
+        seconds = resolve_step_timeout(timeout)
+        assert seconds is not None
+        self.timeout = seconds
+        self.adaptive = adaptive
+        self._limit = seconds  # the limit in force now
+        self._beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rank = 0
+        self._step_start: float | None = None  # the current step's start, while nothing but steps has run since
+        self._steps_seen = 0
+        self._slowest = 0.0
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self._limit / 4, 5.0)):
+            idle, limit = time.monotonic() - self._beat, self._limit
+            if idle > limit:
+                why = f"step_timeout {limit:.0f} s"
+                if self.adaptive and limit < self.timeout:
+                    why = (
+                        f"step_timeout 'auto': {AUTO_STEP_FACTOR} x the slowest step so far ({self._slowest:.1f} s), "
+                        f"at least {AUTO_FLOOR_S:.0f} s; set `step_timeout` to a number of seconds for a fixed limit"
+                    )
+                sys.stderr.write(
+                    f"\n[rank {self._rank}] lightning_tp: no training progress for {idle:.0f} s ({why}). Stacks of "
+                    "every thread follow; exiting, so that the launcher ends the job.\n"
+                )
+                sys.stderr.flush()
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                os._exit(1)
+
+    def beat(self, *args: Any, **kwargs: Any) -> None:
+        self._beat = time.monotonic()
+
+    def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self.beat()
+        self._limit = self.timeout  # a save before this step may have lengthened it
+        if not self.adaptive:
+            return
+        if self._step_start is not None:  # the previous step ran alone: time it
+            self._steps_seen += 1
+            if self._steps_seen > AUTO_WARMUP_STEPS:
+                self._slowest = max(self._slowest, self._beat - self._step_start)
+        self._step_start = self._beat
+        if self._slowest > 0:
+            self._limit = min(self.timeout, max(AUTO_FLOOR_S, AUTO_STEP_FACTOR * self._slowest))
+
+    on_train_batch_end = beat
+
+    def _not_a_step(self, *args: Any, **kwargs: Any) -> None:
+        """Validation, a save, an epoch boundary: the generous limit, and the next step is not timed."""
+        self.beat()
+        self._limit = self.timeout
+        self._step_start = None
+
+    on_validation_start = on_validation_batch_start = on_validation_batch_end = on_train_epoch_end = _not_a_step
+
+    def on_save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """A save may wait as long as rank 0's write may take (``run_on_main_and_share_failure`` tolerates long
+        writes): no limit shorter than that until the next step."""
+        self._not_a_step()
+        self._limit = max(self.timeout, MAIN_WRITE_TIMEOUT.total_seconds())
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._rank = trainer.global_rank
+        self._stop_thread()
+        self._stop = threading.Event()
+        self.beat()
+        self._thread = threading.Thread(target=self._watch, name="lightning_tp-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_thread()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop_thread()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_thread()

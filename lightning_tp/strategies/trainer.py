@@ -1,0 +1,496 @@
+"""``TensorParallelStrategy``: Lightning's Trainer hooks, each delegating. The order in which the parallelisms are
+applied is written once, in :func:`lightning_tp.parallelize.apply_parallelisms`; checkpoints are saved and loaded by
+:mod:`lightning_tp.checkpoint.state`."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from typing_extensions import override
+
+from lightning_tp.checkpoint import state as checkpoint_io
+from lightning_tp.checkpoint.format import MODEL_KEY
+from lightning_tp.checkpoint.rng_state import set_rng_state
+from lightning_tp.compat import (
+    all_gather_ddp_if_available,
+    distributed_is_initialized,
+    forget_loader_position,
+    optimizers_to_device,
+    set_device_mesh,
+    set_sampler_epoch,
+    sync_ddp_if_available,
+)
+from lightning_tp.parallel.fsdp import micro_batch_grads
+from lightning_tp.parallelize import SUPPORTED_PRECISIONS, ParallelOptions, apply_parallelisms, place_on_device
+from lightning_tp.runtime.garbage_collection import GarbageCollection
+from lightning_tp.runtime.monitor import ExpertLoadMonitor, ThroughputMonitor
+from lightning_tp.runtime.preemption import (
+    DEFAULT_PREEMPTION_SIGNALS,
+    PreemptionCheckpoint,
+    resolve_signals,
+    skip_unfinished_hpc_checkpoint,
+)
+from lightning_tp.runtime.watchdog import StepWatchdog
+from lightning_tp.strategies.inference import gather_for_inference, mark_synced_generate, release_after_inference
+from lightning_tp.strategies.shared import (
+    MeshMixin,
+    StrategyOptions,
+    clip_with_dtensor_support,
+    drop_data_position,
+    reduce_metrics_over,
+    resumes_in_the_next_epoch,
+    step_timeout_seconds,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+#: How to load a checkpoint that holds arbitrary objects, in the error that refuses it.
+_LOAD_OPT_IN = "pass `weights_only=False` to `trainer.fit`/`validate`/`test`/`predict` along with `ckpt_path`"
+
+
+class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
+    """Tensor-parallel training of Transformers models (and any ``nn.Module`` given a plan) in the Lightning Trainer.
+
+    Each Transformers model in the LightningModule is sharded with its own TP plan (``config.base_model_tp_plan``
+    plus class rules such as ``lm_head``) on the mesh axis ``tp``, after ``configure_model`` has run. The ranks left
+    over form the data-parallel axes, sharded with FSDP2.
+
+    Args:
+        tp_size: Ranks per tensor-parallel group. ``None`` takes every rank the data-parallel and CP sizes leave.
+        tp_plan: ``"auto"`` (each Transformers model's own plan), or a dict of overrides in
+            ``DistributedConfig.tp_plan`` form (``{"model.layers.*.mlp.down_proj": "rowwise"}``, paths relative to
+            the Transformers model), or for a module that is not a Transformers model, a dict of path (relative to
+            the LightningModule) to a style name or a torch ``ParallelStyle``.
+        dp_shard_size: Ranks per FSDP2 shard group. ``None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
+        dp_replicate_size: Number of replicas of the FSDP2 groups (HSDP: shard within a group, e.g. a node, and
+            replicate across groups).
+        cp_size: Ranks per context-parallel group: each splits every sequence of the rows its ranks all read (axis
+            ``cp``, between the data-parallel axes and ``tp``; 1/cp of the activations per rank). Attention exchanges
+            keys and values; ``model(input_ids=..., labels=...).loss`` is the loss of the whole sequence, and the
+            logits and hidden states of such a forward are this rank's tokens (a forward without labels gathers the
+            logits of the whole sequence). FSDP2 shards over ``dp_shard x cp``. Text causal LMs with ``sdpa`` or
+            ``eager`` attention; see :mod:`lightning_tp.parallel.context_parallel`.
+        ep_size: Ranks per expert-parallel group (1: none). Each holds ``1/ep`` of every mixture-of-experts layer's
+            experts, whole, and tokens travel to their experts by all-to-all (the model's own ``ep_plan``; the TP plan
+            leaves the experts whole). The ranks are borrowed from ``dp_shard x cp x tp``: a multiple of
+            ``tp_size`` that divides it. FSDP2 shards each rank's experts over the ranks holding the same ones
+            (``dp_shard x cp x tp / ep``). Dropless, as on one process; see
+            :mod:`lightning_tp.parallel.expert_parallel`.
+        parallelism_config: An ``accelerate.ParallelismConfig`` to take ``tp_size``, ``dp_shard_size``,
+            ``dp_replicate_size`` and ``cp_size`` from, instead of passing them.
+        activation_checkpointing: Recompute each decoder layer's activations in backward (Transformers' own
+            activation checkpointing), trading compute for memory.
+        compile: ``torch.compile`` each decoder layer in place, after TP and activation checkpointing, before FSDP2
+            (torchtitan's order); parameter names and checkpoints stay the uncompiled model's, so a checkpoint
+            written compiled resumes uncompiled and back. A dict passes ``torch.compile``'s keyword arguments:
+            ``{"fullgraph": True}`` turns any graph break into an error that names it, ``{"mode": ...}`` picks the
+            inductor mode.
+        reshard_after_forward: FSDP2 frees each block's gathered parameters after its forward (less memory, one more
+            all-gather in backward).
+        cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
+        accumulate_grads: With ``accumulate_grad_batches > 1`` and data or context parallelism, what FSDP2 does with
+            the gradients of the micro-batches before an optimizer step's last. ``"sharded"`` (default): it
+            reduce-scatters each micro-batch's, and every rank keeps only its shard (as Lightning's
+            ``ModelParallelStrategy`` and torchtitan do), except that under HSDP the all-reduce across replicas waits
+            for the last micro-batch (FSDP2 keeps the partial sum, in the reduce dtype, on the device).
+            ``"unsharded"``: one reduce-scatter per step, but every rank keeps each parameter's whole gradient of its
+            TP shard until then, ``4 P / tp`` bytes in fp32 (about 35 GB per GPU for 70B at TP 8), on the GPU even
+            with ``cpu_offload``.
+        fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
+        fsdp_param_dtype: ``None`` (default): FSDP2 gathers parameters in their own dtype, so ``bf16-mixed`` gives
+            the numerics it gives on one device (autocast over fp32 weights) on every layout. ``"bf16"``, with
+            ``bf16-mixed`` and data parallelism only: FSDP2 all-gathers bf16 copies of the fp32 parameters (half the
+            all-gather bytes) and reduces gradients in fp32 (torchtitan's recipe); every layer then runs on bf16
+            weights, and the loss drifts further from fp32 than one device's ``bf16-mixed`` does.
+        throughput_monitor: Add :class:`lightning_tp.ThroughputMonitor` (tokens/s, step time, peak memory, MFU on
+            GPU) to the Trainer's callbacks when it has none.
+        gc_every_n_steps: Python's garbage collector runs on every rank at the same step, every this many optimizer
+            steps, with automatic collection off while training (:class:`lightning_tp.GarbageCollection`): a full
+            collection at a moment of its own on each rank stalls the others in their next collective. ``None``:
+            Python's automatic collection.
+        save_distributed_checkpoint: Each rank writes its shards (``True``, a directory that loads on any layout) or
+            rank 0 writes one full file. Either way the checkpoint is written under a hidden temporary name and
+            renamed into place once complete.
+        sequence_parallel: Split the activations between the TP regions (norms, residuals) on the sequence dim:
+            all-gathers and reduce-scatters instead of all-reduces, 1/tp of their memory. Sequence lengths must be
+            divisible by ``tp_size``. Transformers decoder models with column-/row-wise plans.
+        loss_parallel: Keep the ``lm_head`` output sharded on the vocabulary and compute the cross-entropy of
+            ``model(..., labels=...)`` on the shards: no rank holds the full logits. ``outputs.logits`` is then a
+            DTensor when ``labels`` are passed (``.full_tensor()`` gathers it).
+        save_frozen_weights: Write parameters that do not train (the base model of a LoRA run) into checkpoints.
+            ``False`` keeps checkpoints to the trained weights; on resume the frozen ones come from where
+            ``configure_model`` loaded them.
+        preemption_signals: Signals that announce a preemption (names such as ``"SIGTERM"``). On one, every rank
+            finishes its optimizer step, all save ``hpc_ckpt_N`` in ``default_root_dir`` (``ckpt_path="hpc"``
+            resumes from it) and the run ends with exit code ``128 + signal``; on SLURM the requeue signal also
+            requeues the job. Replaces Lightning's handlers for these signals. ``None`` turns this off.
+        step_timeout: A rank that makes no training progress (no batch starting or ending, no save) for this long
+            dumps every thread's stack and exits, so that the launcher ends the job instead of its peers waiting in
+            a collective. ``"auto"``: a step may take 10 times the slowest step so far, at least 45 s, once the first
+            two are behind; anything else (the first steps, validation, saves, epoch ends) twice ``timeout``. A number:
+            that limit for everything. ``None``: no watchdog.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
+        timeout: Timeout of collective operations.
+    """
+
+    strategy_name = "tp"
+    _BUILT_IN = "`setup_environment` (reach it from `configure_model` on)"
+
+    def __init__(
+        self,
+        tp_size: int | None = None,
+        *,
+        tp_plan: Literal["auto"] | dict[str, Any] = "auto",
+        dp_shard_size: int | None = None,
+        dp_replicate_size: int = 1,
+        cp_size: int = 1,
+        ep_size: int = 1,
+        parallelism_config: Any | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool | dict[str, Any] = False,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        accumulate_grads: Literal["sharded", "unsharded"] = "sharded",
+        fsdp_blocks: list[str] | None = None,
+        fsdp_param_dtype: Literal["bf16"] | None = None,
+        throughput_monitor: bool = True,
+        gc_every_n_steps: int | None = 50,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        save_distributed_checkpoint: bool = True,
+        save_frozen_weights: bool = True,
+        preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        step_timeout: timedelta | float | Literal["auto"] | None = "auto",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        # Checked here, without processes, so that a typo fails when the Trainer is built.
+        self.options = StrategyOptions.build(
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+            cp_size=cp_size,
+            ep_size=ep_size,
+            parallelism_config=parallelism_config,
+            tp_plan=tp_plan,
+            fsdp_blocks=fsdp_blocks,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            fsdp_param_dtype=fsdp_param_dtype,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_frozen_weights=save_frozen_weights,
+            accumulate_grads=accumulate_grads,
+        )
+        self._throughput_monitor = throughput_monitor
+        if gc_every_n_steps is not None:
+            GarbageCollection(gc_every_n_steps)  # a bad value fails when the Trainer is built
+        self._gc_every_n_steps = gc_every_n_steps
+        self._preemption_signals = resolve_signals(preemption_signals)  # a bad name fails when the Trainer is built
+        self._step_timeout, self._adaptive_step_timeout = step_timeout_seconds(step_timeout, timeout=timeout)
+        self._rng_to_restore: list[dict[str, Any]] | None = None
+        self._parallel: ParallelOptions | None = None  # the options with the Trainer's precision, from setup on
+
+    # ------------------------------------------------------------------ layout and mesh
+
+    @override
+    def setup_environment(self) -> None:
+        # Everything that can be wrong with the configuration is checked before the process group starts.
+        precision = getattr(self.precision_plugin, "precision", None)
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"TensorParallelStrategy does not support `Trainer(precision={precision!r})`. Choose one of "
+                f"{', '.join(SUPPORTED_PRECISIONS)} (for 16-bit mixed precision use 'bf16-mixed': fp16 loss scaling is "
+                "not implemented for sharded gradients)."
+            )
+        self._parallel = ParallelOptions(**{**vars(self.options.parallel), "precision": precision})
+        layout = self.options.layout(self.world_size)
+        self._parallel.check_layout(layout, device=self.root_device)
+        self._start_processes_and_mesh(layout)
+        # Users can read the mesh in `LightningModule.configure_model()`.
+        assert self.lightning_module is not None
+        set_device_mesh(self.lightning_module, self._device_mesh)
+
+    # ------------------------------------------------------------------ applying the parallelism
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None and self._parallel is not None
+        self.accelerator.setup(trainer)
+        apply_parallelisms(
+            self.model,
+            mesh=self.device_mesh,
+            layout=self.layout,
+            options=self._parallel,
+            device=self.root_device,
+            expert_mesh=self.expert_mesh,
+            convert_module=self.precision_plugin.convert_module,
+        )
+        reduce_metrics_over(self.model, self.dp_mesh.get_group())
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._add_callbacks(trainer)
+        self.setup_precision_plugin()
+        clip_with_dtensor_support(self.precision_plugin)
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)
+        # `generate` keeps the data-parallel ranks in step on FSDP2 models; validate, test and predict gather the
+        # weights once instead (here, on every rank, before a rank with no batch at all skips the loop's hooks).
+        mark_synced_generate(self.model, True)
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._gather_for_inference()
+
+    def _add_callbacks(self, trainer: pl.Trainer) -> None:
+        """The throughput monitor, garbage collection, preemption checkpoint and watchdog asked for, unless the user
+        added their own."""
+        wanted: list[tuple[type, Any]] = []
+        if self._throughput_monitor:
+            wanted.append((ThroughputMonitor, ThroughputMonitor))
+            if self.layout.ep_size > 1:
+                wanted.append((ExpertLoadMonitor, ExpertLoadMonitor))
+        if self._gc_every_n_steps is not None:
+            wanted.append((GarbageCollection, lambda: GarbageCollection(self._gc_every_n_steps)))
+        if self._preemption_signals:
+            wanted.append((PreemptionCheckpoint, lambda: PreemptionCheckpoint(self._preemption_signals)))
+        if self._step_timeout is not None:
+            adaptive = self._adaptive_step_timeout
+            wanted.append((StepWatchdog, lambda: StepWatchdog(self._step_timeout, adaptive=adaptive)))
+        for kind, build in wanted:
+            if not any(isinstance(c, kind) for c in trainer.callbacks):
+                trainer.callbacks.append(build())
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        place_on_device(self.model, self.root_device, cpu_offload=self.options.parallel.cpu_offload)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """While Lightning accumulates gradients: FSDP2 reduce-scatters each micro-batch's and defers only HSDP's
+        all-reduce (``accumulate_grads="sharded"``), or keeps them whole until the last micro-batch
+        (``"unsharded"``); see :data:`lightning_tp.parallel.fsdp.ACCUMULATE_GRADS`."""
+        if self.model is None:
+            yield
+            return
+        with micro_batch_grads(self.model, accumulate_grads=self.options.accumulate_grads):
+            yield
+
+    # ------------------------------------------------------------------ evaluation and prediction
+
+    _inference_modules: list[FSDPModule] | None = None  # FSDP2 modules whose weights are gathered for inference
+
+    def _gather_for_inference(self) -> None:
+        """Gather the FSDP2 weights once for a validate/test/predict loop, so that data-parallel ranks can run unequal
+        numbers of forwards (uneven batches, ``generate`` of different lengths); see
+        :mod:`lightning_tp.strategies.inference`."""
+        if self._inference_modules is None and self.model is not None:
+            self._inference_modules = gather_for_inference(self.model)
+
+    def _release_after_inference(self) -> None:
+        if self._inference_modules is not None and self.model is not None:
+            release_after_inference(
+                self.model, self._inference_modules, reshard_after_forward=self.options.parallel.reshard_after_forward
+            )
+        self._inference_modules = None
+
+    @override
+    def on_validation_start(self) -> None:
+        self._gather_for_inference()
+
+    @override
+    def on_test_start(self) -> None:
+        self._gather_for_inference()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._gather_for_inference()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._release_after_inference()
+
+    @override
+    def on_test_end(self) -> None:
+        self._release_after_inference()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._release_after_inference()
+
+    @override
+    def teardown(self) -> None:
+        # The process groups stay: the sharded model still uses them after `fit` (`save_pretrained`, `generate`);
+        # they are destroyed at exit (see `destroy_process_groups_at_exit`).
+        self._release_after_inference()
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(
+            full_state_dict=not self._save_distributed_checkpoint,
+            cpu_offload=True,
+            ignore_frozen_params=not self.options.save_frozen_weights,
+        )
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=options)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """Crash-safe, checked and resharding: see :func:`lightning_tp.checkpoint.state.save_checkpoint`."""
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options` (it writes with DCP).")
+        if not self._save_distributed_checkpoint:
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+            if isinstance(self.checkpoint_io, AsyncCheckpointIO):
+                raise ValueError(
+                    "`AsyncCheckpointIO` returns before the file is written, so the checkpoint cannot be moved into "
+                    "place once complete. Drop it, or keep `save_distributed_checkpoint=True`."
+                )
+        optimizer_states = checkpoint.pop("optimizer_states", []) if self._save_distributed_checkpoint else []
+        for idx, optimizer_state in enumerate(optimizer_states):
+            checkpoint[f"optimizer_{idx}"] = optimizer_state
+        checkpoint_io.save_checkpoint(
+            checkpoint,
+            filepath,
+            tensor_keys=[MODEL_KEY, *(f"optimizer_{idx}" for idx in range(len(optimizer_states)))],
+            root=self.lightning_module,
+            layout=self._layout,
+            distributed=self._save_distributed_checkpoint,
+            write_file=self.checkpoint_io.save_checkpoint,
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """``ModelCheckpoint`` removes only what a save of this package wrote (see
+        :func:`lightning_tp.checkpoint.state.remove_checkpoint`)."""
+        checkpoint_io.remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint written on any layout, after checking on every rank that it is whole.
+
+        Only tensors and plain values are unpickled unless ``weights_only=False`` is passed (``trainer.fit(...,
+        weights_only=False)``): a checkpoint is untrusted input, and unpickling other objects runs code it names."""
+        weights_only = True if weights_only is None else weights_only  # Lightning passes None: never default to False
+        checkpoint_path = skip_unfinished_hpc_checkpoint(checkpoint_path)  # `ckpt_path="hpc"` may name a killed save
+        metadata = checkpoint_io.load_checkpoint(
+            checkpoint_path,
+            model=self.model,
+            modules={MODEL_KEY: self.model},
+            optimizers={f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)},
+            weights_only=weights_only,
+            strict=getattr(self.lightning_module, "strict_loading", True),
+            opt_in=_LOAD_OPT_IN,
+            optimizer_states_from_list=True,
+        )
+        assert self.model is not None and self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self._rng_to_restore, saved_dp_size = checkpoint_io.pop_rng_entry(metadata, layout=self.layout, restore=fitting)
+        if saved_dp_size is not None:
+            drop_data_position(metadata, saved_dp_size=saved_dp_size, dp_size=self.layout.dp_size)
+        if self._inference_modules is not None:
+            # validate/test/predict load after setup, and the load's state-dict hooks reshard what setup gathered.
+            self._inference_modules = gather_for_inference(self.model)
+        return metadata
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Lightning 2.6 builds the training data iterator of a resumed run before it sets the sampler's epoch, so a
+        # run resumed mid-epoch would replay epoch 0's order (torchdata's `StatefulDataLoader` then skips the batches
+        # already seen, of the wrong order). Set the epoch first: the one in progress, or the next one where the
+        # checkpoint was written after the last batch of its epoch (that epoch then starts at its first batch).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and trainer.training and trainer.fit_loop.restarting:  # the training loaders, not validation's
+            next_epoch = resumes_in_the_next_epoch(trainer)
+            set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed + int(next_epoch))
+            if next_epoch:
+                forget_loader_position(trainer)
+                if self._rng_to_restore is not None:
+                    # The run that saved built the next epoch's iterator after saving, drawing its base seed from
+                    # the global generator: restore the random states before this run builds it.
+                    set_rng_state(self._rng_to_restore[self.global_rank])
+                    self._rng_to_restore = None
+        return super().process_dataloader(dataloader)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Random states are restored here, not at load: between the load and the first step Lightning builds the data
+        # iterator, which draws its base seed from the global generator; the uninterrupted run had drawn it before
+        # it saved mid-epoch.
+        if self._rng_to_restore is not None:
+            set_rng_state(self._rng_to_restore[self.global_rank])
+            self._rng_to_restore = None
+        super().on_train_batch_start(batch, batch_idx)
+
+    # ------------------------------------------------------------------ collectives seen by the LightningModule
+
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor:
+        """Reduce over the data-parallel group by default: the ranks of a TP group hold the same values, and a sum over
+        the world would count each one ``tp_size`` times."""
+        if isinstance(tensor, Tensor):
+            return sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group by default (one entry per data-parallel replica)."""
+        group = group if group is not None else self._data_parallel_group()
+        return all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every rank (``reduce`` defaults to the data-parallel group, but a decision is compared with the world
+        size): ``ModelCheckpoint`` and early stopping rely on it."""
+        flag = torch.tensor(int(decision), device=self.root_device)
+        world = torch.distributed.group.WORLD if distributed_is_initialized() else None
+        flag = self.reduce(flag, group=world, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag > 0)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Tensor parallelism for Transformers models (lightning_tp)",
+            override=True,
+        )
+
+
+__all__ = ["SUPPORTED_PRECISIONS", "TensorParallelStrategy"]

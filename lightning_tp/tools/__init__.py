@@ -1,0 +1,11 @@
+"""Command-line tools, run as ``python -m lightning_tp.export|inspect|gguf``:
+
+- ``export``: a checkpoint of this strategy as a standard Transformers directory (adapters merged on request);
+- ``inspect``: will this model shard, and what will each rank hold (on the meta device, no processes);
+- ``gguf``: a GGUF file converted once into a Transformers directory.
+
+May import (checked by tests/unit/test_repo.py): ``compat``, ``layout``, ``plans``, ``parallel``, ``checkpoint``,
+``runtime``.
+"""
+
+__all__ = ["export", "gguf", "inspect"]

@@ -1,0 +1,440 @@
+"""``python -m lightning_tp.inspect MODEL --tp-size 4 [--cp-size 2] [--dp-shard-size 2] [--lora-r 16]``: will this
+model shard, and what will each rank hold? Builds the model on the meta device from its config (no weights, no GPU,
+no processes), resolves its plan as the strategy would, and prints each planned module with its per-rank shape, what
+stays replicated, rules that matched nothing, divisibility problems with the sizes that would work, what context
+parallelism exchanges, and per-rank memory for parameters, gradients and AdamW states. Exit code 0 when the layout is
+valid, 1 with the reasons when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_tp.checkpoint.loading import model_from_config
+from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
+from lightning_tp.plans.resolve import ResolvedPlan, key_regex, model_plan, plan_source, resolve_plan
+from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, facts, style_names
+
+#: Styles that split an embedding's vocabulary (dim 0): a vocabulary the TP size does not divide gives uneven shards.
+_VOCABULARY_STYLES = style_names(kind="embedding", weight_dim=0)
+
+
+@dataclass
+class Report:
+    rows: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    replicated: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Where the plan comes from: ``"model"`` (its config's ``base_model_tp_plan``), ``"derived"`` (from its module
+    #: structure), ``"none"``; ``" + tp_plan"`` when overrides were given.
+    source: str = "none"
+    #: Attention modules given ``local_heads``: (name, {attribute: (whole count, per-rank count)}).
+    local_heads: list[tuple[str, dict[str, tuple[int, int]]]] = field(default_factory=list)
+    #: KV-head replication: the attention modules, what each rank computes, and the gathered K/V weight bytes.
+    kv_replication: list[str] = field(default_factory=list)
+    #: The model's parts (see :func:`model_parts`): (name, sharded parameters, parameters, elements, elements per
+    #: rank under TP). A vision tower without plan entries: no sharded parameters, replicated over the TP group.
+    parts: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    #: Context parallelism: what each rank holds of a sequence and what its attention exchanges.
+    context_parallel: list[str] = field(default_factory=list)
+    #: Expert parallelism: what each rank holds of the experts and what their all-to-alls carry.
+    expert_parallel: list[str] = field(default_factory=list)
+    #: The TP sizes up to :func:`tp_sizes`' limit that the plan accepts, and why the others fail (the first line of
+    #: the plan's error, by size).
+    working_tp_sizes: list[int] = field(default_factory=list)
+    failing_tp_sizes: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+def local_shape(shape: tuple[int, ...], style: str, tp_size: int, *, is_bias: bool) -> tuple[int, ...]:
+    """The largest per-rank shape of a parameter of ``shape`` under ``style`` (uneven splits give rank 0 the most).
+    ``is_bias``: the parameter is named ``bias`` (a row-wise bias is added after the reduction: replicated)."""
+    fact = facts(style)
+    dim = fact.split_dim(len(shape), is_bias=is_bias) if fact is not None else None
+    if dim is None:
+        return shape
+    out = list(shape)
+    out[dim] = math.ceil(shape[dim] / tp_size)
+    return tuple(out)
+
+
+def _fsdp_shape(shape: tuple[int, ...], dp_shard: int) -> tuple[int, ...]:
+    if dp_shard == 1 or not shape:
+        return shape
+    return (math.ceil(shape[0] / dp_shard), *shape[1:])
+
+
+def inspect_model(
+    model: nn.Module,
+    *,
+    tp_size: int,
+    dp_shard_size: int = 1,
+    cp_size: int = 1,
+    ep_size: int = 1,
+    tp_plan: str | dict[str, Any] = "auto",
+) -> Report:
+    """The report for a (meta) model: no process group needed. FSDP2 shards over ``dp_shard_size x cp_size``; with
+    ``ep_size > 1`` the experts go whole to the EP ranks, FSDP2 shards them over ``dp_shard x cp x tp / ep``."""
+    report = Report()
+    source = plan_source(model)[1]
+    report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
+    leave: tuple[str, ...] = ()
+    try:
+        from lightning_tp.parallel.expert_parallel import expert_modules_of
+
+        leave = expert_modules_of(model) if ep_size > 1 else ()  # the experts are expert parallelism's to place
+        plan = resolve_plan(model, tp_plan, tp_size=tp_size, leave=leave)
+    except ValueError as err:
+        report.problems.append(str(err))
+        plan = _permissive_plan(model, tp_size)
+    try:
+        from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft
+
+        if has_peft(model):
+            check_peft_supported(model)
+            plan = extend_plan_to_adapters(model, plan)
+    except ValueError as err:
+        report.problems.append(str(err))
+    efsdp = 1
+    if ep_size > 1:
+        from lightning_tp.layout import ParallelLayout
+        from lightning_tp.parallel.expert_parallel import resolve_expert_plan
+
+        try:
+            layout = ParallelLayout(tp_size=tp_size, dp_shard_size=dp_shard_size, cp_size=cp_size, ep_size=ep_size)
+            efsdp = layout.efsdp_size
+            plan = resolve_expert_plan(model, plan, ep_size=ep_size)
+        except ValueError as err:
+            report.problems.append(str(err))
+    report.problems += _uneven_splits(model, plan, tp_size)
+    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
+    modules = dict(model.named_modules())
+    for name in plan.local_heads:
+        counts_of = {a: getattr(modules[name], a, None) for a in HEAD_COUNT_ATTRIBUTES}
+        report.local_heads.append(
+            (
+                name,
+                {a: (c, c // tp_size) for a, c in counts_of.items() if isinstance(c, int) and not isinstance(c, bool)},
+            )
+        )
+    report.kv_replication = _kv_replication(model, plan, tp_size)
+    # Every style name, this package's own (GPT-2's Conv1D styles) too: the table knows what each splits.
+    styles = {name: style for name, style in plan.styles.items() if isinstance(style, str)}
+    counts = {"params": 0, "trainable": 0}
+    sharded_shapes: dict[str, tuple[int, ...]] = {}  # per rank under TP alone
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        style = styles.get(name)
+        is_bias = name.rpartition(".")[2] == "bias"  # Transformers replicates a row-wise `bias` by its name
+        if plan.experts.get(name) is not None:  # whole experts per EP rank, then FSDP2 over `efsdp`
+            style, tp_local = plan.experts[name], (math.ceil(shape[0] / ep_size), *shape[1:])
+            local = _fsdp_shape(tp_local, efsdp)
+            report.rows.append((name, style, shape, local))
+            counts["params"] += math.prod(local)
+            counts["trainable"] += math.prod(local) if param.requires_grad else 0
+            continue
+        tp_local = local_shape(shape, style, tp_size, is_bias=is_bias) if style else shape
+        local = _fsdp_shape(tp_local, dp_shard_size * cp_size)
+        if tp_local != shape:
+            sharded_shapes[name] = tp_local
+            report.rows.append((name, style, shape, local))
+        else:
+            report.replicated.append((name, local))
+        numel = math.prod(local)
+        counts["params"] += numel
+        counts["trainable"] += numel if param.requires_grad else 0
+    report.parts = _parts(model, sharded_shapes)
+    if cp_size > 1:
+        report.context_parallel, problem = _context_parallel(model, tp_size=tp_size, cp_size=cp_size)
+        if problem is not None:
+            report.problems.append(f"cp_size={cp_size}: {problem}.")
+    if ep_size > 1 and plan.experts:
+        report.expert_parallel = _expert_parallel(model, plan, ep_size=ep_size, efsdp=efsdp, tp_size=tp_size)
+    report.working_tp_sizes, report.failing_tp_sizes = tp_sizes(model, tp_plan=tp_plan, leave=leave)
+    for dtype, size in (("fp32", 4), ("bf16", 2)):
+        report.memory[dtype] = {
+            "parameters": counts["params"] * size,
+            "gradients": counts["trainable"] * size,
+            "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
+        }
+    return report
+
+
+def tp_sizes(
+    model: nn.Module, *, tp_plan: str | dict[str, Any] = "auto", leave: tuple[str, ...] = ()
+) -> tuple[list[int], dict[int, str]]:
+    """The TP sizes from 1 to ``max(8, query heads)`` whose plan resolves on ``model`` (head counts, replication of
+    the KV heads, styles; ``leave``: modules another parallelism places, as in :func:`resolve_plan`), and for each
+    size that fails the reason: the first sentence of the plan's error."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None)
+    limit = max(8, heads if isinstance(heads, int) else 0)
+    working, failing = [], {}
+    for size in range(1, min(limit, 128) + 1):
+        try:
+            resolve_plan(model, tp_plan, tp_size=size, leave=leave)
+        except ValueError as err:
+            first = re.split(r"\.\s+(?=[A-Z`])", str(err))[0].split(": ", 1)[-1]
+            failing[size] = first.replace(f"tp_size={size}", "tp_size").rstrip(".")
+        else:
+            working.append(size)
+    return working, failing
+
+
+def _expert_parallel(model: nn.Module, plan: ResolvedPlan, *, ep_size: int, efsdp: int, tp_size: int) -> list[str]:
+    """What each rank holds of the experts, and what the two all-to-alls of each MoE layer carry."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden, top_k = getattr(config, "hidden_size", None), getattr(config, "num_experts_per_tok", None)
+    layers = plan.expert_modules
+    count = getattr(model.get_submodule(layers[0]), "num_experts", 0)
+    params = dict(model.named_parameters())
+    whole = sum(params[n].numel() for n in plan.experts if n in params)
+    lines = [
+        f"{len(layers)} experts modules ({layers[0]}, ...) of {count} experts each: each rank of an EP group holds "
+        f"{count // ep_size} whole experts per layer; FSDP2 shards them over the {efsdp} rank(s) holding the same "
+        f"ones (efsdp = dp_shard x cp x tp / ep). Expert weights per rank: {whole // (ep_size * efsdp):,} of "
+        f"{whole:,} values (1/{ep_size * efsdp}).",
+    ]
+    if isinstance(hidden, int) and isinstance(top_k, int):
+        lines.append(
+            f"Per MoE layer and step, each routed (token, expert) pair travels as {hidden} values there and back in "
+            f"the forward (2 all-to-alls), and its gradient in the backward (2 more): {4 * hidden * top_k:,} values "
+            f"per token of the TP group's batch ({top_k} experts per token), of which ~{(ep_size - 1) / ep_size:.0%} "
+            f"leave the rank (uniform routing); the ranks of a TP group send {1}/{tp_size} of the tokens each."
+        )
+    return lines
+
+
+def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
+    """What KV-head replication does on each rank, and what it costs (see :mod:`lightning_tp.parallel.kv_heads`), for
+    each group of attention modules with the same head counts (layers may differ)."""
+    params = dict(model.named_parameters())
+    groups: dict[tuple[int, int], list[str]] = {}
+    for attention, counts in plan.kv_replicated.items():
+        groups.setdefault(counts, []).append(attention)
+    lines = []
+    for (query_heads, kv_heads), attentions in groups.items():
+        kv_weights = [
+            params[name]
+            for name, style in plan.styles.items()
+            if style == "colwise_kv_heads"
+            and name in params
+            and name.endswith(".weight")
+            and any(name.startswith(f"{a}.") for a in attentions)
+        ]
+        gathered = sum(w.numel() for w in kv_weights) // len(attentions)  # one module's K and V (and adapters')
+        size = kv_weights[0].element_size() if kv_weights else 4
+        most = max(
+            kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=r).local_kv_heads for r in range(tp_size)
+        )
+        lines += [
+            f"{kv_heads} KV heads for {query_heads} query heads, not divisible by tp_size={tp_size}: the KV heads are "
+            f"replicated in {len(attentions)} attention modules ({attentions[0]}, ...). K/V weights stay split like "
+            f"'colwise' (1/{tp_size} per rank); each rank computes the KV heads its query heads read:",
+            *(f"  {line}" for line in describe_layouts(query_heads, kv_heads, tp_size=tp_size)),
+            f"Cost per attention module and step: its K/V weights gathered for the forward ({gathered:,} values, "
+            f"{gathered * size / 2**20:.2f} MiB at {size} bytes each) and their gradient reduce-scattered; K/V "
+            f"activations of up to {most} head(s) per rank instead of {kv_heads / tp_size:g}.",
+        ]
+    return lines
+
+
+def _context_parallel(model: nn.Module, *, tp_size: int, cp_size: int) -> tuple[list[str], str | None]:
+    """What a rank holds of each sequence with ``cp_size`` ranks splitting it, and the bytes its attention exchanges
+    (see :mod:`lightning_tp.parallel.context_parallel`); and why the model cannot be split, if it cannot."""
+    from lightning_tp.parallel.context_parallel import context_parallel_problem
+
+    problem = context_parallel_problem(model)
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    layers = getattr(config, "num_hidden_layers", None)
+    lines = [
+        f"Each sequence is split into {2 * cp_size} pieces; each rank holds 2 of them (one from the front, its mirror "
+        f"from the back), 1/{cp_size} of the tokens and of the activations (lengths are padded to a multiple of "
+        f"{2 * cp_size}, times tp_size under sequence parallelism).",
+    ]
+    if isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(layers, int):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        local_kv = max(kv_head_layout(heads, kv_heads, tp_size=tp_size, rank=r).local_kv_heads for r in range(tp_size))
+        per_token = 2 * local_kv * head_dim  # keys and values, per layer
+        lines.append(
+            f"Each of the {layers} attention layers all-gathers its keys and values over the CP group: "
+            f"{per_token:,} values per token of the sequence ({local_kv} KV head(s) x {head_dim} x K and V per TP "
+            f"rank), {(cp_size - 1) / cp_size:.0%} of them from other ranks; the backward reduce-scatters their "
+            f"gradients. Per 1,024 tokens and layer, bf16: {per_token * 1024 * 2 / 2**20:.2f} MiB gathered."
+        )
+    return lines, problem
+
+
+def model_parts(model: nn.Module) -> list[str]:
+    """The parts a report summarises, those holding parameters: the children of the model's base model (a
+    vision-language model's vision tower, projector and language model; a causal LM's embedding, layers and norm),
+    then the model's other children (``lm_head``)."""
+    base = getattr(model, "base_model", model)
+    prefix = next((f"{n}." for n, m in model.named_modules() if m is base and n), "")
+    parts = [f"{prefix}{n}" for n, _ in base.named_children()]
+    if base is not model:
+        parts += [n for n, child in model.named_children() if child is not base]
+    return [p for p in parts if any(True for _ in model.get_submodule(p).parameters())]
+
+
+def _parts(model: nn.Module, tp_local: dict[str, tuple[int, ...]]) -> list[tuple[str, int, int, int, int]]:
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    out = []
+    for part in model_parts(model):
+        inside = [n for n in shapes if n.startswith(f"{part}.")]
+        numel = sum(math.prod(shapes[n]) for n in inside)
+        per_rank = sum(math.prod(tp_local.get(n, shapes[n])) for n in inside)
+        out.append((part, sum(n in tp_local for n in inside), len(inside), numel, per_rank))
+    return out
+
+
+def _permissive_plan(model: nn.Module, tp_size: int) -> ResolvedPlan:
+    """The plan without the checks that failed, so the rest of the report can still be shown."""
+    try:
+        return resolve_plan(model, "auto", tp_size=1)
+    except ValueError:
+        return ResolvedPlan()
+
+
+def _uneven_splits(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[str]:
+    """Vocabulary (embedding, lm_head) sizes the TP size does not divide: they work, with uneven shards, but pad."""
+    notes = []
+    params = dict(model.named_parameters())
+    for name, style in plan.transformers_styles.items():
+        if style in _VOCABULARY_STYLES and name in params and params[name].shape[0] % tp_size:
+            vocab = params[name].shape[0]
+            notes.append(
+                f"warning: {name} has a vocabulary of {vocab}, not divisible by tp_size={tp_size}: shards are uneven "
+                f"(pad the vocabulary to a multiple of {tp_size}, e.g. {math.ceil(vocab / tp_size) * tp_size})."
+            )
+    return notes
+
+
+def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targets: str = "all-linear") -> nn.Module:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    with torch.device("meta"):
+        model = model_from_config(config)
+        if lora_r:
+            from peft import LoraConfig, get_peft_model
+
+            targets = lora_targets if lora_targets == "all-linear" else lora_targets.split(",")
+            model = get_peft_model(model, LoraConfig(r=lora_r, target_modules=targets)).base_model.model
+    return model
+
+
+def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: int = 1, ep_size: int = 1) -> str:
+    sources = {
+        "model": "the model's own (its config's `base_model_tp_plan`)",
+        "derived": "derived from the module structure (its config has no `base_model_tp_plan`; "
+        "lightning_tp.plans.derived)",
+        "none": "none of its own",
+    }
+    base, _, extra = report.source.partition(" + ")
+    lines = [
+        f"Layout: tp={tp_size}"
+        + (f" x cp={cp_size}" if cp_size > 1 else "")
+        + f" x dp_shard={dp_shard_size}"
+        + (f", ep={ep_size} for the experts" if ep_size > 1 else ""),
+        f"Plan: {sources.get(base, base)}" + (", overridden by `tp_plan`" if extra else ""),
+        "",
+    ]
+    if report.parts:
+        lines.append("Parts (elements per TP rank):")
+        for name, sharded, total, numel, per_rank in report.parts:
+            if not total:  # every parameter of it is another part's (a tied lm_head)
+                lines.append(f"  {name:<40} tied: its parameters are counted with the part that holds them")
+                continue
+            if not sharded:
+                what = f"replicated over TP ({total} parameters, no plan entries)"
+            else:
+                what = f"sharded ({sharded} of {total} parameters by the plan)"
+            lines.append(f"  {name:<40} {what:<52} {numel:>12,} -> {per_rank:,}")
+        lines.append("")
+    lines.append("Sharded parameters (per-rank shape):")
+    for name, style, shape, local in report.rows:
+        lines.append(f"  {name:<60} {style:<24} {list(shape)} -> {list(local)}")
+    if report.local_heads:
+        lines += ["", "Attention modules computing their rank's heads (local_heads; head counts whole -> per rank):"]
+        for name, counts in report.local_heads:
+            lines.append(f"  {name:<60} " + ", ".join(f"{a} {c} -> {p}" for a, (c, p) in counts.items()))
+    if report.kv_replication:
+        lines += ["", *report.kv_replication]
+    if report.context_parallel:
+        lines += ["", f"Context parallelism (cp={cp_size}):", *(f"  {line}" for line in report.context_parallel)]
+    if report.expert_parallel:
+        lines += ["", f"Expert parallelism (ep={ep_size}):", *(f"  {line}" for line in report.expert_parallel)]
+    if report.working_tp_sizes or report.failing_tp_sizes:
+        top = max([*report.working_tp_sizes, *report.failing_tp_sizes])
+        lines += [
+            "",
+            f"TP sizes this model's plan accepts (1 to {top}): "
+            + (", ".join(map(str, report.working_tp_sizes)) or "none"),
+        ]
+        reasons: dict[str, list[int]] = {}
+        for size, reason in report.failing_tp_sizes.items():
+            reasons.setdefault(reason, []).append(size)
+        for reason, sizes in reasons.items():
+            lines.append(f"  not {', '.join(map(str, sizes))}: {reason}")
+    lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
+    lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
+    if len(report.replicated) > 40:
+        lines.append(f"  ... and {len(report.replicated) - 40} more")
+    if report.unmatched:
+        lines += ["", "Rules of the model's plan that match nothing:"] + [f"  {key}" for key in report.unmatched]
+    shards = f", FSDP2 over dp_shard x cp = {dp_shard_size * cp_size}" if cp_size > 1 else ""
+    lines += [
+        "",
+        f"Per-rank memory (MiB{shards}):",
+        f"  {'':<6} {'parameters':>12} {'gradients':>12} {'AdamW states':>14}",
+    ]
+    for dtype, values in report.memory.items():
+        lines.append(
+            f"  {dtype:<6} {values['parameters'] / 2**20:>12.1f} {values['gradients'] / 2**20:>12.1f} "
+            f"{values['adamw_states'] / 2**20:>14.1f}"
+        )
+    errors = [p for p in report.problems if not p.startswith("warning:")]
+    warnings = [p for p in report.problems if p.startswith("warning:")]
+    if warnings:
+        lines += ["", *warnings]
+    lines += ["", "Problems:" if errors else "The layout is valid."] + [f"  - {p}" for p in errors]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_tp.inspect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a local directory with config.json, or a hub id (needs the network)")
+    parser.add_argument("--tp-size", type=int, required=True)
+    parser.add_argument("--dp-shard-size", type=int, default=1)
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks splitting each sequence")
+    parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks splitting the experts")
+    parser.add_argument("--lora-r", type=int, default=None, help="add LoRA adapters of this rank")
+    parser.add_argument("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
+    args = parser.parse_args(argv)
+    model = build_meta_model(args.model, lora_r=args.lora_r, lora_targets=args.lora_targets)
+    sizes = dict(tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size, ep_size=args.ep_size)
+    report = inspect_model(model, **sizes)
+    print(format_report(report, **sizes))
+    return 0 if not [p for p in report.problems if not p.startswith("warning:")] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
