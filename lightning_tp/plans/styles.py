@@ -39,8 +39,8 @@ class StyleFacts:
     ``output_sharded`` layer); the row-wise styles that take a replicated input and split it locally do not.
     ``lora_half``: the LoRA matrix that shares the base's split dim and gets the same style (``lora_B`` reads the
     replicated low-rank input and writes the base's output slice; ``lora_A`` reads the base's input slice); the other
-    half stays whole. ``None``: both stay whole (refused by :func:`lightning_tp.parallel.lora.extend_plan_to_adapters` when
-    the base's output stays sharded: a whole adapter's output would not match the base's slice).
+    half stays whole. ``None``: both stay whole (refused by :func:`lightning_tp.parallel.lora.extend_plan_to_adapters`
+    when the base's output stays sharded: a whole adapter's output would not match the base's slice).
     ``sums_gradients``: a replicated parameter whose gradient this package sums over the TP group (not applied with
     Transformers' hook layer).
     ``rewritable``: sequence parallelism's rewrite (and the dense-layer rewrite) replaces it with torch's style of the
@@ -193,8 +193,8 @@ STYLES: dict[str, StyleFacts] = {
         kind="heads",
         registered=False,
     ),
-    # This package's own: KV-head replication (lightning_tp.parallel.kv_heads), given by the plan check to the K/V projections
-    # of a model whose KV heads the TP size does not divide, in place of their `colwise`.
+    # This package's own: KV-head replication (lightning_tp.parallel.kv_heads), given by the plan check to the K/V
+    # projections of a model whose KV heads the TP size does not divide, in place of their `colwise`.
     "colwise_kv_heads": StyleFacts(
         "K or V projection stored as colwise; each rank gathers it and computes the KV heads its query heads read "
         "(KV-head replication: TP sizes that divide the query heads but not the KV heads)",

@@ -9,7 +9,6 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_tp
-from lightning_tp.strategies import fabric as tp_fabric
 from lightning_tp.strategies.fabric import TensorParallelStrategy, _check_fresh, _parameter_names, _split_state
 
 
