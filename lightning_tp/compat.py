@@ -8,6 +8,7 @@ the package does elsewhere): importing this module costs nothing beyond torch an
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -51,6 +52,7 @@ __all__ = [
     "get_default_store",
     "group_options",
     "hpc_save_path",
+    "model_checkpoint_dirs_from_file_urls",
     "is_hf_initialized",
     "keys_to_ignore_on_save",
     "load_checkpoint",
@@ -402,6 +404,25 @@ def hpc_save_path(trainer: L.Trainer) -> str:
     """Lightning's name for the next HPC checkpoint (``hpc_ckpt_{max + 1}.ckpt``, which ``ckpt_path="hpc"`` resolves
     to the newest of); only its private checkpoint connector knows the rule."""
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def model_checkpoint_dirs_from_file_urls(callbacks: Iterable[Any]) -> None:
+    """Point each ``ModelCheckpoint`` built with ``dirpath="file:///abs/dir"`` at ``/abs/dir`` (call it before the
+    callbacks' ``setup``). Why: Lightning 2.6.6's ``ModelCheckpoint.__init__`` (its private ``__init_ckpt_dir``) takes
+    ``os.path.realpath`` of every local-protocol dirpath, a ``file://`` URL included, so the URL already reads
+    ``<cwd>/file:/abs/dir`` when any hook of a strategy runs, and checkpoints would land under the working directory.
+    The URL is recovered from that shape only where its realpath gives exactly this dirpath (a relative dirpath that
+    starts with a directory named ``file:`` reads the same, and is taken as the URL too)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mangled_head = os.path.join(os.path.realpath(os.getcwd()), "file:")
+    for callback in callbacks:
+        dirpath = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
+        if not isinstance(dirpath, str) or not dirpath.startswith(mangled_head + os.sep):
+            continue
+        local = dirpath[len(mangled_head) :]  # "/abs/dir"
+        if os.path.realpath(os.path.expanduser(f"file://{local}")) == dirpath:  # what __init_ckpt_dir does
+            callback.dirpath = local
 
 
 def cluster_environment(trainer: L.Trainer) -> Any:

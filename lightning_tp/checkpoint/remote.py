@@ -1,7 +1,8 @@
-"""Checkpoints at fsspec URLs (``s3://``, ``gs://``, ``memory://``, ``file://``, ...).
+"""Checkpoints at fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...).
 
-A local path is published by renames (:mod:`lightning_tp.checkpoint`). An object store has no atomic rename of a
-directory, and a copy is neither atomic nor cheap, so a checkpoint directory at a URL is laid out as::
+A local path is published by renames (:mod:`lightning_tp.checkpoint`), and so is a ``file://`` URL: it names that
+local path (:func:`local_path`). An object store has no atomic rename of a directory, and a copy is neither atomic nor
+cheap, so a checkpoint directory at a URL is laid out as::
 
     URL/.lightning_tp_complete     the commit marker: which data directory is the checkpoint, and its files
     URL/shards-<hex>/.metadata     DCP's index
@@ -15,7 +16,7 @@ the previous checkpoint whole, and a directory without the marker reads as incom
 removed: files already under ``URL`` stay.
 
 A single-file checkpoint (``save_distributed_checkpoint=False``) is one object: written to ``.NAME.partial`` and moved
-over ``NAME`` (a copy that becomes visible whole on object stores, a rename on local disks).
+over ``NAME`` (a copy that becomes visible whole on object stores, a rename on a disk at a ``local://`` URL).
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ def is_url(path: Any) -> bool:
     """Whether ``path`` names a location by URL (``scheme://...``). ``pathlib.Path`` objects are local paths
     (``Path("s3://b/x")`` has already lost its second slash)."""
     return isinstance(path, str) and "://" in path
+
+
+def local_path(path: Any) -> Any:
+    """The local path a ``file://`` URL names, as fsspec reads it (``file:///abs/dir`` is ``/abs/dir``, ``file://dir``
+    is ``dir`` under the working directory); any other path or URL as it is. Saves, loads and removals take a
+    ``file://`` URL as that path (published by renames), as Lightning takes it for a local path. fsspec's ``local://``
+    alias stays a URL: a checkpoint on disk written as on an object store (with the commit marker), which runs that
+    path on several processes without a store."""
+    if not is_url(path):
+        return path
+    from fsspec.utils import get_protocol
+
+    if get_protocol(path) != "file":  # a chained URL (``simplecache::file://...``) stays a URL
+        return path
+    return _fs(path)[1]
 
 
 def _fs(url: str) -> tuple[Any, str]:

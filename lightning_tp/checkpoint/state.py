@@ -118,7 +118,9 @@ def save_checkpoint(
     on rank 0 (``layout``: ``None`` only before setup, where nothing but the refusal of a bad path can happen).
     Locally the save goes to ``.NAME.partial`` and is renamed to ``NAME`` once every rank has finished;
     at a URL it is committed by a marker (see :mod:`lightning_tp.checkpoint.remote`). Adds every rank's random states
-    and what export needs to rebuild a Transformers directory (configs, PEFT settings). Every rank must call it."""
+    and what export needs to rebuild a Transformers directory (configs, PEFT settings). Every rank must call it.
+    A ``file://`` URL is the local path it names (:func:`~lightning_tp.checkpoint.remote.local_path`)."""
+    path = remote.local_path(path)
     local = not remote.is_url(path)
     # Rank 0 decides whether a local path may be replaced (never what this package did not write): every rank raises
     # the same error before anything is written, even where the ranks' file systems differ.
@@ -197,6 +199,7 @@ def remove_checkpoint(path: str | Path) -> None:
     only; never raises (no collective follows that would let the others learn of it)."""
     if not is_main():
         return
+    path = remote.local_path(path)
     if not remote.is_url(path):
         try:
             remove_written(Path(path))
@@ -239,7 +242,7 @@ def load_checkpoint(
     common = dict(modules=modules, optimizers=optimizers, weights_only=weights_only, strict=strict, opt_in=opt_in)
     load_directory = partial(_load_distributed, model=model, **common)
     load_file = partial(_load_file, optimizer_states_from_list=optimizer_states_from_list, **common)
-    path = broadcast_from_main(path)
+    path = remote.local_path(broadcast_from_main(path))  # a `file://` URL is the local path it names
     if remote.is_url(path):
         # Checked on rank 0 before any collective of the load; every rank raises the same error.
         kind, data = decide_on_main(lambda: remote.resolve(str(path)), what=path)

@@ -26,11 +26,13 @@ from lightning_tp.compat import (
     all_gather_ddp_if_available,
     distributed_is_initialized,
     forget_loader_position,
+    model_checkpoint_dirs_from_file_urls,
     optimizers_to_device,
     set_device_mesh,
     set_sampler_epoch,
     sync_ddp_if_available,
 )
+from lightning_tp.options import document
 from lightning_tp.parallel.fsdp import micro_batch_grads
 from lightning_tp.parallelize import SUPPORTED_PRECISIONS, ParallelOptions, apply_parallelisms, place_on_device
 from lightning_tp.runtime.garbage_collection import GarbageCollection
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 _LOAD_OPT_IN = "pass `weights_only=False` to `trainer.fit`/`validate`/`test`/`predict` along with `ckpt_path`"
 
 
+@document("trainer")
 class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     """Tensor-parallel training of Transformers models (and any ``nn.Module`` given a plan) in the Lightning Trainer.
 
@@ -67,82 +70,8 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     plus class rules such as ``lm_head``) on the mesh axis ``tp``, after ``configure_model`` has run. The ranks left
     over form the data-parallel axes, sharded with FSDP2.
 
-    Args:
-        tp_size: Ranks per tensor-parallel group. ``None`` takes every rank the data-parallel and CP sizes leave.
-        tp_plan: ``"auto"`` (each Transformers model's own plan), or a dict of overrides in
-            ``DistributedConfig.tp_plan`` form (``{"model.layers.*.mlp.down_proj": "rowwise"}``, paths relative to
-            the Transformers model), or for a module that is not a Transformers model, a dict of path (relative to
-            the LightningModule) to a style name or a torch ``ParallelStyle``.
-        dp_shard_size: Ranks per FSDP2 shard group. ``None`` takes what ``tp_size`` and ``dp_replicate_size`` leave.
-        dp_replicate_size: Number of replicas of the FSDP2 groups (HSDP: shard within a group, e.g. a node, and
-            replicate across groups).
-        cp_size: Ranks per context-parallel group: each splits every sequence of the rows its ranks all read (axis
-            ``cp``, between the data-parallel axes and ``tp``; 1/cp of the activations per rank). Attention exchanges
-            keys and values; ``model(input_ids=..., labels=...).loss`` is the loss of the whole sequence, and the
-            logits and hidden states of such a forward are this rank's tokens (a forward without labels gathers the
-            logits of the whole sequence). FSDP2 shards over ``dp_shard x cp``. Text causal LMs with ``sdpa`` or
-            ``eager`` attention; see :mod:`lightning_tp.parallel.context_parallel`.
-        ep_size: Ranks per expert-parallel group (1: none). Each holds ``1/ep`` of every mixture-of-experts layer's
-            experts, whole, and tokens travel to their experts by all-to-all (the model's own ``ep_plan``; the TP plan
-            leaves the experts whole). The ranks are borrowed from ``dp_shard x cp x tp``: a multiple of
-            ``tp_size`` that divides it. FSDP2 shards each rank's experts over the ranks holding the same ones
-            (``dp_shard x cp x tp / ep``). Dropless, as on one process; see
-            :mod:`lightning_tp.parallel.expert_parallel`.
-        parallelism_config: An ``accelerate.ParallelismConfig`` to take ``tp_size``, ``dp_shard_size``,
-            ``dp_replicate_size`` and ``cp_size`` from, instead of passing them.
-        activation_checkpointing: Recompute each decoder layer's activations in backward (Transformers' own
-            activation checkpointing), trading compute for memory.
-        compile: ``torch.compile`` each decoder layer in place, after TP and activation checkpointing, before FSDP2
-            (torchtitan's order); parameter names and checkpoints stay the uncompiled model's, so a checkpoint
-            written compiled resumes uncompiled and back. A dict passes ``torch.compile``'s keyword arguments:
-            ``{"fullgraph": True}`` turns any graph break into an error that names it, ``{"mode": ...}`` picks the
-            inductor mode.
-        reshard_after_forward: FSDP2 frees each block's gathered parameters after its forward (less memory, one more
-            all-gather in backward).
-        cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer states in CPU memory.
-        accumulate_grads: With ``accumulate_grad_batches > 1`` and data or context parallelism, what FSDP2 does with
-            the gradients of the micro-batches before an optimizer step's last. ``"sharded"`` (default): it
-            reduce-scatters each micro-batch's, and every rank keeps only its shard (as Lightning's
-            ``ModelParallelStrategy`` and torchtitan do), except that under HSDP the all-reduce across replicas waits
-            for the last micro-batch (FSDP2 keeps the partial sum, in the reduce dtype, on the device).
-            ``"unsharded"``: one reduce-scatter per step, but every rank keeps each parameter's whole gradient of its
-            TP shard until then, ``4 P / tp`` bytes in fp32 (about 35 GB per GPU for 70B at TP 8), on the GPU even
-            with ``cpu_offload``.
-        fsdp_blocks: Class names of the blocks FSDP2 shards one by one (default: each model's ``_no_split_modules``).
-        fsdp_param_dtype: ``None`` (default): FSDP2 gathers parameters in their own dtype, so ``bf16-mixed`` gives
-            the numerics it gives on one device (autocast over fp32 weights) on every layout. ``"bf16"``, with
-            ``bf16-mixed`` and data parallelism only: FSDP2 all-gathers bf16 copies of the fp32 parameters (half the
-            all-gather bytes) and reduces gradients in fp32 (torchtitan's recipe); every layer then runs on bf16
-            weights, and the loss drifts further from fp32 than one device's ``bf16-mixed`` does.
-        throughput_monitor: Add :class:`lightning_tp.ThroughputMonitor` (tokens/s, step time, peak memory, MFU on
-            GPU) to the Trainer's callbacks when it has none.
-        gc_every_n_steps: Python's garbage collector runs on every rank at the same step, every this many optimizer
-            steps, with automatic collection off while training (:class:`lightning_tp.GarbageCollection`): a full
-            collection at a moment of its own on each rank stalls the others in their next collective. ``None``:
-            Python's automatic collection.
-        save_distributed_checkpoint: Each rank writes its shards (``True``, a directory that loads on any layout) or
-            rank 0 writes one full file. Either way the checkpoint is written under a hidden temporary name and
-            renamed into place once complete.
-        sequence_parallel: Split the activations between the TP regions (norms, residuals) on the sequence dim:
-            all-gathers and reduce-scatters instead of all-reduces, 1/tp of their memory. Sequence lengths must be
-            divisible by ``tp_size``. Transformers decoder models with column-/row-wise plans.
-        loss_parallel: Keep the ``lm_head`` output sharded on the vocabulary and compute the cross-entropy of
-            ``model(..., labels=...)`` on the shards: no rank holds the full logits. ``outputs.logits`` is then a
-            DTensor when ``labels`` are passed (``.full_tensor()`` gathers it).
-        save_frozen_weights: Write parameters that do not train (the base model of a LoRA run) into checkpoints.
-            ``False`` keeps checkpoints to the trained weights; on resume the frozen ones come from where
-            ``configure_model`` loaded them.
-        preemption_signals: Signals that announce a preemption (names such as ``"SIGTERM"``). On one, every rank
-            finishes its optimizer step, all save ``hpc_ckpt_N`` in ``default_root_dir`` (``ckpt_path="hpc"``
-            resumes from it) and the run ends with exit code ``128 + signal``; on SLURM the requeue signal also
-            requeues the job. Replaces Lightning's handlers for these signals. ``None`` turns this off.
-        step_timeout: A rank that makes no training progress (no batch starting or ending, no save) for this long
-            dumps every thread's stack and exits, so that the launcher ends the job instead of its peers waiting in
-            a collective. ``"auto"``: a step may take 10 times the slowest step so far, at least 45 s, once the first
-            two are behind; anything else (the first steps, validation, saves, epoch ends) twice ``timeout``. A number:
-            that limit for everything. ``None``: no watchdog.
-        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default chosen from the device.
-        timeout: Timeout of collective operations.
+    Each argument is defined, with its meaning, in :data:`lightning_tp.options.OPTIONS`, from which ``Args:`` below is
+    assembled.
     """
 
     strategy_name = "tp"
@@ -230,6 +159,8 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         # Users can read the mesh in `LightningModule.configure_model()`.
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, self._device_mesh)
+        # Before the callbacks' setup: `ModelCheckpoint(dirpath="file:///abs/dir")` saves in /abs/dir.
+        model_checkpoint_dirs_from_file_urls(self.lightning_module.trainer.callbacks)
 
     # ------------------------------------------------------------------ applying the parallelism
 

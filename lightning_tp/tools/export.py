@@ -331,6 +331,7 @@ def export_checkpoint(
         trust_checkpoint: Also unpickle objects other than tensors and plain values (custom hyper-parameter types).
             Unpickling them runs code the file names: only for checkpoints from a source you trust.
     """
+    checkpoint = remote.local_path(checkpoint)  # a `file://` URL names a local checkpoint
     path = checkpoint if remote.is_url(checkpoint) else Path(checkpoint)
     cast = _dtype(dtype)
     if not remote.is_url(path) and Path(out_dir).resolve() == path.resolve():

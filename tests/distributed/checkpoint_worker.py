@@ -3,8 +3,8 @@ OUT_DIR/{LABEL}_rank{R}.pt (one dict: what every scenario returned, merged).
 
 Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncated CHECKPOINT] SCENARIO [...]
 
-Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, file://
-URLs), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
+Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, URLs
+on disk), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
 ``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves), ``vlm`` (LLaVA: resume,
 export) and ``cp`` (cp 2 -> TP 2, 1 -> cp 2); ``crash`` (2 processes: a save killed midway; the launch fails on
 purpose); ``one`` (1 process: TP 2 -> 1, cp 2 -> 1); ``2d`` (4 processes: TP 2 -> 2-D, and a truncated checkpoint),
@@ -75,11 +75,11 @@ def dropout(ctx: Context) -> dict[str, Any]:
     """Exact resume mid-epoch with dropout (the random states and the data position matter), and from a save after an
     epoch's last batch (where Lightning goes on with the next epoch, which must start at its first batch, in its own
     order: on one device torchdata's loader skips that epoch). The same run also saves
-    at a file:// URL, through fsspec and the commit marker as an object store would, twice (the second save replaces
-    the first)."""
+    at a ``local://`` URL, through fsspec and the commit marker as an object store would, twice (the second save
+    replaces the first). (A ``file://`` URL is the local path it names, published by renames.)"""
     out, results = ctx.out, {}
     module = ResumeModule(dropout=0.1)
-    url = (out / "url_mid").as_uri()
+    url = f"local://{out / 'url_mid'}"
     mid = SaveAt(steps={4: out / "dropout_last_batch", 6: out / "dropout_mid"})  # 4: epoch 0's last batch
     fit(module, callbacks=[mid, SaveAt(steps={4: url, 6: url})])
     results["dropout"] = {
@@ -101,7 +101,7 @@ def full(ctx: Context) -> dict[str, Any]:
     """A single-file checkpoint (mid-run, at a URL, and at the end, with the model's logits for export)."""
     out, results = ctx.out, {}
     module = ResumeModule()
-    url = (out / "url_full.ckpt").as_uri()
+    url = f"local://{out / 'url_full.ckpt'}"
     callbacks = [SaveAt(steps={5: out / "full_mid.ckpt"}), SaveAt(steps={5: url})]
     trainer = fit(module, save_distributed_checkpoint=False, callbacks=callbacks)
     results["full"] = {
@@ -123,7 +123,7 @@ def final(ctx: Context) -> dict[str, Any]:
     trainer = fit(module)
     trainer.save_checkpoint(out / "final")
     results["save_into_run_dir"] = save_into_run_dir(trainer, out / "run_dir")
-    trainer.save_checkpoint((out / "url_final").as_uri())  # for export from a URL
+    trainer.save_checkpoint(f"local://{out / 'url_final'}")  # for export from a URL
     module.model.save_pretrained(out / "pretrained")  # on every rank of the sharded model
     results["final_logits"] = probe_logits(module.model)
     return results

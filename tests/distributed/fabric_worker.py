@@ -367,7 +367,7 @@ def _resume(
     reference_tail = train(fabric, model, optimizer, batches[2:], clip=0.5)
 
     path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}{'_url' if url else ''}.ckpt"
-    target = f"file://{path}" if url else path  # fsspec: committed by a marker, as on an object store
+    target = f"local://{path}" if url else path  # fsspec: committed by a marker, as on an object store
     fabric = sharded(**first)
     model = build_causal_lm(tiny_config(kind))
     model, optimizer = fabric.setup(model, adamw(model))
@@ -420,7 +420,7 @@ def resume_full_file(out: Path, checkpoints: Path) -> dict[str, Any]:
 
 @case
 def resume_at_url(out: Path, checkpoints: Path) -> dict[str, Any]:
-    """Saved at a ``file://`` URL on FSDP2 over 2 ranks, resumed on TP 2."""
+    """Saved at a ``local://`` URL (fsspec, as an object store) on FSDP2 over 2 ranks, resumed on TP 2."""
     return _resume(out, first={"tp_size": 1}, second={"tp_size": 2}, url=True)
 
 

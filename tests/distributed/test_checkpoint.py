@@ -374,7 +374,7 @@ def test_export_from_a_file_url(tp2: dict[str, Any], tmp_path: Path) -> None:
 
     from lightning_tp.tools.export import main
 
-    assert main([(tp2["out"] / "url_final").as_uri(), str(tmp_path / "exported")]) == 0
+    assert main([f"local://{tp2['out'] / 'url_final'}", str(tmp_path / "exported")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     torch.testing.assert_close(probe_logits(model), tp2["ranks"][0]["final_logits"], atol=1e-5, rtol=0)
 

@@ -1,8 +1,8 @@
 """Checkpoints at fsspec URLs, on ``memory://`` (one process: fsspec's memory filesystem lives in this process).
 
 A one-device Trainer with ``TensorParallelStrategy`` runs in pytest without launching anything. The reference is
-the same run uninterrupted; a resume from the URL must give exactly its losses. Single-file checkpoints at a URL are
-tested on ``file://`` with 2 processes (tests/distributed/test_checkpoint.py)."""
+the same run uninterrupted; a resume from the URL must give exactly its losses. A ``file://`` URL names a local path,
+saved and loaded as that path (``ModelCheckpoint(dirpath="file://...")`` with the Trainer below)."""
 
 from __future__ import annotations
 
@@ -185,6 +185,66 @@ def test_model_checkpoint_at_a_url_keeps_top_k_and_last(run: dict[str, Any]) -> 
         f"The checkpoint URL {root}/notes.ckpt holds a file that is not a checkpoint"
     )
     assert MEM.cat_file(f"/{root.removeprefix('memory://')}/notes.ckpt") == b"mine"
+
+
+def test_model_checkpoint_at_a_file_url_saves_where_it_names(
+    run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: Lightning's ``ModelCheckpoint`` turns ``dirpath="file:///abs/dir"`` into ``<cwd>/file:/abs/dir``;
+    the strategy saves, removes and resumes in ``/abs/dir``, as at that path (published by renames, no marker)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_tp.tools.export import main
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    directory = tmp_path / "ckpts"
+    url = "file://" + str(directory)
+    checkpoint = ModelCheckpoint(dirpath=url, every_n_train_steps=3, save_last=True)  # top-1: step 3's is removed
+    module, _ = fit(callbacks=[checkpoint])
+    assert module.losses == run["losses"]
+    assert sorted(p.name for p in directory.iterdir()) == ["epoch=1-step=6.ckpt", "last.ckpt"]
+    assert checkpoint.last_model_path == str(directory / "last.ckpt")
+    assert (directory / "last.ckpt" / ".metadata").is_file()
+    assert not (directory / "last.ckpt" / COMMIT_MARKER).exists()
+    assert not list(cwd.iterdir()), "the file:// URL was written as a path under the working directory"
+
+    resumed, trainer = fit(ckpt_path=f"{url}/last.ckpt")
+    assert resumed.losses == _after(run["losses"], 6)
+    trainer.strategy.remove_checkpoint(f"{url}/epoch=1-step=6.ckpt")
+    (directory / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match="not written by a save of this package"):
+        trainer.strategy.remove_checkpoint(f"{url}/notes.txt")
+    assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt", "notes.txt"]
+    assert main([f"{url}/last.ckpt", str(tmp_path / "exported")]) == 0  # the export CLI reads it as a path too
+    assert (tmp_path / "exported" / "config.json").is_file()
+    assert not list(cwd.iterdir())
+
+
+def test_file_urls_name_local_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_tp.checkpoint.remote import local_path
+    from lightning_tp.compat import model_checkpoint_dirs_from_file_urls
+
+    assert local_path("file:///abs/dir/") == "/abs/dir"
+    assert local_path("local:///abs/dir") == "local:///abs/dir"  # fsspec's alias: on disk, as on an object store
+    assert local_path("memory://bucket/x") == "memory://bucket/x"
+    assert local_path("simplecache::file:///abs/x") == "simplecache::file:///abs/x"
+    assert local_path(Path("/abs/x")) == Path("/abs/x")
+
+    monkeypatch.chdir(tmp_path)
+    callbacks = [
+        ModelCheckpoint(dirpath="file:///abs/dir"),
+        ModelCheckpoint(dirpath=str(tmp_path / "plain")),
+        ModelCheckpoint(dirpath="memory://bucket/dir"),
+        ModelCheckpoint(),
+    ]
+    assert callbacks[0].dirpath == os.path.realpath(tmp_path) + "/file:/abs/dir"  # what Lightning 2.6.6 makes of it
+    model_checkpoint_dirs_from_file_urls(callbacks)
+    plain = os.path.realpath(tmp_path / "plain")
+    assert [c.dirpath for c in callbacks] == ["/abs/dir", plain, "memory://bucket/dir", None]
 
 
 def test_export_reads_a_url(run: dict[str, Any], tmp_path: Path) -> None:
