@@ -2,9 +2,9 @@
 
 The public surface is this module's ``__all__``, :mod:`lightning_tp.fabric` (the Fabric strategy) and the commands
 ``python -m lightning_tp.export|inspect|gguf``. The package's layers, lowest first, each importing only those below:
-``compat`` and ``layout``; ``plans/`` (what to do with a model); ``parallel/`` (the parallelisms); ``checkpoint/``
-(storage); ``runtime/`` (what runs beside training); ``parallelize`` (the order of the stages); ``strategies/``
-(Lightning's Trainer and Fabric); ``tools/`` (the commands).
+``compat``, ``layout`` and ``options`` (the strategies' arguments, each defined once); ``plans/`` (what to do with a
+model); ``parallel/`` (the parallelisms); ``checkpoint/`` (storage); ``runtime/`` (what runs beside training);
+``parallelize`` (the order of the stages); ``strategies/`` (Lightning's Trainer and Fabric); ``tools/`` (the commands).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY

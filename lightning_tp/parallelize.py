@@ -94,8 +94,9 @@ SUPPORTED_PRECISIONS = tuple(PRECISION_DTYPES)
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """How to parallelise, apart from the sizes (see :class:`lightning_tp.TensorParallelStrategy` for each field).
-    Checked when built, so that a typo fails before any process starts."""
+    """How to parallelise, apart from the sizes: each field but ``precision`` (the Trainer's or Fabric's flag) is the
+    strategies' argument of that name, defined in :data:`lightning_tp.options.OPTIONS` (tests/unit/test_options.py
+    checks the defaults agree). Checked when built, so that a typo fails before any process starts."""
 
     tp_plan: Literal["auto"] | Mapping[str, Any] = "auto"
     sequence_parallel: bool = False

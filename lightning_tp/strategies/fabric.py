@@ -37,6 +37,7 @@ from lightning_tp.compat import (
     distributed_is_initialized,
     sync_ddp_if_available,
 )
+from lightning_tp.options import TRAINER_ONLY, document
 from lightning_tp.parallel.fsdp import micro_batch_grads
 from lightning_tp.parallel.grad import clip_grad_norm_
 from lightning_tp.parallelize import ParallelOptions, apply_parallelisms
@@ -47,20 +48,11 @@ if TYPE_CHECKING:
 
 #: meta.pt's entry naming which state keys of ``fabric.save`` hold the model and the optimizers.
 FABRIC_KEY = "lightning_tp_fabric"
-#: Arguments of the Trainer strategy that have no meaning in Fabric, and what to do instead.
-_TRAINER_ONLY = {
-    "throughput_monitor": "it adds a Trainer callback; in Fabric, measure in your loop (lightning.fabric.utilities."
-    "throughput.ThroughputMonitor)",
-    "preemption_signals": "it saves through the Trainer's loop; in Fabric, handle the signal in your loop and call "
-    "`fabric.save`",
-    "step_timeout": "it watches the Trainer's steps; in Fabric, `timeout` bounds every collective",
-    "gc_every_n_steps": "it hooks the Trainer's steps; in Fabric, call `gc.freeze()` and `gc.disable()` before your "
-    "loop and `gc.collect(1)` every N steps on every rank",
-}
 #: How to load a checkpoint that holds arbitrary objects, in the error that refuses it.
 _LOAD_OPT_IN = "pass `weights_only=False` to `fabric.load`"
 
 
+@document("fabric")
 class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     """Tensor parallelism (and FSDP2 over the remaining ranks) for Transformers models in Lightning Fabric.
 
@@ -72,9 +64,8 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     format of the Trainer strategy (a DCP directory that loads on any layout, at a local path published by rename once
     complete, or at an fsspec URL committed by a marker), which ``python -m lightning_tp.export`` reads.
 
-    Args: as :class:`lightning_tp.TensorParallelStrategy` (the Trainer's), except ``throughput_monitor``,
-    ``preemption_signals`` and ``step_timeout``, which are Trainer features: passing them raises a ``ValueError``
-    saying what to use instead.
+    Each argument is defined, with its meaning, in :data:`lightning_tp.options.OPTIONS`, from which ``Args:`` below is
+    assembled.
     """
 
     strategy_name = "tp"
@@ -106,10 +97,10 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         **trainer_only: Any,
     ) -> None:
         for name in trainer_only:
-            if name in _TRAINER_ONLY:
+            if name in TRAINER_ONLY:
                 raise ValueError(
                     f"`{name}` is an argument of the Trainer's TensorParallelStrategy, not Fabric's: "
-                    f"{_TRAINER_ONLY[name]}. Drop it."
+                    f"{TRAINER_ONLY[name]}. Drop it."
                 )
             raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword argument {name!r}")
         super().__init__(

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 class StrategyOptions:
     """The constructor arguments both strategies take, checked once, without processes, so that a typo fails when
     the strategy is built: the sizes (as given; resolved against the world size in ``setup_environment``) and how
-    to parallelise (``precision`` is filled in from the Trainer's or Fabric's flag at setup)."""
+    to parallelise (``precision`` is filled in from the Trainer's or Fabric's flag at setup). Each field but
+    ``parallel`` is the argument of that name in :data:`lightning_tp.options.OPTIONS`, with its default."""
 
     tp_size: int | None
     dp_shard_size: int | None
