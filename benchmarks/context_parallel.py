@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.comm import count_collectives  # noqa: E402
 from benchmarks.kv_heads import build  # noqa: E402
+from benchmarks.requirements import require  # noqa: E402
 
 
 def saved_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor]:
@@ -186,6 +187,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot-only", action="store_true", help="redraw --out's PNG from its JSON, run nothing")
     args = parser.parse_args()
+    if args.out is not None:  # the plot is drawn next to it, once everything is measured
+        require("matplotlib", why="the plot next to --out")
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return

@@ -24,6 +24,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.requirements import require  # noqa: E402
+
 RUNS = ("single", "tp2", "hand_tp2")
 TWO_D = "tp2_dp2"
 
@@ -162,6 +166,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "scaling.json")
     parser.add_argument("--plot-only", action="store_true", help="redraw --out's table and plot from its JSON")
     args = parser.parse_args()
+    require("matplotlib", why="the plot")
     if args.plot_only:
         points = json.loads(args.out.read_text())["points"]
         args.out.with_suffix(".md").write_text(table(points) + "\n")
