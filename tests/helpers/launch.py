@@ -8,21 +8,53 @@ killed.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from tests.helpers.tripwire import TIMEOUT_ENV, tripwire_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: Each launch of this pytest process: (wall seconds, what ran). ``pytest --durations`` shows only a test's setup and
+#: call, and a launch shared by many tests hides inside one of them; the root conftest prints these at the end.
+WALL_TIMES: list[tuple[float, str]] = []
+
+
+def _label(cmd: list[str]) -> str:
+    """A launch's short name: its script, process count and arguments (a test's temporary paths left out)."""
+    scripts = [i for i, arg in enumerate(cmd) if arg.endswith(".py")]
+    if not scripts:
+        return " ".join(cmd)[-160:]
+    procs = next((arg.split("=", 1)[1] for arg in cmd if arg.startswith("--nproc_per_node=")), "1")
+    args = [arg for arg in cmd[scripts[0] + 1 :] if os.sep not in arg]
+    return f"{Path(cmd[scripts[0]]).name} x{procs} {' '.join(args)}"[:160]
+
+
+@functools.cache
+def _inductor_cache() -> str:
+    """One torch.compile cache for this pytest session's launches: the first launch compiles, later ones reuse it, and
+    no kernel comes from another run (a cache filled under other settings, e.g. ``ATEN_CPU_CAPABILITY``, is keyed the
+    same and can crash the run that reuses it)."""
+    path = tempfile.mkdtemp(prefix="lightning_tp_inductor_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # made by mkdtemp above: ours, whatever it holds
+    return path
+
 
 def child_env(extra: dict | None = None) -> dict:
     """The environment of a process a test starts: this checkout first on the path (not an installed copy), one
-    thread, faulthandler, the tripwire's timeout."""
+    thread, faulthandler, the tripwire's timeout, the session's compile cache."""
     return {
+        "TORCHINDUCTOR_CACHE_DIR": _inductor_cache(),
+        # Inductor compiles in the worker itself: a pool of compile processes per rank only competes for the cores.
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
         **os.environ,
         **(extra or {}),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -54,6 +86,7 @@ def _descendants(pid: int) -> list[int]:
 def _run(cmd: list[str], *, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run``; on timeout, SIGABRT to every process it started (faulthandler prints their stacks), then
     SIGKILL to what is left."""
+    start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -76,6 +109,8 @@ def _run(cmd: list[str], *, env: dict, timeout: float) -> subprocess.CompletedPr
         raise AssertionError(
             f"{' '.join(cmd)} did not finish in {timeout} s; the stacks of its processes:\n{(stdout + stderr)[-30000:]}"
         ) from None
+    finally:
+        WALL_TIMES.append((time.perf_counter() - start, _label(cmd)))
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
