@@ -15,6 +15,21 @@ from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("worker.py")
 
+#: The multi-process tests of the fast tier (``pytest -m "not slow"``): one small launch per world size, each folding
+#: only the scenario its test reads. Every other test of this directory is marked ``slow``.
+FAST_TIER = {
+    "test_tp_parity.py::test_tp2_matches_single_process[qwen3_sgd]",  # 2 processes: TP 2
+    "test_tp_parity.py::test_2d_matches_single_process[qwen3_sgd]",  # 4 processes: dp_shard 2 x tp 2
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents and f"{item.path.name}::{item.name}" not in FAST_TIER:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -263,3 +263,15 @@ def test_each_subpackage_lists_its_modules():
         assert found, f"{package.name}/__init__.py has no __all__"
         listed = ast.literal_eval(found[0].value)
         assert sorted(listed) == sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__"), package.name
+
+
+def test_the_fast_tier_names_tests_that_exist():
+    """A renamed test would leave ``pytest -m "not slow"`` without its launches, silently."""
+    from tests.distributed.conftest import FAST_TIER
+
+    for node in FAST_TIER:
+        file, test = node.split("::")
+        function, _, param = test.partition("[")
+        source = (ROOT / "tests/distributed" / file).read_text()
+        assert f"def {function}(" in source, node
+        assert param.rstrip("]") in source or param.rstrip("]") in (ROOT / "tests/helpers/cases.py").read_text(), node
