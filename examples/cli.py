@@ -113,8 +113,9 @@ class SortTask(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, collate_fn=_collate)
 
 
-def main() -> None:
-    LightningCLI(CausalLM, SortTask, save_config_kwargs={"overwrite": True})
+def main(args: list[str] | None = None) -> LightningCLI:
+    """``args``: the command line's arguments by default."""
+    return LightningCLI(CausalLM, SortTask, args=args, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

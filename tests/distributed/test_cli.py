@@ -1,29 +1,42 @@
-"""examples/cli.py and its configs: every config trains a few steps under torchrun; --print_config round-trips."""
+"""examples/cli.py and its configs: every config trains a few steps under torchrun (the configs of one world size in
+one launch); --print_config round-trips."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers.launch import ROOT, run_script, torchrun
+from tests.helpers.launch import run_script, torchrun
+from tests.helpers.selection import selected_scenarios
 
+WORKER = Path(__file__).with_name("cli_worker.py")
 CONFIGS = {"tp.yaml": 2, "lora.yaml": 2, "2d.yaml": 4, "cp.yaml": 2, "ep.yaml": 2}
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_config_trains(config: str, tmp_path) -> None:
-    out = torchrun(
-        ROOT / "examples/cli.py",
-        CONFIGS[config],
-        "fit",
-        "--config",
-        f"examples/configs/{config}",
-        "--trainer.max_steps=3",
-        "--trainer.val_check_interval=3",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={tmp_path}",  # where LightningCLI saves the config it ran
-    )
-    assert "`Trainer.fit` stopped: `max_steps=3` reached." in out
+@pytest.fixture(scope="module")
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Each selected config's global step on every rank, by config: one launch per world size."""
+    steps: dict[str, list[dict]] = {}
+    for nprocs in sorted(set(CONFIGS.values())):
+        launch = f"cli{nprocs}"
+        default = [name for name, size in CONFIGS.items() if size == nprocs]
+        configs = selected_scenarios(request.session.items, launch=launch, fixture="trained", default=default)
+        if not configs:
+            continue
+        out = tmp_path_factory.mktemp(launch)
+        torchrun(WORKER, nprocs, str(out / "steps"), str(out / "runs"), *configs)
+        ranks = [json.loads((out / "steps" / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
+        steps.update({config: [r[config] for r in ranks] for config in configs})
+    return steps
+
+
+@pytest.mark.parametrize(("config", "nprocs"), CONFIGS.items())
+@pytest.mark.scenarios("cli{nprocs}", "{config}")
+def test_config_trains(trained: dict[str, list[int]], config: str, nprocs: int) -> None:
+    assert trained[config] == [3] * nprocs  # every rank reached max_steps
 
 
 def _print_config(*args: str) -> dict:
