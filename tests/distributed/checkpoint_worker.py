@@ -2,6 +2,7 @@
 OUT_DIR/{LABEL}_rank{R}.pt (one dict: what every scenario returned, merged).
 
 Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncated CHECKPOINT] SCENARIO [...]
+(a SCENARIO written ``NAME@CHECKPOINT`` resumes that checkpoint; its results are kept under that key)
 
 Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, URLs
 on disk), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
@@ -14,6 +15,7 @@ purpose); ``one`` (1 process: TP 2 -> 1, cp 2 -> 1); ``2d`` (4 processes: TP 2 -
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import traceback
 from dataclasses import dataclass
@@ -395,14 +397,20 @@ def main() -> None:
     parser.add_argument("--truncated", type=Path)
     parser.add_argument("--from-moe", dest="source_moe", type=Path)
     args = parser.parse_args()
-    SCENARIOS.check(args.scenarios)  # an unknown name: the same ValueError on every rank, before anything runs
+    # `NAME@CHECKPOINT`: scenario NAME resuming CHECKPOINT (instead of --from), its results under that key, so that one
+    # launch resumes several checkpoints.
+    SCENARIOS.check([name.split("@")[0] for name in args.scenarios])  # an unknown name: before anything runs
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(out=args.out, source=args.source, truncated=args.truncated, source_moe=args.source_moe)
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     try:
         for name in args.scenarios:
-            results.update(SCENARIOS.run(name, ctx))
+            if "@" in name:
+                scenario, source = name.split("@", 1)
+                results[name] = SCENARIOS.run(scenario, dataclasses.replace(ctx, source=Path(source)))
+            else:
+                results.update(SCENARIOS.run(name, ctx))
     except Exception:  # recorded and shown by the test (the ranks may be out of step: nothing else runs)
         results = {"crash": traceback.format_exc()}
     torch.save(results, args.out / f"{args.label}_rank{rank}.pt")

@@ -130,8 +130,9 @@ def test_one_process_checkpoint_resumes_on_tp2(tp2: dict[str, Any], single: dict
 
 
 @pytest.mark.scenarios("ckpt_tp2", "cp")
+@pytest.mark.scenarios("ckpt_one", "from_cp2")
 def test_context_parallel_checkpoints_resume_across_cp_sizes(
-    tp2: dict[str, Any], single: dict[str, Any], four: list[dict[str, Any]], crashed: Path
+    tp2: dict[str, Any], single: dict[str, Any], four: list[dict[str, Any]], one_process: dict[str, Any]
 ) -> None:
     """cp 2 trains as one process does; its epoch-0 checkpoint resumes on TP 2 and on one process; the one-process
     checkpoint resumes on cp 2; a TP 2 checkpoint resumes on cp 2 x tp 2; each within fp32 rounding of one process
@@ -142,10 +143,7 @@ def test_context_parallel_checkpoints_resume_across_cp_sizes(
         _assert_close(result["single_to_cp"], single["resumed"], ACROSS)
     for result in four:
         _assert_close(result["cp_tp2"], single["resumed"], ACROSS)
-    out = tp2["out"]
-    torchrun(WORKER, 1, str(out), "one", "--label", "one_from_cp2", "--from", str(out / "cp2_epoch0"))
-    (result,) = _load(out, "one_from_cp2", 1)
-    _assert_close(result["resumed"], single["resumed"], ACROSS)
+    _assert_close(one_process["from_cp2"], single["resumed"], ACROSS)
     # Both ranks' logits of a forward without labels are the whole sequence's, and they agree.
     torch.testing.assert_close(tp2["ranks"][0]["cp_logits"], tp2["ranks"][1]["cp_logits"], atol=0, rtol=0)
 
@@ -165,7 +163,10 @@ def test_compiled_checkpoints_resume_uncompiled_and_back(tp2: dict[str, Any], si
 
 
 @pytest.mark.scenarios("ckpt_tp2", "ep")
-def test_expert_parallel_checkpoints_resume_across_ep_sizes(tp2: dict[str, Any], single_moe: dict[str, Any]) -> None:
+@pytest.mark.scenarios("ckpt_one", "from_ep2")
+def test_expert_parallel_checkpoints_resume_across_ep_sizes(
+    tp2: dict[str, Any], single_moe: dict[str, Any], one_process: dict[str, Any]
+) -> None:
     """ep 2 trains the tiny Qwen3-MoE as one process does; its epoch-0 checkpoint resumes on ep 2 and on one process;
     the one-process checkpoint resumes on ep 2 over the TP group and over the data-parallel ranks (where each rank's
     loss is its half of the batch: their mean is the global one)."""
@@ -175,10 +176,7 @@ def test_expert_parallel_checkpoints_resume_across_ep_sizes(tp2: dict[str, Any],
         _assert_close(result["single_to_ep"], single_moe["resumed"], ACROSS)
     halves = [r["single_to_ep_dp"] for r in tp2["ranks"]]
     _assert_close({step: (halves[0][step] + halves[1][step]) / 2 for step in halves[0]}, single_moe["resumed"], ACROSS)
-    out = tp2["out"]
-    torchrun(WORKER, 1, str(out), "one_moe", "--label", "one_from_ep2", "--from", str(out / "ep2_epoch0"))
-    (result,) = _load(out, "one_from_ep2", 1)
-    _assert_close(result["resumed"], single_moe["resumed"], ACROSS)
+    _assert_close(one_process["from_ep2"], single_moe["resumed"], ACROSS)
 
 
 @pytest.mark.scenarios("ckpt_tp2", "ep")
@@ -228,10 +226,9 @@ def test_killed_save_leaves_the_previous_checkpoint(crashed: Path) -> None:
     assert torch.load(crashed / "last" / "meta.pt", weights_only=True)["global_step"] == 4
 
 
-def test_tp2_checkpoint_resumes_on_one_process(crashed: Path, single: dict[str, Any]) -> None:
-    torchrun(WORKER, 1, str(crashed), "one", "--label", "one", "--from", str(crashed / "last"))
-    (result,) = _load(crashed, "one", 1)
-    _assert_close(result["resumed"], single["resumed"], ACROSS)
+@pytest.mark.scenarios("ckpt_one", "from_tp2")
+def test_tp2_checkpoint_resumes_on_one_process(one_process: dict[str, Any], single: dict[str, Any]) -> None:
+    _assert_close(one_process["from_tp2"], single["resumed"], ACROSS)
 
 
 @pytest.fixture(scope="module")
@@ -255,14 +252,46 @@ def four(crashed: Path, truncated: Path) -> list[dict[str, Any]]:
     return _load(crashed, "2d", 4)
 
 
+#: Checkpoints of other layouts resumed on one process, by label: the worker's scenario and where the checkpoint is.
+ONE_PROCESS = {
+    "from_tp2": "one",  # the killed TP 2 run's last whole checkpoint
+    "from_cp2": "one",
+    "from_ep2": "one_moe",
+    "from_tp4": "one",
+}
+
+
+def _one_process_source(label: str, request: pytest.FixtureRequest) -> Path:
+    if label == "from_tp2":
+        return request.getfixturevalue("crashed") / "last"
+    if label == "from_tp4":
+        request.getfixturevalue("four")  # the TP 4 run writes it
+        return request.getfixturevalue("crashed") / "tp4_epoch0"
+    return request.getfixturevalue("tp2")["out"] / {"from_cp2": "cp2_epoch0", "from_ep2": "ep2_epoch0"}[label]
+
+
+@pytest.fixture(scope="module")
+def one_process(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The resumed losses of each selected label's checkpoint on one process: one launch for all of them (a cold
+    start costs more than a resume)."""
+    items = request.session.items
+    labels = selected_scenarios(items, launch="ckpt_one", fixture="one_process", default=list(ONE_PROCESS))
+    runs = {label: f"{ONE_PROCESS[label]}@{_one_process_source(label, request)}" for label in labels}
+    out = tmp_path_factory.mktemp("ckpt_one")
+    torchrun(WORKER, 1, str(out), *runs.values(), "--label", "one")
+    (result,) = _load(out, "one", 1)
+    return {label: result[run]["resumed"] for label, run in runs.items()}
+
+
 def _dp_mean(ranks: list[dict[str, Any]], key: str, dp_key: str) -> dict[int, float]:
     """Each data-parallel rank trains on half of each global batch: their mean is the global loss."""
     by_dp = {r[dp_key]: r[key] for r in ranks}
     return {step: sum(losses[step] for losses in by_dp.values()) / len(by_dp) for step in by_dp[0]}
 
 
+@pytest.mark.scenarios("ckpt_one", "from_tp4")
 def test_tp4_with_replicated_kv_heads_trains_resumes_on_2d_and_one_process_and_exports(
-    four: list[dict[str, Any]], crashed: Path, single: dict[str, Any]
+    four: list[dict[str, Any]], crashed: Path, single: dict[str, Any], one_process: dict[str, Any]
 ) -> None:
     """TP 4 over 2 KV heads (each rank computes the KV head its query head reads): the same losses as one process;
     its checkpoint resumes on dp 2 x tp 2 and on one process, and its save_pretrained reloads with its logits."""
@@ -272,9 +301,7 @@ def test_tp4_with_replicated_kv_heads_trains_resumes_on_2d_and_one_process_and_e
     assert four[1]["tp4_kv_heads"] == [(1, (8, 64))]
     _assert_close(four[0]["uninterrupted"], single["uninterrupted"], ACROSS)
     _assert_close(_dp_mean(four, "resumed_2d", "dp_rank_2d"), single["resumed"], ACROSS)
-    torchrun(WORKER, 1, str(crashed), "one", "--label", "one_from_tp4", "--from", str(crashed / "tp4_epoch0"))
-    (result,) = _load(crashed, "one_from_tp4", 1)
-    _assert_close(result["resumed"], single["resumed"], ACROSS)
+    _assert_close(one_process["from_tp4"], single["resumed"], ACROSS)
     model = AutoModelForCausalLM.from_pretrained(crashed / "tp4_pretrained")
     torch.testing.assert_close(probe_logits(model), four[0]["tp4_logits"], atol=1e-5, rtol=0)
 
