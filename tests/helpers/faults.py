@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers.launch import ROOT
+from tests.helpers.launch import ROOT, child_env
 
 
 @dataclass
@@ -18,14 +18,6 @@ class Ended:
     returncode: int
     output: str
     ended_at: float  # time.time() when the launcher returned
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "OMP_NUM_THREADS": "1",
-    }
 
 
 def launch(script: str | Path, *args: str, nprocs: int | None = None, timeout: float = 300) -> Ended:
@@ -37,7 +29,7 @@ def launch(script: str | Path, *args: str, nprocs: int | None = None, timeout: f
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
         cmd += [str(script), *args]
     try:
-        proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"{cmd} did not finish in {timeout} s (a hang):\n{err.stdout}\n{err.stderr}") from err
     return Ended(proc.returncode, proc.stdout + proc.stderr, time.time())
