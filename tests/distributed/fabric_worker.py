@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,30 @@ def one_process(precision: str = "32-true") -> Fabric:
     fabric = Fabric(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(device="cpu"), precision=precision)
     fabric.launch()
     return fabric
+
+
+_REFERENCES: dict[str, Any] = {}
+
+
+def shared_reference(out: Path, key: str, compute: Callable[[], Any]) -> Any:
+    """The single-process reference ``key`` (``compute()``, which trains with :func:`one_process`): computed once per
+    launch, on rank 0 only, and read by the other ranks from ``out``. Every rank would otherwise train the same
+    reference on the same cores; cases that share one (the same model, data and optimizer) compute it once."""
+    if key not in _REFERENCES:
+        path = out / f"reference_{key}.pt"
+        if RANK == 0:
+            _REFERENCES[key] = compute()
+            staged = path.with_name(f".{path.name}.partial")
+            torch.save(_REFERENCES[key], staged)
+            os.replace(staged, path)  # whole, or not there
+        else:
+            deadline = time.monotonic() + TIMEOUT.total_seconds()
+            while not path.exists():  # rank 0 trains it meanwhile; a crash there fails its own case first
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 did not write the reference {path} in {TIMEOUT}")
+                time.sleep(0.05)
+            _REFERENCES[key] = torch.load(path, weights_only=False)
+    return _REFERENCES[key]
 
 
 def sharded(precision: str = "32-true", **strategy_kwargs: Any) -> Fabric:
@@ -125,15 +150,20 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # ---------------------------------------------------------------------------------------------------------- cases
 
 
-@case
-def adamw_clip(out: Path, checkpoints: Path) -> dict[str, Any]:
-    """``fabric.setup(model, optimizer)`` with the optimizer built before sharding; AdamW; clipping that bites."""
-    batches = lm_batches(STEPS)
+def _qwen3_adamw_clip(batches: list) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The tiny Qwen3 trained by AdamW with clipping that bites on one process: its losses and norms, its weights."""
     fabric = one_process()
     model = qwen3()
     model, optimizer = fabric.setup(model, adamw(model))
     reference = train(fabric, model, optimizer, batches, clip=0.5)
-    reference_state = full_state(model)
+    return reference, full_state(model)
+
+
+@case
+def adamw_clip(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """``fabric.setup(model, optimizer)`` with the optimizer built before sharding; AdamW; clipping that bites."""
+    batches = lm_batches(STEPS)
+    reference, reference_state = shared_reference(out, "qwen3_adamw_clip", lambda: _qwen3_adamw_clip(batches))
 
     fabric = sharded(tp_size=2, activation_checkpointing=WORLD_SIZE == 4)  # recomputed in 2-D: the same numbers
     model = qwen3()
@@ -183,11 +213,19 @@ def dataloader(out: Path, checkpoints: Path) -> dict[str, Any]:
             losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
         return {"losses": losses, "norms": norms, "seen": seen}
 
-    reference = run(one_process(), 4)
+    reference = shared_reference(out, "dataloader", lambda: run(one_process(), 4))
     fabric = sharded(tp_size=2)
     dp_size = fabric.strategy.dp_mesh.size()
     result = run(fabric, 4 // dp_size)
     return {"reference": reference, **result, "dp_rank": fabric.strategy.dp_mesh.get_local_rank(), "dp_size": dp_size}
+
+
+def _qwen3_sgd(batches: list, precision: str = "32-true") -> dict[str, Any]:
+    """The tiny Qwen3 trained by SGD on one process (clipping measures, clips nothing)."""
+    fabric = one_process(precision)
+    model = qwen3()
+    model, optimizer = fabric.setup(model, sgd(model))
+    return train(fabric, model, optimizer, batches, clip=1e6)
 
 
 @case
@@ -195,10 +233,7 @@ def bf16_mixed(out: Path, checkpoints: Path) -> dict[str, Any]:
     """``Fabric(precision="bf16-mixed")``: autocast over fp32 weights, FSDP2 gathering fp32 and reducing in fp32, as
     one process's bf16-mixed."""
     batches = lm_batches(STEPS)
-    fabric = one_process("bf16-mixed")
-    model = qwen3()
-    model, optimizer = fabric.setup(model, sgd(model))
-    reference = train(fabric, model, optimizer, batches, clip=1e6)
+    reference = shared_reference(out, "qwen3_sgd_bf16_mixed", lambda: _qwen3_sgd(batches, "bf16-mixed"))
 
     fabric = sharded("bf16-mixed", tp_size=2)
     model = qwen3()
@@ -214,11 +249,7 @@ def accumulate(out: Path, checkpoints: Path) -> dict[str, Any]:
     batch, with FSDP2 reduce-scattering every micro-batch (``accumulate_grads="sharded"``, the default) and once per
     step (``"unsharded"``). Counted: the reduce-scatters of each."""
     batches = lm_batches(STEPS)
-    fabric = one_process()
-    model = qwen3()
-    model, optimizer = fabric.setup(model, sgd(model))
-    reference = train(fabric, model, optimizer, batches, clip=1e6)
-    result: dict[str, Any] = {"reference": reference}
+    result: dict[str, Any] = {"reference": shared_reference(out, "qwen3_sgd", lambda: _qwen3_sgd(batches))}
     for accumulate_grads in ("sharded", "unsharded"):
         fabric = sharded(tp_size=2, accumulate_grads=accumulate_grads)
         model = qwen3()
@@ -283,11 +314,14 @@ def meta_load(out: Path, checkpoints: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     batches = lm_batches(STEPS)
-    fabric = one_process()
-    model = AutoModelForCausalLM.from_pretrained(checkpoints / "tied", dtype=torch.float32).train()
-    model, optimizer = fabric.setup(model, sgd(model))
-    reference = train(fabric, model, optimizer, batches)
-    reference_state = full_state(model)
+
+    def one() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        fabric = one_process()
+        model = AutoModelForCausalLM.from_pretrained(checkpoints / "tied", dtype=torch.float32).train()
+        model, optimizer = fabric.setup(model, sgd(model))
+        return train(fabric, model, optimizer, batches), full_state(model)
+
+    reference, reference_state = shared_reference(out, "tied_loaded_sgd", one)
     raw = out / "meta_load_raw.pt"
     if RANK == 0:
         torch.save(reference_state, raw)
@@ -321,10 +355,14 @@ def lora(out: Path, checkpoints: Path) -> dict[str, Any]:
         return get_peft_model(qwen3(), config)
 
     batches = lm_batches(STEPS)
-    fabric = one_process()
-    model = build()
-    model, optimizer = fabric.setup(model, adamw(model))
-    reference = train(fabric, model, optimizer, batches, clip=0.5)
+
+    def one() -> dict[str, Any]:
+        fabric = one_process()
+        model = build()
+        model, optimizer = fabric.setup(model, adamw(model))
+        return train(fabric, model, optimizer, batches, clip=0.5)
+
+    reference = shared_reference(out, "qwen3_lora_adamw_clip", one)
 
     fabric = sharded(tp_size=2)
     model = fabric.setup_module(build())
@@ -338,10 +376,7 @@ def lora(out: Path, checkpoints: Path) -> dict[str, Any]:
 def sequence_loss_parallel(out: Path, checkpoints: Path) -> dict[str, Any]:
     """Sequence and loss parallelism: the loss of ``model(..., labels=...)`` computed on vocabulary shards."""
     batches = lm_batches(STEPS)
-    fabric = one_process()
-    model = qwen3()
-    model, optimizer = fabric.setup(model, adamw(model))
-    reference = train(fabric, model, optimizer, batches, clip=0.5)
+    reference, _ = shared_reference(out, "qwen3_adamw_clip", lambda: _qwen3_adamw_clip(batches))
 
     fabric = sharded(tp_size=2, sequence_parallel=True, loss_parallel=True)
     model = qwen3()
@@ -359,12 +394,15 @@ def _resume(
     from lightning_tp.tools.export import export_checkpoint
 
     batches = lm_batches(4)
-    fabric = one_process()
-    model = build_causal_lm(tiny_config(kind))
-    model, optimizer = fabric.setup(model, adamw(model))
-    reference_head = train(fabric, model, optimizer, batches[:2], clip=0.5)
-    reference_at_save = full_state(model)
-    reference_tail = train(fabric, model, optimizer, batches[2:], clip=0.5)
+
+    def one() -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+        fabric = one_process()
+        model = build_causal_lm(tiny_config(kind))
+        model, optimizer = fabric.setup(model, adamw(model))
+        head = train(fabric, model, optimizer, batches[:2], clip=0.5)
+        return head, full_state(model), train(fabric, model, optimizer, batches[2:], clip=0.5)
+
+    reference_head, reference_at_save, reference_tail = shared_reference(out, f"resume_{kind}", one)
 
     path = out / f"resume_{'_'.join(f'{k}{v}' for k, v in first.items())}{'_url' if url else ''}.ckpt"
     target = f"local://{path}" if url else path  # fsspec: committed by a marker, as on an object store
@@ -447,10 +485,7 @@ def resume_ep_to_tp(out: Path, checkpoints: Path) -> dict[str, Any]:
 def context_parallel_2d(out: Path, checkpoints: Path) -> dict[str, Any]:
     """cp 2 x tp 2 with sequence and loss parallelism, padded batches of an odd length."""
     batches = padded_lm_batches(STEPS)
-    fabric = one_process()
-    model = qwen3()
-    model, optimizer = fabric.setup(model, adamw(model))
-    reference = train(fabric, model, optimizer, batches, clip=0.5)
+    reference = shared_reference(out, "qwen3_padded_adamw_clip", lambda: _qwen3_adamw_clip(batches)[0])
 
     fabric = sharded(tp_size=2, cp_size=2, sequence_parallel=True, loss_parallel=True)
     model = qwen3()
