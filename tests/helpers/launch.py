@@ -52,11 +52,12 @@ def child_env(extra: dict | None = None) -> dict:
     """The environment of a process a test starts: this checkout first on the path (not an installed copy), one
     thread, faulthandler, the tripwire's timeout, the session's compile cache."""
     return {
-        "TORCHINDUCTOR_CACHE_DIR": _inductor_cache(),
         # Inductor compiles in the worker itself: a pool of compile processes per rank only competes for the cores.
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
         **os.environ,
         **(extra or {}),
+        # Always the session's: importing inductor in this process sets the variable to its shared default.
+        "TORCHINDUCTOR_CACHE_DIR": _inductor_cache(),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "OMP_NUM_THREADS": "1",
         "PYTHONFAULTHANDLER": "1",  # a fatal signal (the SIGABRT below included) prints every thread's stack
