@@ -29,6 +29,7 @@ from lightning_tp.parallel.loss_parallel import (
     vocab_parallel_cross_entropy,
 )
 from tests.helpers.scenarios import Scenarios
+from tests.helpers.tolerances import unit_roundoff
 
 FP32_TOL = 1e-6
 #: Check name -> function(mesh) -> record.
@@ -105,8 +106,9 @@ def _check_cross_entropy(
     loss_diff = (loss - ref).abs().max().item()
     grad_diff = (grad.float() - ref_in.grad.float()).abs().max().item()
     # bf16: both losses are computed in fp32 from the same bf16 logits; both gradients are fp32 values rounded to
-    # bf16, which may land one bf16 step (2^-8 relative) apart.
-    grad_tol = FP32_TOL if dtype == torch.float32 else 2**-8 * ref_in.grad.float().abs().max().item()
+    # bf16, which may land one bf16 step apart: up to eps = 2 u (2^-7) of the value, the largest gradient's at most.
+    largest = ref_in.grad.float().abs().max().item()
+    grad_tol = FP32_TOL if dtype == torch.float32 else 2 * unit_roundoff(dtype) * largest
     assert loss_diff <= _loss_tol(ref), f"{case}: loss differs by {loss_diff}"
     assert grad_diff <= grad_tol, f"{case}: grad differs by {grad_diff}"
     return {"loss_diff": loss_diff, "loss_tol": _loss_tol(ref), "grad_diff": grad_diff, "grad_tol": grad_tol}

@@ -44,6 +44,13 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_tp import TensorParallelStrategy  # noqa: E402
 from tests.helpers.cases import CASES, CHECKPOINT_ENV  # noqa: E402
 from tests.helpers.models import build_causal_lm, full_state, quiet_trainer, reference_run, tiny_config  # noqa: E402
+from tests.helpers.tolerances import (  # noqa: E402
+    cross_entropy_scale,
+    parity_tolerances,
+    relative_distance,
+    rounding_gap,
+    sharded_roundings,
+)
 from tests.helpers.tripwire import worker_setup  # noqa: E402
 
 TIMEOUT = timedelta(minutes=3)
@@ -141,15 +148,48 @@ def check_parity(name: str, layout: dict, case_name: str, extra: dict, args: arg
         precision=case.precision,
         device=device(args),
     )
-    found = gaps(result, ref)
-    # fp32: the same computation up to the order of sums (AdamW divides by sqrt(v): tiny differences grow a little);
-    # bf16-mixed: TP splits the matmuls and sums their bf16 outputs, about 1e-3 on the loss.
-    bf16 = case.precision != "32-true"
-    adamw = case.optimizer == "adamw"
-    limits = {"loss": 2e-2 if bf16 else 1e-5, "grad_norm_rel": 5e-2 if bf16 else 1e-4}
-    limits["state"] = 2e-2 if bf16 else (1e-4 if adamw else 1e-5)
-    ok = all(found[key] <= limits[key] for key in limits)  # `gaps` checked that both ran as many micro-batches
+    found = gaps(result, ref)  # also checks that both ran as many micro-batches
+    if case.precision == "32-true":
+        # The same computation up to the order of sums (AdamW divides by sqrt(v): tiny differences grow a little).
+        adamw = case.optimizer == "adamw"
+        limits = {"loss": 1e-5, "grad_norm_rel": 1e-4, "state": 1e-4 if adamw else 1e-5}
+        ok = all(found[key] <= limits[key] for key in limits)
+    else:
+        found, limits = bf16_gaps(case, layout, batches, result, ref)
+        ok = all(gap <= bound for key in limits for gap, bound in zip(found[key], limits[key], strict=True))
     report(name, ok, gaps=found, limits=limits, losses=module.losses)
+
+
+def bf16_gaps(case: Any, layout: dict, batches: list, result: dict, ref: dict) -> tuple[dict, dict]:
+    """The gaps of a bf16 run from one device's, per step, and their bounds: derived from bf16's unit roundoff and
+    what the layout rounds differently (tests/helpers/tolerances.py), plus the fp32 check's limits (the fp32 parts of
+    the step sum in another order too; all there is on one rank). ``state_rel``: the trained weights' distance from
+    one device's, relative to one device's update."""
+    module = case.module(reference=True)
+    module.configure_model()
+    initial = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    layers = module.model.config.num_hidden_layers
+    tp = layout["tp_size"]
+    dp = WORLD // tp
+    steps = len(ref["losses"])
+    bf16_weights = case.precision == "bf16-true"
+    scale = cross_entropy_scale(module.model, batches, precision=case.precision, states=(ref["state"],))
+    bounds = parity_tolerances(
+        torch.bfloat16, layers, tp=tp, dp=dp, steps=steps, loss_scale=scale, bf16_weights=bf16_weights
+    )
+    update = {k: ref["state"][k] - initial[k] for k in initial}
+    found = {
+        "loss": [abs(a - b) for a, b in zip(result["losses"], ref["losses"], strict=True)],
+        "grad_norm_rel": [abs(a - b) / b for a, b in zip(result["grad_norms"], ref["grad_norms"], strict=True)],
+        "state_rel": [relative_distance(result["state"], ref["state"], update)],
+    }
+    roundings = steps * sharded_roundings(layers, tp=tp, dp=dp, bf16_weights=bf16_weights)
+    limits = {
+        "loss": [bound + 1e-5 for bound in bounds["loss"]],
+        "grad_norm_rel": [bound + 1e-4 for bound in bounds["grad_norm_rel"]],
+        "state_rel": [rounding_gap(torch.bfloat16, roundings) + 1e-5],
+    }
+    return found, limits
 
 
 class _OffloadedModule(L.LightningModule):
