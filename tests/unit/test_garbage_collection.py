@@ -80,12 +80,22 @@ def test_refuses_a_bad_interval(value) -> None:
         GarbageCollection(value)
 
 
+def _listed(objects: list) -> int:
+    """How many of ``objects`` the collector lists in its generations: ``gc.get_objects()`` leaves out the frozen
+    (permanent) generation. (``gc.get_freeze_count()`` is no measure of a freeze: it drops whenever any frozen object
+    is freed, which anything in the process may do.)"""
+    ids = {id(obj) for obj in objects}
+    return sum(id(obj) in ids for obj in gc.get_objects())
+
+
 def test_leaves_a_users_own_freeze_and_reenables_collection_in_forked_children() -> None:
     import os
 
+    mine = [[] for _ in range(3)]  # containers (tracked by the collector) only this test refers to
+    assert _listed(mine) == len(mine)
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        assert _listed(mine) == 0 and gc.get_freeze_count() > 0  # the user's freeze: out of every generation
         callback = GarbageCollection(2)
         callback.on_train_start(None, None)  # type: ignore[arg-type]
         assert not gc.isenabled()
@@ -97,7 +107,8 @@ def test_leaves_a_users_own_freeze_and_reenables_collection_in_forked_children()
         os.waitpid(pid, 0)
         assert os.read(read, 1) == b"1"
         callback.on_train_end(None, None)  # type: ignore[arg-type]
-        assert gc.isenabled() and gc.get_freeze_count() >= frozen > 0  # the user's freeze is still theirs
+        assert gc.isenabled() and _listed(mine) == 0  # the user's freeze is still theirs: not undone by the callback
     finally:
         gc.unfreeze()
         gc.enable()
+    assert _listed(mine) == len(mine)  # an unfreeze (the user's here) puts them back: what the check above would see
