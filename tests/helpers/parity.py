@@ -3,6 +3,8 @@ process (the reference, trained here, in the test's process)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tests.helpers.cases import CASES
@@ -12,7 +14,10 @@ SGD_TOL = 1e-5  # fp32, the issue's bound for 5 SGD steps
 ADAMW_TOL = 1e-4  # AdamW divides by sqrt(v): tiny gradient differences grow a little
 
 
+@functools.cache
 def reference_of(name: str) -> dict:
+    """Case ``name`` trained on one process: computed once per test session (the TP 2 and 2-D tests of a case, and
+    the tests reading several, share it); read it, never change it."""
     case = CASES[name]
     return reference_run(case.module(reference=True), case.batches(), clip=case.clip, accumulate=case.accumulate)
 
