@@ -28,3 +28,6 @@ MODEL_KEY = "state_dict"
 #: and shards, Lightning's ``META_FILENAME``. A directory holding only these (or nothing) is one this package may
 #: replace or remove; anything else in it is someone else's. Also what a URL's data directory may hold (`remote`).
 CHECKPOINT_FILE = re.compile(rf"(__\d+)?{re.escape(DCP_INDEX)}(\.tmp)?|{re.escape(META_FILENAME)}|__\d+_\d+\.distcp")
+#: Written last into a checkpoint directory at a URL (``lightning_tp.checkpoint.remote``); without it the directory
+#: is not a checkpoint.
+COMMIT_MARKER = ".lightning_tp_complete"

@@ -30,14 +30,12 @@ import uuid
 import zipfile
 from typing import Any
 
-from lightning_tp.checkpoint.format import CHECKPOINT_FILE, DCP_INDEX, META_FILENAME
+from lightning_tp.checkpoint.format import CHECKPOINT_FILE, COMMIT_MARKER, DCP_INDEX, META_FILENAME
 from lightning_tp.checkpoint.publish import is_checkpoint_file
 from lightning_tp.checkpoint.trust import index_reader
 from lightning_tp.checkpoint.validation import IncompleteCheckpointError, check_shards
 from lightning_tp.compat import fsspec_reader_class, fsspec_writer_class
 
-#: Written last into a checkpoint directory at a URL; without it the directory is not a checkpoint.
-COMMIT_MARKER = ".lightning_tp_complete"
 _DATA_PREFIX = "shards-"
 _DATA_DIRECTORY = re.compile(rf"{_DATA_PREFIX}[0-9a-f]{{16}}")
 
@@ -49,17 +47,22 @@ def is_url(path: Any) -> bool:
 
 
 def local_path(path: Any) -> Any:
-    """The local path a ``file://`` URL names, as fsspec reads it (``file:///abs/dir`` is ``/abs/dir``, ``file://dir``
-    is ``dir`` under the working directory); any other path or URL as it is. Saves, loads and removals take a
-    ``file://`` URL as that path (published by renames), as Lightning takes it for a local path. fsspec's ``local://``
-    alias stays a URL: a checkpoint on disk written as on an object store (with the commit marker), which runs that
-    path on several processes without a store."""
+    """The local path a ``file://`` URL names (``file:///abs/dir`` is ``/abs/dir``); any other path or URL as it is.
+    Saves, loads and removals take a ``file://`` URL as that path (published by renames), as Lightning takes it for a
+    local path. fsspec's ``local://`` alias stays a URL: a checkpoint on disk written as on an object store (with the
+    commit marker), which runs that path on several processes without a store. ``file://dir`` (two slashes) is
+    refused: fsspec reads ``dir`` under the working directory, RFC 8089 a host named ``dir``, and Lightning's
+    ``ModelCheckpoint`` ``/dir``."""
     if not is_url(path):
         return path
     from fsspec.utils import get_protocol
 
     if get_protocol(path) != "file":  # a chained URL (``simplecache::file://...``) stays a URL
         return path
+    if not path.startswith("file:///"):
+        raise ValueError(
+            f"{path!r} names no absolute path: write file:///absolute/path (three slashes), or a plain path."
+        )
     return _fs(path)[1]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tp.checkpoint.format import DCP_INDEX, META_FILENAME, MODEL_KEY
+from lightning_tp.checkpoint.format import COMMIT_MARKER, DCP_INDEX, META_FILENAME, MODEL_KEY
 from lightning_tp.checkpoint.publish import partial_path, previous_path
 from lightning_tp.checkpoint.trust import UntrustedCheckpointError, index_reader
 
@@ -36,6 +36,11 @@ def check_checkpoint(path: Path) -> None:
         _check_file(path)
         return
     missing = [name for name in (DCP_INDEX, META_FILENAME) if not (path / name).is_file()]
+    if missing and (path / COMMIT_MARKER).is_file():
+        raise ValueError(
+            f"{path} holds a checkpoint in the layout written at URLs (its commit marker {COMMIT_MARKER}; a file:// "
+            f"URL wrote it before lightning_tp took file:// as a local path): load it as local://{path.resolve()}."
+        )
     if missing:
         raise IncompleteCheckpointError(
             f"The checkpoint directory {path} is incomplete: {', '.join(missing)} missing. A save that did not "

@@ -233,6 +233,17 @@ def test_file_urls_name_local_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert local_path("memory://bucket/x") == "memory://bucket/x"
     assert local_path("simplecache::file:///abs/x") == "simplecache::file:///abs/x"
     assert local_path(Path("/abs/x")) == Path("/abs/x")
+    with pytest.raises(ValueError, match="names no absolute path: write file:///absolute/path"):
+        local_path("file://relative/dir")  # fsspec: under the working directory; ModelCheckpoint: /relative/dir
+    # A directory a file:// URL wrote before it meant a local path (the URLs' layout) is named, not called incomplete.
+    from lightning_tp.checkpoint.format import COMMIT_MARKER
+    from lightning_tp.checkpoint.validation import check_checkpoint
+
+    old = tmp_path / "old_url_layout"
+    (old / "shards-0123456789abcdef").mkdir(parents=True)
+    (old / COMMIT_MARKER).write_text("{}")
+    with pytest.raises(ValueError, match=f"load it as local://{old}"):
+        check_checkpoint(old)
 
     monkeypatch.chdir(tmp_path)
     callbacks = [
