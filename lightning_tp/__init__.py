@@ -13,6 +13,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_tp import compat, fabric
 from lightning_tp.checkpoint.hf_saves import save_merged
 from lightning_tp.checkpoint.loading import from_pretrained, load_sharded
+from lightning_tp.checkpoint.trust import UntrustedCheckpointError
+from lightning_tp.checkpoint.validation import IncompleteCheckpointError
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.parallel.expert_parallel import expert_load
 from lightning_tp.parallel.grad import clip_grad_norm_, grad_norm
@@ -36,11 +38,13 @@ __all__ = [
     "SUPPORTED_STYLES",
     "ExpertLoadMonitor",
     "GarbageCollection",
+    "IncompleteCheckpointError",
     "ParallelLayout",
     "ParallelOptions",
     "ResolvedPlan",
     "TensorParallelStrategy",
     "ThroughputMonitor",
+    "UntrustedCheckpointError",
     "apply_tensor_parallel",
     "clip_grad_norm_",
     "expert_load",
