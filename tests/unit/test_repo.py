@@ -275,3 +275,14 @@ def test_the_fast_tier_names_tests_that_exist():
         source = (ROOT / "tests/distributed" / file).read_text()
         assert f"def {function}(" in source, node
         assert param.rstrip("]") in source or param.rstrip("]") in (ROOT / "tests/helpers/cases.py").read_text(), node
+
+
+#: The lowest layer: modules every other layer may import, which import nothing of the package above them.
+BASE_MODULES = {"compat", "layout", "options"}
+
+
+def test_the_lowest_modules_import_nothing_above_them():
+    modules = _module_names()
+    assert BASE_MODULES <= set(modules), sorted(BASE_MODULES - set(modules))
+    above = {name: _imports_of(name, modules[name], set(modules)) - BASE_MODULES for name in BASE_MODULES}
+    assert not any(above.values()), f"the lowest modules import upward: {above}"
