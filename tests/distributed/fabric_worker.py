@@ -65,15 +65,21 @@ def shared_reference(out: Path, key: str, compute: Callable[[], Any]) -> Any:
     launch, on rank 0 only, and read by the other ranks from ``out``. Every rank would otherwise train the same
     reference on the same cores; cases that share one (the same model, data and optimizer) compute it once."""
     if key not in _REFERENCES:
-        path = out / f"reference_{key}.pt"
+        path, failed = out / f"reference_{key}.pt", out / f"reference_{key}.failed"
         if RANK == 0:
-            _REFERENCES[key] = compute()
+            try:
+                _REFERENCES[key] = compute()
+            except Exception:
+                failed.touch()  # the other ranks stop waiting and raise too
+                raise
             staged = path.with_name(f".{path.name}.partial")
             torch.save(_REFERENCES[key], staged)
             os.replace(staged, path)  # whole, or not there
         else:
             deadline = time.monotonic() + TIMEOUT.total_seconds()
-            while not path.exists():  # rank 0 trains it meanwhile; a crash there fails its own case first
+            while not path.exists():  # rank 0 trains it meanwhile
+                if failed.exists():
+                    raise RuntimeError(f"rank 0 failed to compute the reference {key!r} (its traceback says why)")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank 0 did not write the reference {path} in {TIMEOUT}")
                 time.sleep(0.05)
