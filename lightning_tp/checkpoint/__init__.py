@@ -4,7 +4,7 @@ read already sharded, and standard Hugging Face directories written from a shard
 - ``format``: file names and checkpoint keys; ``publish``: crash-safe writes that never remove what this package did
   not write; ``trust``: checkpoints are untrusted input (no arbitrary unpickling by default); ``validation``: clear
   errors before a load; ``rng_state``: random states saved and restored;
-- ``state``: the whole training state saved and loaded (the strategies" ``save_checkpoint``/``load_checkpoint``);
+- ``state``: the whole training state saved and loaded (the strategies' ``save_checkpoint``/``load_checkpoint``);
   ``dcp_layouts``: layouts DCP writes wrongly, saved plainly; ``readers``: checkpoints read one tensor at a time;
   ``remote``: fsspec URLs; ``safetensors``: the format written one tensor at a time;
 - ``loading``: pretrained safetensors read as each rank's slices; ``hf_saves``: ``save_pretrained``, the adapter save

@@ -1,7 +1,7 @@
 """Plans as data: which style each module of a model gets, resolved and validated once, before any weight moves and
 without any collective.
 
-- ``styles``: the one table of Transformers" style names (what each splits, whether this package applies it);
+- ``styles``: the one table of Transformers' style names (what each splits, whether this package applies it);
 - ``resolve``: reading a model's plan, merging overrides, expanding wildcards, the checks with errors naming the key;
 - ``derived``: plans derived from a decoder's structure for models whose config has none;
 - ``discovery``: which modules of a LightningModule are Transformers (or PEFT) models, and what a checkpoint records

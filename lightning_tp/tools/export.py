@@ -254,7 +254,7 @@ def _adapter_items(entry: dict[str, Any], peft_model: nn.Module, adapter: str, s
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Writing what is not a tensor file (tensor files: `safetensors_writer`)
+# Writing what is not a tensor file (tensor files: `lightning_tp.checkpoint.safetensors`)
 
 
 def _write_configs(directory: Path, entry: dict[str, Any], *, dtype: torch.dtype) -> None:

