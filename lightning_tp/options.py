@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-__all__ = ["OPTIONS", "TRAINER_ONLY", "Option", "document", "options_of"]
+__all__ = ["DEFAULTS", "OPTIONS", "TRAINER_ONLY", "Option", "document", "options_of"]
 
 _T = TypeVar("_T", bound=type)
 
@@ -244,6 +244,9 @@ OPTIONS: tuple[Option, ...] = (
         "Timeout of collective operations; it reaches every group of the mesh, not only the world group.",
     ),
 )
+
+#: Each argument's default, by name (for the modules that use one outside the constructors).
+DEFAULTS: dict[str, Any] = {option.name: option.default for option in OPTIONS}
 
 #: The Trainer-only arguments, each with why Fabric's strategy refuses it and what to do there instead.
 TRAINER_ONLY: dict[str, str] = {option.name: option.trainer_only for option in OPTIONS if option.trainer_only}

@@ -46,10 +46,11 @@ from lightning_tp.compat import (
     restore_sigterm_broadcast,
     strategy_timeout,
 )
+from lightning_tp.options import DEFAULTS
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_PREEMPTION_SIGNALS: tuple[str, ...] = DEFAULTS["preemption_signals"]
 #: Signals a process cannot catch, or that mean something else to Python.
 _REFUSED = {"SIGKILL", "SIGSTOP", "SIGINT", "SIGCHLD"}
 

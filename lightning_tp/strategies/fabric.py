@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -42,9 +42,6 @@ from lightning_tp.parallel.fsdp import micro_batch_grads
 from lightning_tp.parallel.grad import clip_grad_norm_
 from lightning_tp.parallelize import ParallelOptions, apply_parallelisms
 from lightning_tp.strategies.shared import MeshMixin, StrategyOptions
-
-if TYPE_CHECKING:
-    pass
 
 #: meta.pt's entry naming which state keys of ``fabric.save`` hold the model and the optimizers.
 FABRIC_KEY = "lightning_tp_fabric"
