@@ -466,9 +466,6 @@ def prepare_case(
         except Exception as err:  # noqa: BLE001
             raise Skip(f"fails to build: {_first_line(err)}") from err
         result["model_class"] = type(model).__name__
-        recurrent = recurrent_modules(model)
-        if recurrent:
-            raise Skip(f"recurrent/state-space layers ({', '.join(recurrent[:2])})")
         result["plan_source"] = plan_source(model)[1]
         if case.startswith("ep2") and not getattr(model, "ep_plan", None):
             result.update(status="n/a", detail="no expert-parallel plan (`base_model_ep_plan`)")

@@ -1,6 +1,6 @@
 """The parallelisms, each applied to a module by one stage of :func:`lightning_tp.parallelize`.
 
-- ``tensor_parallel``, ``kv_heads``, ``sequence_parallel``, ``loss_parallel``, ``context_parallel``,
+- ``tensor_parallel``, ``blocks`` (head-parallel mixers' packed parameters), ``kv_heads``, ``sequence_parallel``, ``loss_parallel``, ``context_parallel``,
   ``expert_parallel``, ``fsdp`` (FSDP2 / HSDP on the data-parallel axes), ``lora`` (adapters sharded with their base);
 - what they share: ``collectives`` (autograd functions), ``hooks``, ``gather`` (whole tensors from shards), ``grad``
   (norms and clipping across meshes), ``rng`` and ``random_init`` (random numbers of sharded tensors),
@@ -10,6 +10,7 @@ May import (checked by tests/unit/test_repo.py): ``compat``, ``layout``, ``plans
 """
 
 __all__ = [
+    "blocks",
     "collectives",
     "context_parallel",
     "expert_parallel",

@@ -25,6 +25,7 @@ from lightning_tp.compat import (
     strided_shard,
     transformers_apply_tensor_parallelism,
 )
+from lightning_tp.parallel.blocks import apply_blocks
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads, kv_head_layout, localize_kv_groups
 from lightning_tp.plans.resolve import ResolvedPlan
@@ -61,6 +62,8 @@ def apply_tensor_parallel(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
+    # Before the head counts change: the mixers' block sizes were read from them when the plan was resolved.
+    apply_blocks(module, tp_mesh, plan)
     retie(module, plan.tied)
     localize_heads(module, plan, tp_size=tp_mesh.size(), rank=tp_mesh.get_local_rank())
     slice_alibi_heads(module, plan.alibi_heads, tp_mesh=tp_mesh)
@@ -168,7 +171,7 @@ def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank:
     modules = dict(module.named_modules())
     for name in plan.local_heads:
         attention = modules[name]
-        for attribute in HEAD_COUNT_ATTRIBUTES:
+        for attribute in plan.head_attributes(name):
             count = getattr(attention, attribute, None)
             if name in plan.kv_replicated and attribute in KV_HEAD_COUNT_ATTRIBUTES:
                 continue
@@ -374,6 +377,12 @@ def replicate_unsharded_parameters(
                 run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
             else:
                 run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
+                if "." in name:
+                    # Sequence mixers read a child's parameters without calling it (`self.conv1d.weight` passed to a
+                    # causal-conv function): the parent's call swaps them too, when they are still replicated.
+                    parent = modules[name.rpartition(".")[0]]
+                    parent_view = _replicated_view(tp_mesh.get_group() if name in summed else None)
+                    run_on_parameter_views(parent, dict.fromkeys(local_names, parent_view), holder=submodule)
     _run_replicated_subtrees_on_views(module, {id(p) for p in replaced.values()}, summed)
 
 
@@ -473,6 +482,17 @@ def _in_parameter_layout(param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor) and param.requires_grad and torch.is_grad_enabled():
         return _GradInParameterLayout.apply(param)
     return param
+
+
+def _replicated_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The local view of a parameter replicated over the TP group only; anything else (a parameter FSDP2 holds
+    sharded at that moment) is left for its own module's view."""
+    local_view = _local_view(grad_group)
+
+    def view(param: torch.Tensor) -> torch.Tensor:
+        return local_view(param) if _replicated_local(param) is not None else param
+
+    return view
 
 
 def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:

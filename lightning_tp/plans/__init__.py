@@ -4,10 +4,11 @@ without any collective.
 - ``styles``: the one table of Transformers' style names (what each splits, whether this package applies it);
 - ``resolve``: reading a model's plan, merging overrides, expanding wildcards, the checks with errors naming the key;
 - ``derived``: plans derived from a decoder's structure for models whose config has none;
+- ``mixers``: the sequence mixers split by heads (linear attention, state-space layers, latent attention), as data;
 - ``discovery``: which modules of a LightningModule are Transformers (or PEFT) models, and what a checkpoint records
   about them.
 
 May import (checked by tests/unit/test_repo.py): ``compat``, ``layout``.
 """
 
-__all__ = ["discovery", "derived", "resolve", "styles"]
+__all__ = ["discovery", "derived", "mixers", "resolve", "styles"]

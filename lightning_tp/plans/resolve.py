@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_tp.plans.mixers import MixerKind, find_mixers, heads_problem, mixer_blocks, mixer_entries
 from lightning_tp.plans.derived import derive_plan
 from lightning_tp.plans.styles import (
     HEAD_COUNT_ATTRIBUTES,
@@ -73,6 +74,12 @@ class ResolvedPlan:
     #: style (weights first). TP leaves everything under these modules whole; see
     # :mod:`lightning_tp.parallel.expert_parallel`.
     experts: dict[str, str] = field(default_factory=dict)
+    #: Head-parallel sequence mixers (:mod:`lightning_tp.plans.mixers`): name -> the size attributes divided by the
+    #: TP size (its ``local_heads`` in ``head_styles``).
+    mixers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Parameters whose dim 0 packs blocks each rank takes its slice of (``colwise_blocks``/``local_blocks``): full
+    #: name -> the whole block sizes. One-block parameters are absent (their plain shard is the rank's rows).
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def expert_modules(self) -> list[str]:
@@ -98,6 +105,10 @@ class ResolvedPlan:
     def alibi_heads(self) -> list[str]:
         """Attention modules whose ALiBi input is sliced to the rank's heads (``local_heads_alibi``)."""
         return [name for name, style in self.head_styles.items() if style == "local_heads_alibi"]
+
+    def head_attributes(self, name: str) -> tuple[str, ...]:
+        """The attributes of the ``local_heads`` module ``name`` that count heads (or sizes made of heads)."""
+        return self.mixers.get(name, HEAD_COUNT_ATTRIBUTES)
 
     @property
     def local_heads(self) -> list[str]:
@@ -254,7 +265,14 @@ def resolve_plan(
             "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
         )
 
+    mixers = _head_parallel_mixers(module, overrides, tp_size=tp_size)
+    mixer_styles = {
+        key: style for name, (mixer, kind) in mixers.items() for key, style in mixer_entries(name, mixer, kind).items()
+    }
     patterns = [(key, key_regex(key), style, key in overrides) for key, style in plan.items()]
+    # A mixer's own entries name concrete paths, so they win over the model's `layers.*` rules (Qwen3.5's gathered
+    # projections), and lose to the user's overrides.
+    patterns += [(key, key_regex(key), style, False) for key, style in mixer_styles.items()]
     unmatched = [
         key for key, regex, _, is_override in patterns if is_override and not any(regex.fullmatch(n) for n in names)
     ]
@@ -276,6 +294,9 @@ def resolve_plan(
             # torch ParallelStyles shard their module's parameters themselves; `local_heads` names a module only.
             if isinstance(style, str) and full in unique_params and style not in _HEAD_STYLES:
                 resolved.styles[full] = style
+        if module_name in mixers:
+            resolved.head_styles[module_name] = "local_heads"
+            resolved.mixers[module_name] = mixers[module_name][1].attributes
         if isinstance(module_style, str) and module_style in _HEAD_STYLES:
             resolved.head_styles[module_name] = module_style
         elif module_style is not None:
@@ -287,12 +308,36 @@ def resolve_plan(
         if style in _SUMMED_HERE and name in module_names and _sees_sharded_features(name, resolved.styles)
     ]
     resolved.grad_allreduce += _between_split_projections(module, resolved.styles)
+    for name, (mixer, kind) in mixers.items():
+        resolved.blocks.update(mixer_blocks(name, mixer, kind))
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
     _check_even_splits(module, resolved.styles, tp_size)
-    _check_local_heads(module, resolved.local_heads, tp_size, kv_replicated=resolved.kv_replicated)
+    attention = [name for name in resolved.local_heads if name not in resolved.mixers]
+    _check_local_heads(module, attention, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
+
+
+def _head_parallel_mixers(
+    module: nn.Module, overrides: Mapping[str, Style], *, tp_size: int
+) -> dict[str, tuple[nn.Module, MixerKind]]:
+    """The sequence mixers split by heads: every one :mod:`lightning_tp.plans.mixers` knows, but those the user's
+    ``tp_plan`` places itself (a key naming the mixer or something inside it). A mixer whose heads ``tp_size`` does
+    not divide is refused here, before anything moves."""
+    if tp_size == 1 or not is_transformers_model(module):
+        return {}
+    found = {}
+    for name, kind in find_mixers(module).items():
+        mixer = module.get_submodule(name)
+        paths = [name] + [f"{name}.{inner}" for inner, _ in mixer.named_modules() if inner]
+        paths += [f"{name}.{inner}" for inner, _ in mixer.named_parameters()]
+        if any(key_regex(key).fullmatch(path) for key in overrides for path in paths):
+            continue
+        if (problem := heads_problem(name, mixer, kind, tp_size)) is not None:
+            raise ValueError(problem)
+        found[name] = (mixer, kind)
+    return found
 
 
 def no_plan(module: nn.Module) -> ResolvedPlan:

@@ -242,6 +242,25 @@ STYLES: dict[str, StyleFacts] = {
         input_sharded=True,
         registered=False,
     ),
+    # This package's own: head-parallel sequence mixers (lightning_tp.plans.mixers, lightning_tp.parallel.blocks).
+    "colwise_blocks": StyleFacts(
+        "linear whose output packs blocks (a mixer's [q | k | v]): stored as a plain row split, each rank computes "
+        "its slice of every block (its heads), its input's gradient summed over the TP group",
+        kind="column",
+        weight_dim=-2,
+        bias_split=True,
+        output_sharded=True,
+        lora_half="lora_B",
+        registered=False,
+    ),
+    "local_blocks": StyleFacts(
+        "parameters a mixer reads itself (its conv1d over [q | k | v] channels, per-head A_log, dt_bias, D): stored "
+        "as a plain split of dim 0, the mixer reads its slice of every block",
+        kind="module",
+        weight_dim=0,
+        bias_split=True,
+        registered=False,
+    ),
     # Refused.
     "ep_dispatch_experts": StyleFacts(
         "experts module whose tokens go to the ranks holding their experts (all-to-all) and come back",
@@ -274,9 +293,10 @@ STYLES: dict[str, StyleFacts] = {
         refused=_MOE,
     ),
     "mla_kv_a_proj": StyleFacts(
-        "latent-attention KV projection, rotary slice's gradient summed",
-        kind="module",
-        refused="multi-head latent attention (DeepSeek-V2 style) is not verified for training with this strategy yet",
+        "latent-attention KV down-projection ([latent | rotary key]) kept whole; the rotary key goes to the rank's "
+        "heads unprojected, so its output gradient is summed over the TP group (the latent's is summed by the "
+        "column-wise up-projection it feeds)",
+        kind="replicated",
     ),
 }
 

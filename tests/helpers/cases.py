@@ -445,6 +445,13 @@ CASES: dict[str, Case] = {
     # LoRA on every linear layer (column-wise bases shard lora_B, row-wise bases shard lora_A), rsLoRA, and LoRA on
     # the vocabulary-sharded embedding (adapters whole).
     "qwen3_lora": lora_case("qwen3"),
+    # The 2026 families: a hybrid whose Gated DeltaNet mixer is split by heads (its fused q|k|v projection and conv
+    # by blocks), and multi-head latent attention that the model's own plan leaves whole. LoRA on every linear layer,
+    # the mixers' in/out projections included.
+    "qwen3_5_hybrid_sgd": lm("qwen3_5", 3),
+    "deepseek_v3_mla_sgd": lm("deepseek_v3", 3),
+    "qwen3_5_hybrid_lora": lora_case("qwen3_5"),
+    "deepseek_v3_mla_lora": lora_case("deepseek_v3", target_modules=["q_a_proj", "q_b_proj", "kv_b_proj", "o_proj"]),
     "llama_rslora": lora_case("llama", use_rslora=True),
     "qwen3_lora_embedding": lora_case("qwen3", target_modules=["embed_tokens", "q_proj", "o_proj", "down_proj"]),
     "qwen3_lora_from_adapter": Case(
@@ -679,6 +686,10 @@ TWO_D_CASES = [
     "qwen3_lora",
     "llama_rslora",
     "qwen3_meta_lora",
+    "qwen3_5_hybrid_sgd",
+    "deepseek_v3_mla_sgd",
+    "qwen3_5_hybrid_lora",
+    "deepseek_v3_mla_lora",
     "qwen3_sp_lp_adamw_clip",
     "qwen2_5_vl_sgd",
     "gemma3_sgd",

@@ -75,6 +75,37 @@ def tiny_config(kind: str, **overrides: Any):
         )
     elif kind == "gemma2":  # sliding-window and full layers alternating, logit softcapping (eager), tied
         cfg = Gemma2Config(**{**common, "num_key_value_heads": 2, "sliding_window": 5})
+    elif kind == "qwen3_5":  # hybrid: a Gated DeltaNet layer, then a gated full-attention layer; untied
+        from transformers import Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(
+            **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False},
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        )
+    elif kind == "deepseek_v3":  # multi-head latent attention (its shipped plan leaves it whole), a dense and a MoE
+        # layer with a shared expert
+        from transformers import DeepseekV3Config
+
+        cfg = DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4, "tie_word_embeddings": False, "head_dim": 8},
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+        )
     elif kind in DERIVED_KINDS:
         cfg = _derived_config(kind)
     else:

@@ -1,0 +1,130 @@
+"""Parameters whose dim 0 packs blocks (a mixer's ``[q | k | v]``), split so that each rank computes its heads.
+
+Storage is a plain ``Shard(0)`` DTensor of the whole tensor, the layout every other part of the package knows
+(checkpoints reshard, export gathers, FSDP2 shards it further, random initialisation draws it whole). A block layout
+(each rank holding its slice of every block) would avoid the gather below, but DTensor has no placement for blocks of
+different sizes, and a permuted storage would leak into every checkpoint.
+
+During the forward the module reads its rank's rows: its slice of each block. With one block that is the local
+shard (no communication); with several, the weight is gathered over the TP group and the rows are taken from it, and
+in backward the gradient is reduce-scattered back to the shards. For a fused input projection that costs the
+weight's size per step, against the activation-sized all-gather of Transformers' ``colwise_gather_output`` and the
+whole recurrence computed on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from lightning_tp.compat import parameter_dict
+from lightning_tp.parallel.hooks import run_on_parameter_views
+from lightning_tp.plans.resolve import ResolvedPlan
+
+COLUMN_STYLE = "colwise_blocks"
+LOCAL_STYLE = "local_blocks"
+
+
+@cache
+def _rows(blocks: tuple[int, ...], tp_size: int, rank: int) -> tuple[int, ...]:
+    rows: list[int] = []
+    offset = 0
+    for size in blocks:
+        share = size // tp_size
+        rows += range(offset + rank * share, offset + (rank + 1) * share)
+        offset += size
+    return tuple(rows)
+
+
+def rank_rows(blocks: tuple[int, ...], *, tp_size: int, rank: int) -> torch.Tensor:
+    """The rows of the whole tensor that ``rank`` computes: its slice of every block."""
+    assert all(size % tp_size == 0 for size in blocks), (blocks, tp_size)
+    return torch.tensor(_rows(blocks, tp_size, rank), dtype=torch.long)
+
+
+def block_view(blocks: tuple[int, ...] | None, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The view of a ``Shard(0)`` parameter that holds the rank's slice of each block (``None``: one block)."""
+    rank, tp_size = mesh.get_local_rank(), mesh.size()
+    rows = None if blocks is None else rank_rows(blocks, tp_size=tp_size, rank=rank)
+
+    def view(param: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+            return param  # already a view (an outer module's call), or held sharded by FSDP2 at this moment
+        if rows is None:
+            return param.to_local()
+        whole = param.full_tensor(grad_placements=[Partial()])
+        return whole.index_select(0, rows.to(whole.device))
+
+    return view
+
+
+def _replicated_input_grad_summed(mesh: DeviceMesh) -> Callable[..., Any]:
+    """A forward pre-hook: the input is replicated, and each rank's gradient of it covers its own rows only, so the
+    gradient is summed over the TP group in backward (as a column-wise layer does)."""
+
+    def hook(_module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        return (x, *rest)
+
+    return hook
+
+
+def _blocks_of(plan: ResolvedPlan, name: str) -> tuple[int, ...] | None:
+    """The blocks of the parameter at ``name``; a LoRA wrapper's base layer and ``lora_B`` share its blocks."""
+    if name in plan.blocks:
+        return plan.blocks[name]
+    module, _, leaf = name.rpartition(".")
+    for key, blocks in plan.blocks.items():
+        owner, _, key_leaf = key.rpartition(".")
+        if key_leaf == leaf and module.startswith(f"{owner}."):
+            return blocks
+    return None
+
+
+def _owner(plan: ResolvedPlan, name: str) -> str:
+    """The mixer that reads the parameter or module at ``name`` (its nearest mixer ancestor)."""
+    owners = [m for m in plan.mixers if name == m or name.startswith(f"{m}.")]
+    return max(owners, key=len) if owners else name.rpartition(".")[0]
+
+
+def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> None:
+    """Split the plan's ``colwise_blocks`` and ``local_blocks`` entries (modules or parameters) on dim 0 and make
+    their readers see the rank's rows."""
+    modules = dict(module.named_modules())
+    done: set[str] = set()
+    for name, style in plan.styles.items():
+        if style not in (COLUMN_STYLE, LOCAL_STYLE) or name not in modules and style == COLUMN_STYLE:
+            continue
+        if name in modules:
+            holder, holder_name = modules[name], name
+            params = [p for p, value in parameter_dict(holder).items() if value is not None]
+        else:
+            holder_name, _, leaf = name.rpartition(".")
+            holder, params = modules[holder_name], [leaf]
+        params = [p for p in params if f"{holder_name}.{p}" not in done]
+        done.update(f"{holder_name}.{p}" for p in params)
+        if not params:
+            continue
+        views = {}
+        for leaf in params:
+            param = parameter_dict(holder)[leaf]
+            if not isinstance(param, DTensor):
+                sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+                parameter_dict(holder)[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+            views[leaf] = block_view(_blocks_of(plan, f"{holder_name}.{leaf}"), mesh)
+        if style == COLUMN_STYLE:
+            run_on_parameter_views(holder, views)
+            holder.register_forward_pre_hook(_replicated_input_grad_summed(mesh))
+        else:
+            # The mixer reads them itself (``self.conv1d.weight`` passed to a convolution function).
+            owner = _owner(plan, holder_name)
+            run_on_parameter_views(modules[owner], views, holder=holder)
+            if holder is not modules[owner]:
+                run_on_parameter_views(holder, views)
