@@ -29,7 +29,7 @@ from lightning_tp.parallel.blocks import apply_blocks
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads, kv_head_layout, localize_kv_groups
 from lightning_tp.plans.resolve import ResolvedPlan
-from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, style_names
+from lightning_tp.plans.styles import KV_HEAD_COUNT_ATTRIBUTES, style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"

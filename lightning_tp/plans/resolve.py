@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_tp.plans.mixers import MixerKind, find_mixers, heads_problem, mixer_blocks, mixer_entries
 from lightning_tp.plans.derived import derive_plan
+from lightning_tp.plans.mixers import MixerKind, find_mixers, heads_problem, mixer_blocks, mixer_entries
 from lightning_tp.plans.styles import (
     HEAD_COUNT_ATTRIBUTES,
     KV_GROUPS_ATTRIBUTE,
