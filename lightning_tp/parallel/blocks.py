@@ -96,8 +96,18 @@ def _owner(plan: ResolvedPlan, name: str) -> str:
 
 def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> None:
     """Split the plan's ``colwise_blocks`` and ``local_blocks`` entries (modules or parameters) on dim 0 and make
-    their readers see the rank's rows."""
+    their readers see the rank's rows; slice the mixers' packed buffers (not saved) to the rank's blocks."""
     modules = dict(module.named_modules())
+    rank, tp_size = mesh.get_local_rank(), mesh.size()
+    for name, (dim, blocks) in plan.buffer_blocks.items():
+        holder_name, _, leaf = name.rpartition(".")
+        holder = modules[holder_name]
+        whole = getattr(holder, leaf)
+        if whole is not None and whole.shape[dim] == sum(blocks):
+            rows = rank_rows(blocks, tp_size=tp_size, rank=rank)
+            # Setting an existing buffer's name keeps it a buffer (and keeps it out of the state dict).
+            mine = whole.narrow(dim, 0, len(rows)) if whole.is_meta else whole.index_select(dim, rows.to(whole.device))
+            setattr(holder, leaf, mine)
     done: set[str] = set()
     for name, style in plan.styles.items():
         if style not in (COLUMN_STYLE, LOCAL_STYLE) or name not in modules and style == COLUMN_STYLE:

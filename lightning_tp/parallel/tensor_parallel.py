@@ -171,13 +171,16 @@ def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank:
     modules = dict(module.named_modules())
     for name in plan.local_heads:
         attention = modules[name]
-        for attribute in plan.head_attributes(name):
-            count = getattr(attention, attribute, None)
+        for path in plan.head_attributes(name):
+            # A mixer's attribute may be its child's (Falcon-H1's `norm.n_groups`).
+            owner, _, attribute = path.rpartition(".")
+            holder = attention.get_submodule(owner) if owner else attention
+            count = getattr(holder, attribute, None)
             if name in plan.kv_replicated and attribute in KV_HEAD_COUNT_ATTRIBUTES:
                 continue
             if isinstance(count, int) and not isinstance(count, bool):
-                assert count % tp_size == 0, (name, attribute, count, tp_size)
-                setattr(attention, attribute, count // tp_size)
+                assert count % tp_size == 0, (name, path, count, tp_size)
+                setattr(holder, attribute, count // tp_size)
     for name, (query_heads, kv_heads) in plan.kv_replicated.items():
         layout = kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=rank)
         attributes = KV_HEAD_COUNT_ATTRIBUTES if name in plan.local_heads else ()

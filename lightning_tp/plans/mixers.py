@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES
+
 
 @dataclass(frozen=True)
 class MixerKind:
@@ -49,9 +51,35 @@ class MixerKind:
     #: Modules holding a norm over one head (or group) whose weight every head shares: kept whole, their gradient
     #: summed over the TP group (each rank's heads contribute their part).
     shared_norms: tuple[str, ...] = field(default=())
+    #: Buffers (not saved: ``persistent=False``) that the forward multiplies with a packed output: name -> (dim,
+    #: block sizes); each rank keeps its slice of every block. Recognition needs them too.
+    buffers: Mapping[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)
+    #: Applied only where the model's own plan leaves the module whole (no rule for any of its ``styles`` paths):
+    #: plain attention, which a plan usually covers with KV-head replication and checks of its own.
+    complete_only: bool = False
 
 
 _GDN_ATTRIBUTES = ("num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim")
+_GN = "n_groups*ssm_state_size"
+#: Mamba2's fused input projection: [z (gate) | x | B | C | dt].
+_ZXBCDT = ("intermediate_size", "intermediate_size", _GN, _GN, "num_heads")
+_MAMBA2_STYLES = {
+    "in_proj": "colwise_blocks",
+    "conv1d": "local_blocks",
+    "A_log": "local_blocks",
+    "dt_bias": "local_blocks",
+    "D": "local_blocks",
+    # The gated norm normalises groups of channels (`group_size` of them, kept): per channel weights, sliced with x.
+    "norm": "local_blocks",
+    "out_proj": "rowwise",
+}
+_MAMBA2_BLOCKS = {
+    "in_proj.weight": _ZXBCDT,
+    "in_proj.bias": _ZXBCDT,
+    "conv1d.weight": ("intermediate_size", _GN, _GN),
+    "conv1d.bias": ("intermediate_size", _GN, _GN),
+}
+_MAMBA2_ATTRIBUTES = ("intermediate_size", "conv_dim", "num_heads", "n_groups")
 _QKV = ("key_dim", "key_dim", "value_dim")
 
 #: Every mixer kind this package splits by heads.
@@ -103,6 +131,27 @@ MIXER_KINDS: tuple[MixerKind, ...] = (
         shared_norms=("norm",),
     ),
     MixerKind(
+        name="gated_deltanet_separate",
+        description="Gated DeltaNet with separate q, k, v, g, a, b projections (OLMo-hybrid)",
+        holds=("q_proj.weight", "k_proj.weight", "v_proj.weight", "conv1d.weight", "A_log", "dt_bias", "o_proj.weight"),
+        styles={
+            **dict.fromkeys(("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj"), "colwise"),
+            "conv1d": "local_blocks",
+            "A_log": "local_blocks",
+            "dt_bias": "local_blocks",
+            "o_proj": "rowwise",
+        },
+        blocks={
+            "conv1d.weight": _QKV,
+            "conv1d.bias": _QKV,
+            "A_log": ("num_v_heads",),
+            "dt_bias": ("num_v_heads",),
+        },
+        attributes=_GDN_ATTRIBUTES,
+        heads=("num_k_heads", "num_v_heads"),
+        shared_norms=("o_norm",),
+    ),
+    MixerKind(
         name="gated_deltanet_grouped",
         description="Gated DeltaNet with q|k|v|z and b|a fused per key head (Qwen3-Next)",
         holds=("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias", "out_proj.weight"),
@@ -128,8 +177,73 @@ MIXER_KINDS: tuple[MixerKind, ...] = (
 )
 
 
+MIXER_KINDS += (
+    MixerKind(
+        name="mamba2_mup",
+        description="Mamba2 mixer with muP multipliers (Falcon-H1)",
+        holds=("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "D", "out_proj.weight"),
+        styles=_MAMBA2_STYLES,
+        blocks=_MAMBA2_BLOCKS,
+        # Its norm keeps the group count rather than the group size.
+        attributes=(*_MAMBA2_ATTRIBUTES, "norm.n_groups"),
+        heads=("n_groups", "num_heads"),
+        buffers={"mup_vector": (2, _ZXBCDT)},
+    ),
+    MixerKind(
+        name="mamba2",
+        description="Mamba2 mixer (Nemotron-H, Granite 4, Bamba, Zamba2, Mamba2)",
+        holds=("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "D", "out_proj.weight"),
+        styles=_MAMBA2_STYLES,
+        blocks=_MAMBA2_BLOCKS,
+        attributes=_MAMBA2_ATTRIBUTES,
+        heads=("n_groups", "num_heads"),
+    ),
+)
+
+
+MIXER_KIND_ATTENTION = MixerKind(
+    name="attention",
+    description="attention with separate q, k, v and output projections",
+    holds=("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"),
+    # Attention sinks (gpt-oss): one logit per query head, read by the attention function from the module.
+    styles={
+        "q_proj": "colwise",
+        "k_proj": "colwise",
+        "v_proj": "colwise",
+        "o_proj": "rowwise",
+        "sinks": "local_blocks",
+    },
+    blocks={},
+    attributes=HEAD_COUNT_ATTRIBUTES,
+    heads=(),
+    # Its per-head norms (any names: q_norm, query_layernorm, ...) are found by `per_head_norms`.
+    complete_only=True,
+)
+MIXER_KINDS += (MIXER_KIND_ATTENTION,)
+
+
+def per_head_norms(attention: nn.Module, head_dim: int) -> list[str]:
+    """The children of ``attention`` holding one 1-D ``weight`` of ``head_dim`` features and no other parameter:
+    norms applied to each head (Qwen3's ``q_norm``, Hunyuan's ``query_layernorm``), shared by every head."""
+    found = []
+    for name, child in attention.named_children():
+        params = dict(child.named_parameters())
+        weight = params.get("weight")
+        if weight is not None and weight.ndim == 1 and weight.numel() == head_dim and set(params) <= {"weight", "bias"}:
+            found.append(name)
+    return found
+
+
 def _size(module: nn.Module, expression: str) -> int:
     return math.prod(int(getattr(module, name)) for name in expression.split("*"))
+
+
+def attribute(module: nn.Module, path: str) -> object:
+    """The attribute at ``path`` (``"norm.n_groups"``: a child's), or ``None``."""
+    owner, _, name = path.rpartition(".")
+    for part in owner.split(".") if owner else ():
+        module = getattr(module, part, None)
+    return getattr(module, name, None)
 
 
 def _has(module: nn.Module, path: str) -> bool:
@@ -159,7 +273,10 @@ def mixer_kind(module: nn.Module) -> MixerKind | None:
     """The kind of ``module``, or ``None`` when it is not a mixer this package splits by heads."""
     for kind in MIXER_KINDS:
         if all(_has_param(module, path) for path in kind.holds) and not any(_has(module, p) for p in kind.lacks):
-            if all(isinstance(getattr(module, a, None), int) for a in kind.attributes):
+            buffers = dict(module.named_buffers())
+            # A child's attribute (dotted) is divided where the child has it (Falcon-H1's norm may be an Identity).
+            required = [a for a in kind.attributes if "." not in a] if not kind.complete_only else []
+            if all(isinstance(attribute(module, a), int) for a in required) and set(kind.buffers) <= set(buffers):
                 return kind
     return None
 
@@ -188,11 +305,10 @@ def heads_problem(name: str, mixer: nn.Module, kind: MixerKind, tp_size: int) ->
                     break
     if not sizes:
         return None
-    works = [t for t in range(1, max(counts.values()) + 1) if all(c % t == 0 for c in counts.values())]
+    works = [t for t in range(2, max(counts.values()) + 1) if all(c % t == 0 for c in counts.values())]
     return (
-        f"{name} ({type(mixer).__name__}, {kind.description}) has {counts}: tp_size={tp_size} does not divide "
-        f"{sizes}, so its heads cannot be split. TP sizes that split it: {works}; or keep it whole with "
-        f"tp_plan={{'{name}': 'replicate'}}."
+        f"{type(mixer).__name__} ({kind.description}) has {counts}: tp_size={tp_size} does not divide {sizes}, so "
+        f"its heads cannot be split; TP sizes that split it: {works or 'none above 1'}"
     )
 
 
@@ -203,10 +319,25 @@ def mixer_entries(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, str
     for path, style in kind.styles.items():
         if _has(mixer, path):
             entries[prefix + path] = style
-    for norm in kind.shared_norms:
-        if _has(mixer, norm):
-            entries[prefix + norm] = "replicated_with_grad_allreduce"
+    for norm in shared_norm_names(mixer, kind):
+        entries[prefix + norm] = "replicated_with_grad_allreduce"
     return entries
+
+
+def shared_norm_names(mixer: nn.Module, kind: MixerKind) -> list[str]:
+    """The relative names of the mixer's norms whose gradient is summed over the TP group."""
+    names = list(kind.shared_norms)
+    if kind.complete_only and (heads := config_heads(mixer)):
+        names += per_head_norms(mixer, mixer.q_proj.weight.shape[0] // heads)
+    return [n for n in names if _has(mixer, n)]
+
+
+def config_heads(attention: nn.Module) -> int | None:
+    """The query heads of the config an attention module keeps (``self.config``), or ``None``."""
+    config = getattr(attention, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    return heads if isinstance(heads, int) else None
 
 
 def mixer_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, ...]]:
@@ -218,3 +349,12 @@ def mixer_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tupl
         if sizes is not None and len(sizes) > 1 and _has_param(mixer, path):
             out[prefix + path] = sizes
     return out
+
+
+def mixer_buffers(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Full buffer path -> (dim, whole block sizes), for the mixer's packed buffers."""
+    prefix = f"{name}." if name else ""
+    return {
+        prefix + path: (dim, tuple(_size(mixer, e) for e in expressions))
+        for path, (dim, expressions) in kind.buffers.items()
+    }

@@ -14,12 +14,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_tp.plans.derived import derive_plan
-from lightning_tp.plans.mixers import MixerKind, find_mixers, heads_problem, mixer_blocks, mixer_entries
+from lightning_tp.plans.mixers import (
+    MIXER_KIND_ATTENTION,
+    MixerKind,
+    config_heads,
+    find_mixers,
+    heads_problem,
+    mixer_blocks,
+    mixer_buffers,
+    mixer_entries,
+    per_head_norms,
+    shared_norm_names,
+)
 from lightning_tp.plans.styles import (
     HEAD_COUNT_ATTRIBUTES,
     KV_GROUPS_ATTRIBUTE,
@@ -80,6 +91,8 @@ class ResolvedPlan:
     #: Parameters whose dim 0 packs blocks each rank takes its slice of (``colwise_blocks``/``local_blocks``): full
     #: name -> the whole block sizes. One-block parameters are absent (their plain shard is the rank's rows).
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: The mixers' packed buffers, sliced once: full name -> (dim, whole block sizes).
+    buffer_blocks: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def expert_modules(self) -> list[str]:
@@ -265,7 +278,7 @@ def resolve_plan(
             "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
         )
 
-    mixers = _head_parallel_mixers(module, overrides, tp_size=tp_size)
+    mixers = _head_parallel_mixers(module, overrides, plan, tp_size=tp_size)
     mixer_styles = {
         key: style for name, (mixer, kind) in mixers.items() for key, style in mixer_entries(name, mixer, kind).items()
     }
@@ -309,7 +322,14 @@ def resolve_plan(
     ]
     resolved.grad_allreduce += _between_split_projections(module, resolved.styles)
     for name, (mixer, kind) in mixers.items():
+        # Its per-head norm sees the rank's heads only, whatever the twin-name guess above says (OLMo-hybrid's
+        # `o_norm` sits next to a row-wise `o_proj`).
+        resolved.grad_allreduce += [
+            f"{name}.{norm}" for norm in shared_norm_names(mixer, kind) if f"{name}.{norm}" in resolved.styles
+        ]
+        resolved.grad_allreduce = list(dict.fromkeys(resolved.grad_allreduce))
         resolved.blocks.update(mixer_blocks(name, mixer, kind))
+        resolved.buffer_blocks.update(mixer_buffers(name, mixer, kind))
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
@@ -320,24 +340,68 @@ def resolve_plan(
 
 
 def _head_parallel_mixers(
-    module: nn.Module, overrides: Mapping[str, Style], *, tp_size: int
+    module: nn.Module, overrides: Mapping[str, Style], plan: Mapping[str, Style], *, tp_size: int
 ) -> dict[str, tuple[nn.Module, MixerKind]]:
     """The sequence mixers split by heads: every one :mod:`lightning_tp.plans.mixers` knows, but those the user's
-    ``tp_plan`` places itself (a key naming the mixer or something inside it). A mixer whose heads ``tp_size`` does
-    not divide is refused here, before anything moves."""
+    ``tp_plan`` places itself (a key naming the mixer or something inside it), and attention that the model's plan
+    already covers. A mixer whose heads ``tp_size`` does not divide stays as the model's plan places it, said in
+    one info line."""
     if tp_size == 1 or not is_transformers_model(module):
         return {}
     found = {}
+    whole: dict[str, list[str]] = {}
     for name, kind in find_mixers(module).items():
         mixer = module.get_submodule(name)
         paths = [name] + [f"{name}.{inner}" for inner, _ in mixer.named_modules() if inner]
         paths += [f"{name}.{inner}" for inner, _ in mixer.named_parameters()]
         if any(key_regex(key).fullmatch(path) for key in overrides for path in paths):
             continue
-        if (problem := heads_problem(name, mixer, kind, tp_size)) is not None:
-            raise ValueError(problem)
+        if kind.complete_only:
+            if any(key_regex(key).fullmatch(path) for key in plan for path in paths):
+                continue
+            problem = _attention_problem(module, mixer, tp_size)
+        else:
+            problem = heads_problem(name, mixer, kind, tp_size)
+        if problem is not None:
+            whole.setdefault(problem, []).append(name)
+            continue
         found[name] = (mixer, kind)
+    for problem, names in whole.items():
+        # Kept as the model's own plan places it (whole, or its projections gathered): it trains, every rank
+        # computing the whole recurrence.
+        rank_zero_info(f"{len(names)} sequence mixers ({names[0]}, ...) stay whole on every TP rank: {problem}.")
     return found
+
+
+def _attention_problem(model: nn.Module, attention: nn.Module, tp_size: int) -> str | None:
+    """Why an attention module the model's plan leaves whole cannot be split by heads at ``tp_size``, or ``None``.
+    Its head counts are the config's (most attention modules reshape by ``-1`` and keep none); KV heads the TP size
+    does not divide are replicated (:mod:`lightning_tp.parallel.kv_heads`) where the query heads group evenly."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return f"{type(attention).__name__} has no head counts in its config"
+    if heads % tp_size or (kv_heads % tp_size and heads % kv_heads):
+        name = type(attention).__name__
+        return f"{name} has {heads} query and {kv_heads} KV heads: tp_size={tp_size} cannot split them"
+    if config_heads(attention) != heads:
+        return f"{type(attention).__name__} keeps no config with its head count"
+    out = attention.q_proj.weight.shape[0]
+    if out % heads:
+        return f"{type(attention).__name__}'s q_proj has {out} features for {heads} heads"
+    # Everything else it holds must be known: a per-head norm (kept whole, its gradient summed) or a rule of the
+    # kind. Anything more (a differential attention's lambdas, a gate, a short convolution) keeps it whole.
+    known = set(per_head_norms(attention, out // heads)) | set(MIXER_KIND_ATTENTION.styles)
+    unknown = [
+        name
+        for name, m in attention.named_modules()
+        if name and not any(name == k or name.startswith(f"{k}.") for k in known) and list(m.parameters(False))
+    ]
+    unknown += [name for name, _ in attention.named_parameters(recurse=False) if name not in known]
+    if unknown:
+        return f"{type(attention).__name__} also holds {unknown}, which no rule of plain attention splits"
+    return None
 
 
 def no_plan(module: nn.Module) -> ResolvedPlan:

@@ -450,6 +450,7 @@ CASES: dict[str, Case] = {
     # the mixers' in/out projections included.
     "qwen3_5_hybrid_sgd": lm("qwen3_5", 3),
     "deepseek_v3_mla_sgd": lm("deepseek_v3", 3),
+    "nemotron_h_mamba2_sgd": lm("nemotron_h", 3),
     "qwen3_5_hybrid_lora": lora_case("qwen3_5"),
     "deepseek_v3_mla_lora": lora_case("deepseek_v3", target_modules=["q_a_proj", "q_b_proj", "kv_b_proj", "o_proj"]),
     "llama_rslora": lora_case("llama", use_rslora=True),
@@ -690,6 +691,7 @@ TWO_D_CASES = [
     "deepseek_v3_mla_sgd",
     "qwen3_5_hybrid_lora",
     "deepseek_v3_mla_lora",
+    "nemotron_h_mamba2_sgd",
     "qwen3_sp_lp_adamw_clip",
     "qwen2_5_vl_sgd",
     "gemma3_sgd",

@@ -87,6 +87,22 @@ def tiny_config(kind: str, **overrides: Any):
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
         )
+    elif kind == "nemotron_h":  # hybrid: a Mamba2 mixer (2 groups of B/C, split by heads), then attention
+        from transformers import NemotronHConfig
+
+        cfg = NemotronHConfig(
+            **{k: v for k, v in common.items() if k != "intermediate_size"},
+            intermediate_size=128,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            layers_block_type=["linear_attention", "full_attention"],
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=8,
+            chunk_size=8,
+            use_mamba_kernels=False,
+        )
     elif kind == "deepseek_v3":  # multi-head latent attention (its shipped plan leaves it whole), a dense and a MoE
         # layer with a shared expert
         from transformers import DeepseekV3Config
