@@ -32,26 +32,33 @@ LOCAL_STYLE = "local_blocks"
 
 
 @cache
-def _rows(blocks: tuple[int, ...], tp_size: int, rank: int) -> tuple[int, ...]:
+def _rows(blocks: tuple[int, ...], whole: tuple[int, ...], tp_size: int, rank: int) -> tuple[int, ...]:
     rows: list[int] = []
     offset = 0
-    for size in blocks:
-        share = size // tp_size
-        rows += range(offset + rank * share, offset + (rank + 1) * share)
+    for index, size in enumerate(blocks):
+        if index in whole:
+            rows += range(offset, offset + size)
+        else:
+            share = size // tp_size
+            rows += range(offset + rank * share, offset + (rank + 1) * share)
         offset += size
     return tuple(rows)
 
 
-def rank_rows(blocks: tuple[int, ...], *, tp_size: int, rank: int) -> torch.Tensor:
-    """The rows of the whole tensor that ``rank`` computes: its slice of every block."""
-    assert all(size % tp_size == 0 for size in blocks), (blocks, tp_size)
-    return torch.tensor(_rows(blocks, tp_size, rank), dtype=torch.long)
+def rank_rows(blocks: tuple[int, ...], *, tp_size: int, rank: int, whole: tuple[int, ...] = ()) -> torch.Tensor:
+    """The rows of the whole tensor that ``rank`` computes: its slice of every block, all of the blocks in
+    ``whole`` (indices)."""
+    assert all(size % tp_size == 0 for i, size in enumerate(blocks) if i not in whole), (blocks, tp_size)
+    return torch.tensor(_rows(blocks, tuple(whole), tp_size, rank), dtype=torch.long)
 
 
-def block_view(blocks: tuple[int, ...] | None, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The view of a ``Shard(0)`` parameter that holds the rank's slice of each block (``None``: one block)."""
+def block_view(
+    blocks: tuple[int, ...] | None, mesh: DeviceMesh, *, whole: tuple[int, ...] = ()
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The view of a ``Shard(0)`` parameter that holds the rank's slice of each block (``None``: one block), and
+    all of the blocks in ``whole``."""
     rank, tp_size = mesh.get_local_rank(), mesh.size()
-    rows = None if blocks is None else rank_rows(blocks, tp_size=tp_size, rank=rank)
+    rows = None if blocks is None else rank_rows(blocks, tp_size=tp_size, rank=rank, whole=whole)
 
     def view(param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
@@ -76,16 +83,17 @@ def _replicated_input_grad_summed(mesh: DeviceMesh) -> Callable[..., Any]:
     return hook
 
 
-def _blocks_of(plan: ResolvedPlan, name: str) -> tuple[int, ...] | None:
-    """The blocks of the parameter at ``name``; a LoRA wrapper's base layer and ``lora_B`` share its blocks."""
+def _blocks_of(plan: ResolvedPlan, name: str) -> tuple[tuple[int, ...] | None, tuple[int, ...]]:
+    """The blocks of the parameter at ``name`` and those taken whole; a LoRA wrapper's base layer and ``lora_B``
+    share its blocks."""
     if name in plan.blocks:
-        return plan.blocks[name]
+        return plan.blocks[name], plan.whole_blocks.get(name, ())
     module, _, leaf = name.rpartition(".")
     for key, blocks in plan.blocks.items():
         owner, _, key_leaf = key.rpartition(".")
         if key_leaf == leaf and module.startswith(f"{owner}."):
-            return blocks
-    return None
+            return blocks, plan.whole_blocks.get(key, ())
+    return None, ()
 
 
 def _owner(plan: ResolvedPlan, name: str) -> str:
@@ -128,7 +136,8 @@ def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> Non
             if not isinstance(param, DTensor):
                 sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
                 parameter_dict(holder)[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
-            views[leaf] = block_view(_blocks_of(plan, f"{holder_name}.{leaf}"), mesh)
+            blocks, whole = _blocks_of(plan, f"{holder_name}.{leaf}")
+            views[leaf] = block_view(blocks, mesh, whole=whole)
         if style == COLUMN_STYLE:
             run_on_parameter_views(holder, views)
             holder.register_forward_pre_hook(_replicated_input_grad_summed(mesh))

@@ -62,6 +62,7 @@ def apply_tensor_parallel(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
+    _own_row_outputs(module, plan)
     # Before the head counts change: the mixers' block sizes were read from them when the plan was resolved.
     apply_blocks(module, tp_mesh, plan)
     retie(module, plan.tied)
@@ -74,6 +75,29 @@ def apply_tensor_parallel(
     keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
+
+
+#: Transformers' layers that sum partial outputs over the TP group: their output is a view made inside DTensor's
+#: ``to_local`` (an autograd Function).
+_SUMMED_OUTPUT_STYLES = (*style_names(kind="row", registered=True), "moe_tp_experts")
+
+
+def _own_row_outputs(module: nn.Module, plan: ResolvedPlan) -> None:
+    """Give the summed output of each of Transformers' row-wise layers its own storage. Autograd refuses in-place
+    changes to a view a custom Function returned, and some models add to that output in place (Llama 4's
+    ``out.add_(shared_expert(x))``, Falcon's ``mlp_output += attention_output``): one copy of an activation-sized
+    tensor per row-wise layer, against a crash."""
+    modules = dict(module.named_modules())
+    summed = [name for name, style in plan.transformers_styles.items() if style in _SUMMED_OUTPUT_STYLES]
+    # torch's row-wise style (the dense-layer and sequence-parallel rewrites) returns `to_local()` views as well.
+    summed += [name for name, style in plan.torch_styles.items() if isinstance(style, RowwiseParallel)]
+    for name in summed:
+        if name in modules:
+            modules[name].register_forward_hook(_clone_output)
+
+
+def _clone_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+    return output.clone() if isinstance(output, torch.Tensor) else None
 
 
 class Conv1DParallel(ParallelStyle):

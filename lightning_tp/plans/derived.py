@@ -54,29 +54,11 @@ def _never(config: object) -> str | None:
     return None
 
 
-def _gpt_bigcode(config: object) -> str | None:
-    if getattr(config, "multi_query", False):
-        return (
-            "multi-query attention (`multi_query=True`: one K/V head shared by every query head, packed as "
-            "[q | k | v]) is not derived yet; load it with `multi_query=False` or write the plan"
-        )
-    return None
-
-
 def _falcon(config: object) -> str | None:
     if getattr(config, "alibi", False):
         return "ALiBi (`alibi=True`) biases are built for every head outside the attention, not split yet"
-    if getattr(config, "new_decoder_architecture", False) or getattr(config, "parallel_attn", False):
-        return (
-            "its parallel attention (`parallel_attn=True` or `new_decoder_architecture=True`) adds the attention "
-            "output into the MLP output in place (`mlp_output += attention_output`), which autograd forbids on the "
-            "row-wise layer's output; only `parallel_attn=False` is derived"
-        )
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        return (
-            "multi-query attention (`multi_query=True`: [q heads.. | k | v], one K/V head for all) is not derived yet; "
-            "set `multi_query=False`"
-        )
+    # `new_decoder_architecture`: grouped per KV head ([q.. k v] per group), so a column split gives whole groups.
+    # Multi-query attention ([q heads | k | v]) is split by lightning_tp.plans.mixers, which overrides this rule.
     return None
 
 
@@ -90,11 +72,12 @@ def _mpt(config: object) -> str | None:
 #: The fused-QKV head layouts, one fact per family (``config.model_type``).
 FUSED_QKV_LAYOUTS: dict[str, FusedLayout] = {
     # `.view(batch, seq, num_heads, 3 * head_dim).split(head_dim)` (multi-head attention).
-    "gpt_bigcode": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _gpt_bigcode),
+    # (With `multi_query=True`, [q | k | v] with one K/V head: lightning_tp.plans.mixers overrides this rule.)
+    "gpt_bigcode": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _never),
     # `.split(split_size, dim=2)` into q, k, v: each rank takes its slice of each block.
     "gpt2": FusedLayout("[q | k | v] blocks in a Conv1D (weight stored [in, out])", "conv1d_colwise_qkv", _never),
-    # `.view(batch, seq, num_heads, 3, head_dim)` (without multi_query / new_decoder_architecture).
-    "falcon": FusedLayout("per head [q k v] (multi-head attention)", "colwise", _falcon),
+    # `.view(batch, seq, num_heads, 3, head_dim)`, or per KV group with `new_decoder_architecture`.
+    "falcon": FusedLayout("per head [q k v], or per KV group [q.. k v]", "colwise", _falcon),
     # `.view(batch, seq, num_heads, 3, head_dim)`; ALiBi biases built for every head by the model, sliced per rank.
     "bloom": FusedLayout("per head [q k v], ALiBi biases", "colwise", _never, attention_style="local_heads_alibi"),
     # `.chunk(3, dim=2)` into q, k, v blocks; ALiBi `position_bias` built for every head by the model.

@@ -57,6 +57,8 @@ class MixerKind:
     #: Applied only where the model's own plan leaves the module whole (no rule for any of its ``styles`` paths):
     #: plain attention, which a plan usually covers with KV-head replication and checks of its own.
     complete_only: bool = False
+    #: Attribute values the module must have to be this kind (``{"multi_query": True}``).
+    requires: Mapping[str, object] = field(default_factory=dict)
 
 
 _GDN_ATTRIBUTES = ("num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim")
@@ -201,6 +203,33 @@ MIXER_KINDS += (
 )
 
 
+# Multi-query attention with q, k and v fused: every rank computes its query heads against the one K/V head, so it
+# takes its slice of q and all of k and v (their gradients summed over the TP group as the packed weight's).
+_MQA_BLOCKS = ("embed_dim", "=kv_dim", "=kv_dim")
+_FALCON_MQA_BLOCKS = ("num_heads*head_dim", "=head_dim", "=head_dim")
+MIXER_KINDS += (
+    MixerKind(
+        name="multi_query_attention",
+        description="multi-query attention fused as [q | k | v] (GPT-BigCode `multi_query=True`)",
+        holds=("c_attn.weight", "c_proj.weight"),
+        styles={"c_attn": "colwise_blocks", "c_proj": "rowwise"},
+        blocks={"c_attn.weight": _MQA_BLOCKS, "c_attn.bias": _MQA_BLOCKS},
+        attributes=("embed_dim", "num_heads", "num_key_value_groups"),
+        heads=("num_heads",),
+        requires={"multi_query": True},
+    ),
+    MixerKind(
+        name="multi_query_attention_falcon",
+        description="multi-query attention fused as [q heads | k | v] (Falcon `multi_query=True`)",
+        holds=("query_key_value.weight", "dense.weight"),
+        styles={"query_key_value": "colwise_blocks", "dense": "rowwise"},
+        blocks={"query_key_value.weight": _FALCON_MQA_BLOCKS, "query_key_value.bias": _FALCON_MQA_BLOCKS},
+        attributes=("num_heads",),
+        heads=("num_heads",),
+        requires={"multi_query": True, "new_decoder_architecture": False},
+    ),
+)
+
 MIXER_KIND_ATTENTION = MixerKind(
     name="attention",
     description="attention with separate q, k, v and output projections",
@@ -234,8 +263,16 @@ def per_head_norms(attention: nn.Module, head_dim: int) -> list[str]:
     return found
 
 
+#: Marks a block every rank takes whole (a multi-query attention's single K/V head): ``"=kv_dim"``.
+WHOLE = "="
+
+
 def _size(module: nn.Module, expression: str) -> int:
-    return math.prod(int(getattr(module, name)) for name in expression.split("*"))
+    return math.prod(int(getattr(module, name)) for name in expression.removeprefix(WHOLE).split("*"))
+
+
+def _whole(expressions: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(i for i, e in enumerate(expressions) if e.startswith(WHOLE))
 
 
 def attribute(module: nn.Module, path: str) -> object:
@@ -276,7 +313,11 @@ def mixer_kind(module: nn.Module) -> MixerKind | None:
             buffers = dict(module.named_buffers())
             # A child's attribute (dotted) is divided where the child has it (Falcon-H1's norm may be an Identity).
             required = [a for a in kind.attributes if "." not in a] if not kind.complete_only else []
-            if all(isinstance(attribute(module, a), int) for a in required) and set(kind.buffers) <= set(buffers):
+            if (
+                all(isinstance(attribute(module, a), int) for a in required)
+                and set(kind.buffers) <= set(buffers)
+                and all(getattr(module, a, None) == value for a, value in kind.requires.items())
+            ):
                 return kind
     return None
 
@@ -299,7 +340,7 @@ def heads_problem(name: str, mixer: nn.Module, kind: MixerKind, tp_size: int) ->
     if not sizes:
         for path, expressions in kind.blocks.items():
             if _has_param(mixer, path):
-                uneven = [e for e in expressions if _size(mixer, e) % tp_size]
+                uneven = [e for e in expressions if not e.startswith(WHOLE) and _size(mixer, e) % tp_size]
                 if uneven:
                     sizes = {e: _size(mixer, e) for e in uneven}
                     break
@@ -349,6 +390,16 @@ def mixer_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tupl
         if sizes is not None and len(sizes) > 1 and _has_param(mixer, path):
             out[prefix + path] = sizes
     return out
+
+
+def mixer_whole_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, ...]]:
+    """Full parameter path -> the indices of its blocks that every rank takes whole (none: absent)."""
+    prefix = f"{name}." if name else ""
+    return {
+        prefix + path: _whole(expressions)
+        for path, expressions in kind.blocks.items()
+        if _whole(expressions) and _has_param(mixer, path)
+    }
 
 
 def mixer_buffers(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, tuple[int, ...]]]:

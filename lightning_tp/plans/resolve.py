@@ -28,6 +28,7 @@ from lightning_tp.plans.mixers import (
     mixer_blocks,
     mixer_buffers,
     mixer_entries,
+    mixer_whole_blocks,
     per_head_norms,
     shared_norm_names,
 )
@@ -91,6 +92,9 @@ class ResolvedPlan:
     #: Parameters whose dim 0 packs blocks each rank takes its slice of (``colwise_blocks``/``local_blocks``): full
     #: name -> the whole block sizes. One-block parameters are absent (their plain shard is the rank's rows).
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Parameters of ``blocks`` with blocks every rank takes whole (a multi-query attention's K and V): full name ->
+    #: their indices.
+    whole_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: The mixers' packed buffers, sliced once: full name -> (dim, whole block sizes).
     buffer_blocks: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
@@ -278,10 +282,19 @@ def resolve_plan(
             "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
         )
 
-    mixers = _head_parallel_mixers(module, overrides, plan, tp_size=tp_size)
+    mixers, whole_mixers = _head_parallel_mixers(module, overrides, plan, tp_size=tp_size)
     mixer_styles = {
         key: style for name, (mixer, kind) in mixers.items() for key, style in mixer_entries(name, mixer, kind).items()
     }
+    # A mixer that cannot be split is kept whole: every module under it that holds parameters is replicated.
+    mixer_styles.update(
+        {
+            f"{name}.{inner}" if inner else name: "replicate"
+            for name in whole_mixers
+            for inner, m in module.get_submodule(name).named_modules()
+            if list(m.parameters(recurse=False))
+        }
+    )
     patterns = [(key, key_regex(key), style, key in overrides) for key, style in plan.items()]
     # A mixer's own entries name concrete paths, so they win over the model's `layers.*` rules (Qwen3.5's gathered
     # projections), and lose to the user's overrides.
@@ -310,7 +323,7 @@ def resolve_plan(
         if module_name in mixers:
             resolved.head_styles[module_name] = "local_heads"
             resolved.mixers[module_name] = mixers[module_name][1].attributes
-        if isinstance(module_style, str) and module_style in _HEAD_STYLES:
+        if isinstance(module_style, str) and module_style in _HEAD_STYLES and module_name not in whole_mixers:
             resolved.head_styles[module_name] = module_style
         elif module_style is not None:
             resolved.styles[module_name] = module_style
@@ -329,6 +342,7 @@ def resolve_plan(
         ]
         resolved.grad_allreduce = list(dict.fromkeys(resolved.grad_allreduce))
         resolved.blocks.update(mixer_blocks(name, mixer, kind))
+        resolved.whole_blocks.update(mixer_whole_blocks(name, mixer, kind))
         resolved.buffer_blocks.update(mixer_buffers(name, mixer, kind))
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
@@ -341,13 +355,13 @@ def resolve_plan(
 
 def _head_parallel_mixers(
     module: nn.Module, overrides: Mapping[str, Style], plan: Mapping[str, Style], *, tp_size: int
-) -> dict[str, tuple[nn.Module, MixerKind]]:
+) -> tuple[dict[str, tuple[nn.Module, MixerKind]], list[str]]:
     """The sequence mixers split by heads: every one :mod:`lightning_tp.plans.mixers` knows, but those the user's
     ``tp_plan`` places itself (a key naming the mixer or something inside it), and attention that the model's plan
-    already covers. A mixer whose heads ``tp_size`` does not divide stays as the model's plan places it, said in
-    one info line."""
+    already covers. Also the mixers whose heads ``tp_size`` does not divide: kept whole (their derived or gathered
+    rules would not fit), said in one info line."""
     if tp_size == 1 or not is_transformers_model(module):
-        return {}
+        return {}, []
     found = {}
     whole: dict[str, list[str]] = {}
     for name, kind in find_mixers(module).items():
@@ -367,10 +381,8 @@ def _head_parallel_mixers(
             continue
         found[name] = (mixer, kind)
     for problem, names in whole.items():
-        # Kept as the model's own plan places it (whole, or its projections gathered): it trains, every rank
-        # computing the whole recurrence.
         rank_zero_info(f"{len(names)} sequence mixers ({names[0]}, ...) stay whole on every TP rank: {problem}.")
-    return found
+    return found, [name for names in whole.values() for name in names]
 
 
 def _attention_problem(model: nn.Module, attention: nn.Module, tp_size: int) -> str | None:

@@ -284,13 +284,15 @@ STYLES: dict[str, StyleFacts] = {
     ),
     "moe_identity_expert": StyleFacts("identity expert, input divided by the TP size", kind="module", refused=_MOE),
     "all_reduce": StyleFacts("partial output summed over the TP group", kind="module", refused=_MOE),
+    # Llama 4 and Aria store expert weights [experts, in, out], gate and up packed on the last (output) dim: each rank
+    # holds its slice of each half, like `packed_colwise` on the transposed layout.
     "packed_rowwise": StyleFacts(
-        "fused expert weight, each packed half sharded on the last dim",
-        kind="row",
+        "fused gate/up expert weight stored [in, out], each packed half sharded on the last (output) dim",
+        kind="column",
         weight_dim=-1,
         vector_split=False,
         strided=True,
-        refused=_MOE,
+        output_sharded=True,
     ),
     "mla_kv_a_proj": StyleFacts(
         "latent-attention KV down-projection ([latent | rotary key]) kept whole; the rotary key goes to the rank's "

@@ -1,17 +1,21 @@
 """``python -m lightning_tp.inspect MODEL --tp-size 4 [--cp-size 2] [--dp-shard-size 2] [--lora-r 16]``: will this
 model shard, and what will each rank hold? Builds the model on the meta device from its config (no weights, no GPU,
 no processes), resolves its plan as the strategy would, and prints each planned module with its per-rank shape, what
-stays replicated, rules that matched nothing, divisibility problems with the sizes that would work, what context
+stays replicated, the sequence mixers split by heads (each rank's head counts and rows of each packed block) and
+those kept whole, rules that matched nothing, divisibility problems with the sizes that would work, what context
 parallelism exchanges, and per-rank memory for parameters, gradients and AdamW states. Exit code 0 when the layout is
-valid, 1 with the reasons when not.
+valid (the strategy accepts it), 1 with the reasons when not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +24,35 @@ from torch import nn
 
 from lightning_tp.checkpoint.loading import model_from_config
 from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
-from lightning_tp.plans.resolve import ResolvedPlan, key_regex, model_plan, plan_source, resolve_plan
-from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, facts, style_names
+from lightning_tp.plans.mixers import attribute, config_heads, find_mixers, heads_problem, mixer_kind
+from lightning_tp.plans.resolve import (
+    ResolvedPlan,
+    _attention_problem,
+    key_regex,
+    model_plan,
+    plan_source,
+    resolve_plan,
+)
+from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, facts, style_names
 
 #: Styles that split an embedding's vocabulary (dim 0): a vocabulary the TP size does not divide gives uneven shards.
 _VOCABULARY_STYLES = style_names(kind="embedding", weight_dim=0)
+
+
+@dataclass
+class MixerGroup:
+    """Sequence mixers split by heads (:mod:`lightning_tp.plans.mixers`) that are alike: same kind, head counts and
+    blocks (the layers of a hybrid model)."""
+
+    names: list[str]
+    kind: str
+    description: str
+    #: Size attribute (``"norm.n_groups"``: a child's) -> (whole, per rank).
+    counts: dict[str, tuple[int, int]]
+    #: Packed parameter (relative to the mixer) -> (whole block sizes, the rank's rows of each block).
+    blocks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: Values of one mixer's packed parameters, gathered over the TP group in each forward.
+    gathered: int = 0
 
 
 @dataclass
@@ -37,8 +65,14 @@ class Report:
     #: Where the plan comes from: ``"model"`` (its config's ``base_model_tp_plan``), ``"derived"`` (from its module
     #: structure), ``"none"``; ``" + tp_plan"`` when overrides were given.
     source: str = "none"
-    #: Attention modules given ``local_heads``: (name, {attribute: (whole count, per-rank count)}).
+    #: Attention modules given ``local_heads`` (sequence mixers apart): (name, {attribute: (whole count, per-rank
+    #: count)}).
     local_heads: list[tuple[str, dict[str, tuple[int, int]]]] = field(default_factory=list)
+    #: Sequence mixers split by heads, alike ones grouped.
+    mixers: list[MixerGroup] = field(default_factory=list)
+    #: Sequence mixers the plan does not split by heads: (names, kind, why), alike ones grouped. A mixer kept whole
+    #: trains: every TP rank computes all its heads, its projections as the model's plan places them.
+    whole_mixers: list[tuple[list[str], str, str]] = field(default_factory=list)
     #: KV-head replication: the attention modules, what each rank computes, and the gathered K/V weight bytes.
     kv_replication: list[str] = field(default_factory=list)
     #: The model's parts (see :func:`model_parts`): (name, sharded parameters, parameters, elements, elements per
@@ -52,6 +86,8 @@ class Report:
     #: the plan's error, by size).
     working_tp_sizes: list[int] = field(default_factory=list)
     failing_tp_sizes: dict[int, str] = field(default_factory=dict)
+    #: Of the working TP sizes, those at which sequence mixers stay whole: size -> their names.
+    whole_mixer_sizes: dict[int, list[str]] = field(default_factory=dict)
 
     @property
     def valid(self) -> bool:
@@ -91,14 +127,17 @@ def inspect_model(
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
     leave: tuple[str, ...] = ()
+    resolved = True
     try:
         from lightning_tp.parallel.expert_parallel import expert_modules_of
 
         leave = expert_modules_of(model) if ep_size > 1 else ()  # the experts are expert parallelism's to place
-        plan = resolve_plan(model, tp_plan, tp_size=tp_size, leave=leave)
+        with _quiet():  # the mixers kept whole are listed in the report
+            plan = resolve_plan(model, tp_plan, tp_size=tp_size, leave=leave)
     except ValueError as err:
         report.problems.append(str(err))
         plan = _permissive_plan(model, tp_size)
+        resolved = False
     try:
         from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft
 
@@ -123,13 +162,11 @@ def inspect_model(
     report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
     modules = dict(model.named_modules())
     for name in plan.local_heads:
-        counts_of = {a: getattr(modules[name], a, None) for a in HEAD_COUNT_ATTRIBUTES}
-        report.local_heads.append(
-            (
-                name,
-                {a: (c, c // tp_size) for a, c in counts_of.items() if isinstance(c, int) and not isinstance(c, bool)},
-            )
-        )
+        if name not in plan.mixers:
+            report.local_heads.append((name, _head_counts(modules[name], name, HEAD_COUNT_ATTRIBUTES, plan, tp_size)))
+    report.mixers = _mixer_groups(model, plan, tp_size)
+    if resolved:  # else the plan shown is the fallback's, which splits no mixer
+        report.whole_mixers = _group_whole(_whole_mixers(model, plan, tp_size, tp_plan))
     report.kv_replication = _kv_replication(model, plan, tp_size)
     # Every style name, this package's own (GPT-2's Conv1D styles) too: the table knows what each splits.
     styles = {name: style for name, style in plan.styles.items() if isinstance(style, str)}
@@ -163,7 +200,9 @@ def inspect_model(
             report.problems.append(f"cp_size={cp_size}: {problem}.")
     if ep_size > 1 and plan.experts:
         report.expert_parallel = _expert_parallel(model, plan, ep_size=ep_size, efsdp=efsdp, tp_size=tp_size)
-    report.working_tp_sizes, report.failing_tp_sizes = tp_sizes(model, tp_plan=tp_plan, leave=leave)
+    report.working_tp_sizes, report.failing_tp_sizes, report.whole_mixer_sizes = _tp_size_details(
+        model, tp_plan=tp_plan, leave=leave
+    )
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         report.memory[dtype] = {
             "parameters": counts["params"] * size,
@@ -179,21 +218,177 @@ def tp_sizes(
     """The TP sizes from 1 to ``max(8, query heads)`` whose plan resolves on ``model`` (head counts, replication of
     the KV heads, styles; ``leave``: modules another parallelism places, as in :func:`resolve_plan`), and for each
     size that fails the reason: the first sentence of the plan's error."""
+    working, failing, _ = _tp_size_details(model, tp_plan=tp_plan, leave=leave)
+    return working, failing
+
+
+def _tp_size_details(
+    model: nn.Module, *, tp_plan: str | dict[str, Any], leave: tuple[str, ...]
+) -> tuple[list[int], dict[int, str], dict[int, list[str]]]:
+    """:func:`tp_sizes`, and for each working size the sequence mixers that stay whole at it."""
     config = getattr(model, "config", None)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     limit = max(8, heads if isinstance(heads, int) else 0)
-    working, failing = [], {}
+    working, failing, whole = [], {}, {}
     for size in range(1, min(limit, 128) + 1):
         try:
-            resolve_plan(model, tp_plan, tp_size=size, leave=leave)
+            with _quiet():
+                plan = resolve_plan(model, tp_plan, tp_size=size, leave=leave)
         except ValueError as err:
             first = re.split(r"\.\s+(?=[A-Z`])", str(err))[0].split(": ", 1)[-1]
             failing[size] = first.replace(f"tp_size={size}", "tp_size").rstrip(".")
         else:
             working.append(size)
-    return working, failing
+            if names := [
+                name for name, _, why in _whole_mixers(model, plan, size, tp_plan) if why != _PLACED_BY_TP_PLAN
+            ]:
+                whole[size] = names
+    return working, failing, whole
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without the info lines of plan resolution (the mixers kept whole: the report lists them), warnings kept."""
+    from lightning_utilities.core import rank_zero
+
+    log = getattr(rank_zero, "log", None) or logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+#: Why a mixer the user's ``tp_plan`` places itself is not split by heads.
+_PLACED_BY_TP_PLAN = "placed by the `tp_plan` given (its rules name it or something inside it)"
+
+
+def _head_counts(
+    module: nn.Module, name: str, attributes: tuple[str, ...], plan: ResolvedPlan, tp_size: int
+) -> dict[str, tuple[int, int]]:
+    """The integer size attributes of the head-split module ``name`` (``"norm.n_groups"``: a child's), whole and per
+    rank: divided by the TP size, but the KV heads of KV-head replication (the most any rank computes)."""
+    counts = {}
+    for path in attributes:
+        count = attribute(module, path)
+        if not isinstance(count, int) or isinstance(count, bool):
+            continue
+        if name in plan.kv_replicated and path.rpartition(".")[2] in KV_HEAD_COUNT_ATTRIBUTES:
+            query_heads, kv_heads = plan.kv_replicated[name]
+            layouts = (kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=r) for r in range(tp_size))
+            counts[path] = (count, max(layout.local_kv_heads for layout in layouts))
+        else:
+            counts[path] = (count, count // tp_size)
+    return counts
+
+
+def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[MixerGroup]:
+    """The plan's sequence mixers with their head counts and packed blocks per rank, alike ones grouped."""
+    params = dict(model.named_parameters())
+    groups: dict[tuple, MixerGroup] = {}
+    for name, attributes in plan.mixers.items():
+        mixer = model.get_submodule(name)
+        kind = mixer_kind(mixer)
+        counts = _head_counts(mixer, name, attributes, plan, tp_size)
+        if not counts and kind is not None and kind.complete_only:
+            # Plain attention reshaping by -1 keeps no head count: its heads are its config's, split like q/k/v.
+            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            heads = config_heads(mixer)
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            if isinstance(heads, int) and isinstance(kv_heads, int):
+                kv_local = kv_heads // tp_size
+                if name in plan.kv_replicated:
+                    kv_local = max(
+                        kv_head_layout(*plan.kv_replicated[name], tp_size=tp_size, rank=r).local_kv_heads
+                        for r in range(tp_size)
+                    )
+                counts = {
+                    "num_attention_heads (config)": (heads, heads // tp_size),
+                    "num_key_value_heads (config)": (kv_heads, kv_local),
+                }
+        blocks, gathered = {}, 0
+        for param, sizes in plan.blocks.items():
+            if not param.startswith(f"{name}."):
+                continue
+            whole = plan.whole_blocks.get(param, ())
+            rows = tuple(size if i in whole else size // tp_size for i, size in enumerate(sizes))
+            blocks[param.removeprefix(f"{name}.")] = (sizes, rows)
+            gathered += params[param].numel() if param in params else 0
+        kind_name = kind.name if kind is not None else "?"
+        description = kind.description if kind is not None else type(mixer).__name__
+        key = (kind_name, tuple(counts.items()), tuple(blocks.items()), gathered)
+        if key in groups:
+            groups[key].names.append(name)
+        else:
+            groups[key] = MixerGroup([name], kind_name, description, counts, blocks, gathered)
+    return list(groups.values())
+
+
+def _whole_mixers(
+    model: nn.Module, plan: ResolvedPlan, tp_size: int, tp_plan: str | dict[str, Any] = "auto"
+) -> list[tuple[str, str, str]]:
+    """The sequence mixers of ``model`` that ``plan`` (resolved at ``tp_size`` with ``tp_plan``) does not split by
+    heads: (name, kind, why), as :func:`lightning_tp.plans.resolve.resolve_plan` decides. Attention that the model's
+    own rules split is no such mixer; at TP size 1 nothing is split."""
+    if tp_size == 1:
+        return []
+    overrides = list(tp_plan) if isinstance(tp_plan, dict) else []
+    own = list(model_plan(model)) if not isinstance(tp_plan, dict) or tp_plan else []
+    found = []
+    for name, kind in find_mixers(model).items():
+        if name in plan.mixers:
+            continue
+        mixer = model.get_submodule(name)
+        paths = [
+            name,
+            *(f"{name}.{inner}" for inner, _ in [*mixer.named_modules(), *mixer.named_parameters()] if inner),
+        ]
+        if _matches(overrides, paths):
+            why = _PLACED_BY_TP_PLAN
+        elif kind.complete_only:
+            if _matches(own, paths):
+                continue  # attention the model's own rules split: listed with the others
+            why = _attention_problem(model, mixer, tp_size) or "not split by heads"
+        else:
+            why = heads_problem(name, mixer, kind, tp_size) or "not split by heads"
+        found.append((name, kind.name, why))
+    return found
+
+
+def _matches(keys: list[str], paths: list[str]) -> bool:
+    return any(key_regex(key).fullmatch(path) for key in keys for path in paths)
+
+
+def _group_whole(found: list[tuple[str, str, str]]) -> list[tuple[list[str], str, str]]:
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, kind, why in found:
+        groups.setdefault((kind, why), []).append(name)
+    return [(names, kind, why) for (kind, why), names in groups.items()]
+
+
+def compact_names(names: list[str]) -> str:
+    """Module paths that differ in one numeric component (the layers of a model) as one: ``model.layers.{0-2,5}.mixer``;
+    others joined by commas."""
+    if len(names) == 1:
+        return names[0]
+    parts = [name.split(".") for name in names]
+    if len({len(p) for p in parts}) == 1:
+        differ = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+        if len(differ) == 1 and all(p[differ[0]].isdigit() for p in parts):
+            index = differ[0]
+            numbers = sorted({int(p[index]) for p in parts})
+            runs: list[list[int]] = []
+            for n in numbers:
+                if runs and n == runs[-1][-1] + 1:
+                    runs[-1].append(n)
+                else:
+                    runs.append([n])
+            spans = ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
+            return ".".join([*parts[0][:index], f"{{{spans}}}", *parts[0][index + 1 :]])
+    return ", ".join(names)
 
 
 def _expert_parallel(model: nn.Module, plan: ResolvedPlan, *, ep_size: int, efsdp: int, tp_size: int) -> list[str]:
@@ -376,6 +571,7 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
         lines += ["", "Attention modules computing their rank's heads (local_heads; head counts whole -> per rank):"]
         for name, counts in report.local_heads:
             lines.append(f"  {name:<60} " + ", ".join(f"{a} {c} -> {p}" for a, (c, p) in counts.items()))
+    lines += _format_mixers(report, tp_size)
     if report.kv_replication:
         lines += ["", *report.kv_replication]
     if report.context_parallel:
@@ -394,6 +590,14 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
             reasons.setdefault(reason, []).append(size)
         for reason, sizes in reasons.items():
             lines.append(f"  not {', '.join(map(str, sizes))}: {reason}")
+        whole: dict[tuple[str, ...], list[int]] = {}
+        for size, names in report.whole_mixer_sizes.items():
+            whole.setdefault(tuple(names), []).append(size)
+        for names, sizes in whole.items():
+            lines.append(
+                f"  at {', '.join(map(str, sizes))}: {len(names)} sequence mixer(s) stay whole "
+                f"({compact_names(list(names))}): every rank computes all their heads"
+            )
     lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
     lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
     if len(report.replicated) > 40:
@@ -417,6 +621,32 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
         lines += ["", *warnings]
     lines += ["", "Problems:" if errors else "The layout is valid."] + [f"  - {p}" for p in errors]
     return "\n".join(lines)
+
+
+def _format_mixers(report: Report, tp_size: int) -> list[str]:
+    lines = []
+    if report.mixers:
+        lines += ["", "Sequence mixers split by heads (each rank computes its own; sizes whole -> per rank):"]
+        for group in report.mixers:
+            count = f" ({len(group.names)} modules)" if len(group.names) > 1 else ""
+            lines.append(f"  {compact_names(group.names)}{count}: {group.kind}, {group.description}")
+            if group.counts:
+                lines.append("    " + ", ".join(f"{a} {c} -> {p}" for a, (c, p) in group.counts.items()))
+            width = max((len(p) for p in group.blocks), default=0)
+            for param, (sizes, rows) in group.blocks.items():
+                lines.append(f"    {param:<{width}}  blocks {list(sizes)} -> rank's rows {list(rows)}")
+            if group.blocks:
+                lines += [
+                    "    (stored as a plain split of dim 0, the shapes above; each forward gathers these parameters,",
+                    f"    {group.gathered:,} values per mixer, and takes the rank's rows of every block; the backward "
+                    "reduce-scatters their gradient)",
+                ]
+    if report.whole_mixers:
+        lines += ["", f"Sequence mixers not split by heads at tp_size={tp_size} (every rank computes all their heads):"]
+        for names, kind, why in report.whole_mixers:
+            count = f" ({len(names)} modules)" if len(names) > 1 else ""
+            lines.append(f"  {compact_names(names)}{count}: {kind}: {why}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

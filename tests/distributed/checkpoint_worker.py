@@ -7,8 +7,9 @@ Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncat
 Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, URLs
 on disk), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
 ``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves), ``vlm`` (LLaVA: resume,
-export) and ``cp`` (cp 2 -> TP 2, 1 -> cp 2); ``crash`` (2 processes: a save killed midway; the launch fails on
-purpose); ``one`` (1 process: TP 2 -> 1, cp 2 -> 1); ``2d`` (4 processes: TP 2 -> 2-D, and a truncated checkpoint),
+export), ``cp`` (cp 2 -> TP 2, 1 -> cp 2) and ``mixers:KIND`` (a family whose mixers TP 2 splits by heads: sharded
+checkpoints, save_pretrained); ``crash`` (2 processes: a save killed midway; the launch fails on
+purpose); ``one`` (1 process: TP 2 -> 1, cp 2 -> 1; ``one:KIND`` for those families); ``2d`` (4 processes: TP 2 -> 2-D, and a truncated checkpoint),
 ``tp4`` and ``cp_2d`` (TP 2 -> cp 2 x tp 2).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import traceback
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CHECKPOINT_ENV
 from tests.helpers.models import quiet_trainer
-from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+from tests.helpers.resume import MIXER_KINDS, STEPS, ResumeModule, SaveAt, probe_logits
 from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import worker_setup
 
@@ -356,6 +358,39 @@ def one_moe(ctx: Context) -> dict[str, Any]:
 def one(ctx: Context) -> dict[str, Any]:
     """TP 2 -> 1 process."""
     return {"resumed": resumed_losses(ctx.source, stateful_data=False)}
+
+
+def head_split_mixers(ctx: Context, kind: str) -> dict[str, Any]:
+    """A family whose mixers TP 2 splits by heads (:data:`MIXER_KINDS`), trained on TP 2: a sharded checkpoint
+    mid-epoch 1 (step 6, resumed on one process by ``one:KIND``), a final one and save_pretrained on every rank, with
+    the model's logits (for export and for the resumed run's weights) and the placement and local shape of each
+    DTensor parameter."""
+    from torch.distributed.tensor import DTensor
+
+    out = ctx.out
+    module = ResumeModule(kind=kind)
+    trainer = fit(module, callbacks=[SaveAt(steps={6: out / f"{kind}_mid"})])
+    trainer.save_checkpoint(out / f"{kind}_final")
+    module.model.save_pretrained(out / f"{kind}_pretrained")  # on every rank of the sharded model
+    sharded = {
+        name: (str(param.placements), tuple(param.to_local().shape))
+        for name, param in module.model.named_parameters()
+        if isinstance(param, DTensor)
+    }
+    return {f"mixers:{kind}": {"reference": module.losses, "logits": probe_logits(module.model), "sharded": sharded}}
+
+
+def one_kind(ctx: Context, kind: str) -> dict[str, Any]:
+    """A TP 2 checkpoint of ``kind`` (``--from``, or ``one:KIND@CHECKPOINT``) -> 1 process: the resumed losses and the
+    final model's logits."""
+    module = ResumeModule(kind=kind)
+    fit(module, ckpt_path=ctx.source)
+    return {"resumed": module.losses, "logits": probe_logits(module.model)}
+
+
+for _kind in MIXER_KINDS:
+    SCENARIOS.add(f"mixers:{_kind}", functools.partial(head_split_mixers, kind=_kind))
+    SCENARIOS.add(f"one:{_kind}", functools.partial(one_kind, kind=_kind))
 
 
 @SCENARIOS.register("2d")

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume (mid-epoch, with dropout; single-file), resume on other layouts
 (1 -> TP 2, TP 2 -> 1, TP 2 -> 2-D, TP 4 with replicated KV heads -> 2-D and -> 1), a save killed midway, a
-truncated checkpoint, and export round trips.
+truncated checkpoint, and export round trips; the families whose mixers TP 2 splits by heads (Qwen3.5's Gated DeltaNet,
+DeepSeek-V3's latent attention, Nemotron-H's Mamba2) resume on one process and export.
 
 Four launches in all: TP 2 (most cases), a TP 2 run killed during a save, one process and 4 processes resuming from
 what the killed run left. The TP 2 launch runs only the scenarios of the selected tests (their
@@ -19,13 +20,16 @@ import torch
 from lightning_tp.checkpoint.publish import partial_path
 from lightning_tp.checkpoint.validation import IncompleteCheckpointError, check_checkpoint, stored_entries
 from tests.helpers.launch import torchrun
-from tests.helpers.models import quiet_trainer
-from tests.helpers.resume import STEPS, ResumeModule, SaveAt, probe_logits
+from tests.helpers.models import build_causal_lm, quiet_trainer, tiny_config
+from tests.helpers.resume import MIXER_KINDS, STEPS, ResumeModule, SaveAt, probe_logits
 from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 #: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
-TP2_SCENARIOS = ["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "ep", "compiled"]
+TP2_SCENARIOS = [
+    *["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "ep", "compiled"],
+    *[f"mixers:{kind}" for kind in MIXER_KINDS],
+]
 EXACT = 1e-6  # the same layout: the same operations, in the same order
 ACROSS = 1e-5  # another layout: TP splits the matmuls, so fp32 rounding differs (as in the parity tests)
 
@@ -85,8 +89,17 @@ def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         source = ["--from", str(request.getfixturevalue("single")["checkpoint"])]
     if "ep" in scenarios:
         source += ["--from-moe", str(request.getfixturevalue("single_moe")["checkpoint"])]
+    _write_tiny_checkpoints(request, [s.split(":", 1)[1] for s in scenarios if s.startswith("mixers:")])
     torchrun(WORKER, 2, str(out), *scenarios, "--label", "tp2", *source)
     return {"out": out, "ranks": _load(out, "tp2", 2)}
+
+
+def _write_tiny_checkpoints(request: pytest.FixtureRequest, kinds: list[str]) -> None:
+    """The tiny checkpoints of these kinds, next to the session's (tests/distributed/conftest.py writes the others)."""
+    directory = request.getfixturevalue("checkpoint")
+    for kind in kinds:
+        if not (directory / kind).is_dir():
+            build_causal_lm(tiny_config(kind)).save_pretrained(directory / kind)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +156,7 @@ def test_context_parallel_checkpoints_resume_across_cp_sizes(
         _assert_close(result["single_to_cp"], single["resumed"], ACROSS)
     for result in four:
         _assert_close(result["cp_tp2"], single["resumed"], ACROSS)
-    _assert_close(one_process["from_cp2"], single["resumed"], ACROSS)
+    _assert_close(one_process["from_cp2"]["resumed"], single["resumed"], ACROSS)
     # Both ranks' logits of a forward without labels are the whole sequence's, and they agree.
     torch.testing.assert_close(tp2["ranks"][0]["cp_logits"], tp2["ranks"][1]["cp_logits"], atol=0, rtol=0)
 
@@ -176,7 +189,7 @@ def test_expert_parallel_checkpoints_resume_across_ep_sizes(
         _assert_close(result["single_to_ep"], single_moe["resumed"], ACROSS)
     halves = [r["single_to_ep_dp"] for r in tp2["ranks"]]
     _assert_close({step: (halves[0][step] + halves[1][step]) / 2 for step in halves[0]}, single_moe["resumed"], ACROSS)
-    _assert_close(one_process["from_ep2"], single_moe["resumed"], ACROSS)
+    _assert_close(one_process["from_ep2"]["resumed"], single_moe["resumed"], ACROSS)
 
 
 @pytest.mark.scenarios("ckpt_tp2", "ep")
@@ -228,7 +241,7 @@ def test_killed_save_leaves_the_previous_checkpoint(crashed: Path) -> None:
 
 @pytest.mark.scenarios("ckpt_one", "from_tp2")
 def test_tp2_checkpoint_resumes_on_one_process(one_process: dict[str, Any], single: dict[str, Any]) -> None:
-    _assert_close(one_process["from_tp2"], single["resumed"], ACROSS)
+    _assert_close(one_process["from_tp2"]["resumed"], single["resumed"], ACROSS)
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +271,8 @@ ONE_PROCESS = {
     "from_cp2": "one",
     "from_ep2": "one_moe",
     "from_tp4": "one",
+    # The head-split mixers' mid-epoch TP 2 checkpoints (the `mixers:KIND` scenarios).
+    **{f"from_tp2:{kind}": f"one:{kind}" for kind in MIXER_KINDS},
 }
 
 
@@ -267,20 +282,22 @@ def _one_process_source(label: str, request: pytest.FixtureRequest) -> Path:
     if label == "from_tp4":
         request.getfixturevalue("four")  # the TP 4 run writes it
         return request.getfixturevalue("crashed") / "tp4_epoch0"
+    if label.startswith("from_tp2:"):
+        return request.getfixturevalue("tp2")["out"] / f"{label.split(':', 1)[1]}_mid"
     return request.getfixturevalue("tp2")["out"] / {"from_cp2": "cp2_epoch0", "from_ep2": "ep2_epoch0"}[label]
 
 
 @pytest.fixture(scope="module")
 def one_process(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The resumed losses of each selected label's checkpoint on one process: one launch for all of them (a cold
-    start costs more than a resume)."""
+    """What each selected label's checkpoint gave on one process (``resumed``: the resumed losses), by label: one
+    launch for all of them (a cold start costs more than a resume)."""
     items = request.session.items
     labels = selected_scenarios(items, launch="ckpt_one", fixture="one_process", default=list(ONE_PROCESS))
     runs = {label: f"{ONE_PROCESS[label]}@{_one_process_source(label, request)}" for label in labels}
     out = tmp_path_factory.mktemp("ckpt_one")
     torchrun(WORKER, 1, str(out), *runs.values(), "--label", "one")
     (result,) = _load(out, "one", 1)
-    return {label: result[run]["resumed"] for label, run in runs.items()}
+    return {label: result[run] for label, run in runs.items()}
 
 
 def _dp_mean(ranks: list[dict[str, Any]], key: str, dp_key: str) -> dict[int, float]:
@@ -301,7 +318,7 @@ def test_tp4_with_replicated_kv_heads_trains_resumes_on_2d_and_one_process_and_e
     assert four[1]["tp4_kv_heads"] == [(1, (8, 64))]
     _assert_close(four[0]["uninterrupted"], single["uninterrupted"], ACROSS)
     _assert_close(_dp_mean(four, "resumed_2d", "dp_rank_2d"), single["resumed"], ACROSS)
-    _assert_close(one_process["from_tp4"], single["resumed"], ACROSS)
+    _assert_close(one_process["from_tp4"]["resumed"], single["resumed"], ACROSS)
     model = AutoModelForCausalLM.from_pretrained(crashed / "tp4_pretrained")
     torch.testing.assert_close(probe_logits(model), four[0]["tp4_logits"], atol=1e-5, rtol=0)
 
@@ -441,3 +458,50 @@ def test_vision_language_model_resumes_exactly_and_exports(tp2: dict[str, Any], 
     with torch.no_grad():
         logits = model.eval()(**vlm_batches("llava", 1)[0]).logits
     torch.testing.assert_close(logits, result["logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(MIXER_KINDS))
+@pytest.mark.scenarios("ckpt_tp2", "mixers:{kind}")
+@pytest.mark.scenarios("ckpt_one", "from_tp2:{kind}")
+def test_head_split_mixer_checkpoints_resume_on_one_process(
+    tp2: dict[str, Any], one_process: dict[str, Any], kind: str
+) -> None:
+    """Qwen3.5 (Gated DeltaNet), DeepSeek-V3 (latent attention, a MoE layer) and Nemotron-H (Mamba2) at TP 2, their
+    mixers split by heads (packed blocks stored as one ``Shard(0)`` tensor, read per rank as a slice of each block):
+    a sharded checkpoint mid-epoch 1 resumes on one process with the losses of the uninterrupted TP 2 run after it,
+    and ends with its weights (the final model's logits)."""
+    reference = tp2["ranks"][0][f"mixers:{kind}"]
+    for name in MIXER_KINDS[kind]:  # split, not left whole: the checkpoint must undo the split
+        placements, local = reference["sharded"][name]
+        assert placements == "(Shard(dim=0),)", (name, placements)
+        assert [r[f"mixers:{kind}"]["sharded"][name][1] for r in tp2["ranks"]] == [local, local], name
+    for result in tp2["ranks"]:
+        assert sorted(result[f"mixers:{kind}"]["reference"]) == list(range(1, STEPS + 1))
+    resumed = one_process[f"from_tp2:{kind}"]
+    _assert_close(resumed["resumed"], _after(reference["reference"], 6), ACROSS)
+    torch.testing.assert_close(resumed["logits"], reference["logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(MIXER_KINDS))
+@pytest.mark.scenarios("ckpt_tp2", "mixers:{kind}")
+def test_head_split_mixers_save_pretrained_and_export(tp2: dict[str, Any], kind: str, tmp_path: Path) -> None:
+    """save_pretrained of the sharded model (on every rank) and the export of its final sharded checkpoint reload in
+    Transformers whole (no key missing, unexpected or of another shape), with the same tensors and the sharded
+    model's logits. (Their names may differ: save_pretrained writes DeepSeek-V3's experts one by one, as on the Hub;
+    export keeps the model's own fused names.)"""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_tp.tools.export import export_checkpoint
+
+    expected = tp2["ranks"][0][f"mixers:{kind}"]["logits"]
+    exported = export_checkpoint(tp2["out"] / f"{kind}_final", tmp_path / "exported")
+    weights = []
+    for directory in (tp2["out"] / f"{kind}_pretrained", Path(exported)):
+        model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+        assert not any(info.values()), (directory.name, info)
+        torch.testing.assert_close(probe_logits(model), expected, atol=1e-5, rtol=0, msg=directory.name)
+        weights.append(model.state_dict())
+    pretrained, export = weights
+    assert sorted(pretrained) == sorted(export)
+    for name, tensor in pretrained.items():
+        torch.testing.assert_close(export[name], tensor, atol=0, rtol=0, msg=name)

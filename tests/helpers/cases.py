@@ -232,6 +232,13 @@ CASES: dict[str, Case] = {
     "gpt_bigcode_derived": lm("gpt_bigcode", 4),
     "gpt2_derived": lm("gpt2", 4, optimizer="adamw", lr=1e-3),
     "falcon_derived": lm("falcon", 4),
+    # Falcon-40B/180B's layout: q, k, v grouped per KV head, attention and MLP in parallel (added in place).
+    "falcon_grouped_derived": lm(
+        "falcon", 3, config={"new_decoder_architecture": True, "num_kv_heads": 2, "parallel_attn": True}
+    ),
+    # Multi-query attention ([q | k | v], one K/V head): each rank takes its q slice and all of k and v.
+    "falcon_multi_query_derived": lm("falcon", 3, config={"multi_query": True, "parallel_attn": True}),
+    "gpt_bigcode_multi_query_derived": lm("gpt_bigcode", 3, config={"multi_query": True}),
     "bloom_derived": lm("bloom", 4),
     "mpt_derived": lm("mpt", 4),
     # Sequence and loss parallelism on derived plans: Bloom (ALiBi sliced per rank, an embedding norm before the
@@ -451,6 +458,10 @@ CASES: dict[str, Case] = {
     "qwen3_5_hybrid_sgd": lm("qwen3_5", 3),
     "deepseek_v3_mla_sgd": lm("deepseek_v3", 3),
     "nemotron_h_mamba2_sgd": lm("nemotron_h", 3),
+    # Llama 4's experts (`packed_rowwise` gate/up stored [in, out]) and its shared expert added in place.
+    "llama4_moe_sgd": lm(
+        "llama4_text", 3, config={"moe_layers": [1, 3], "num_local_experts": 4, "intermediate_size": 32}
+    ),
     "qwen3_5_hybrid_lora": lora_case("qwen3_5"),
     "deepseek_v3_mla_lora": lora_case("deepseek_v3", target_modules=["q_a_proj", "q_b_proj", "kv_b_proj", "o_proj"]),
     "llama_rslora": lora_case("llama", use_rslora=True),

@@ -1,6 +1,6 @@
-"""What the checkpoint tests train: a tiny Qwen3 with AdamW and a per-step LR schedule, over a shuffled data set
-read through torchdata's ``StatefulDataLoader`` (so Lightning can continue mid-epoch; a plain ``DataLoader`` for
-the resumes at an epoch's end on other layouts), saving at chosen steps."""
+"""What the checkpoint tests train: a tiny Qwen3 (or another family: ``kind``) with AdamW and a per-step LR schedule,
+over a shuffled data set read through torchdata's ``StatefulDataLoader`` (so Lightning can continue mid-epoch; a plain
+``DataLoader`` for the resumes at an epoch's end on other layouts), saving at chosen steps."""
 
 from __future__ import annotations
 
@@ -20,6 +20,26 @@ GLOBAL_BATCH = 4
 EPOCHS = 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS  # 8: 4 per epoch
 PROBE = torch.arange(24).reshape(2, 12) % 90  # a fixed batch for logits
+#: Families whose sequence mixers TP 2 splits by heads (lightning_tp/plans/mixers.py), with parameters of each that
+#: it must store as a plain ``Shard(0)`` of the whole tensor: packed blocks (``[q | k | v]``, Mamba2's ``[z | x | B |
+#: C | dt]``, the conv over those channels) whose module reads its slice of each block (lightning_tp/parallel/blocks.py),
+#: or per-head projections of latent attention. A checkpoint must hold the model's own layout of each.
+MIXER_KINDS: dict[str, tuple[str, ...]] = {
+    "qwen3_5": (  # a Gated DeltaNet layer, then full attention
+        "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "model.layers.0.linear_attn.conv1d.weight",
+        "model.layers.0.linear_attn.A_log",
+    ),
+    "deepseek_v3": (  # multi-head latent attention, a dense then a MoE layer
+        "model.layers.0.self_attn.q_b_proj.weight",
+        "model.layers.0.self_attn.kv_b_proj.weight",
+    ),
+    "nemotron_h": (  # a Mamba2 mixer, then attention
+        "model.layers.0.mixer.in_proj.weight",
+        "model.layers.0.mixer.conv1d.weight",
+        "model.layers.0.mixer.D",
+    ),
+}
 
 
 def samples() -> list[dict[str, torch.Tensor]]:
