@@ -79,14 +79,18 @@ def apply_tensor_parallel(
 
 #: Transformers' layers that sum partial outputs over the TP group: their output is a view made inside DTensor's
 #: ``to_local`` (an autograd Function).
-_SUMMED_OUTPUT_STYLES = (*style_names(kind="row", registered=True), "moe_tp_experts")
+_SUMMED_OUTPUT_STYLES = (
+    *style_names(kind="row", registered=True),
+    *style_names(kind="embedding", registered=True),
+    "moe_tp_experts",
+)
 
 
 def _own_row_outputs(module: nn.Module, plan: ResolvedPlan) -> None:
     """Give the summed output of each of Transformers' row-wise layers its own storage. Autograd refuses in-place
     changes to a view a custom Function returned, and some models add to that output in place (Llama 4's
-    ``out.add_(shared_expert(x))``, Falcon's ``mlp_output += attention_output``): one copy of an activation-sized
-    tensor per row-wise layer, against a crash."""
+    ``out.add_(shared_expert(x))``, Falcon's ``mlp_output += attention_output``, CTRL scaling its embeddings): one
+    copy of an activation-sized tensor per row-wise layer and embedding, against a crash."""
     modules = dict(module.named_modules())
     summed = [name for name, style in plan.transformers_styles.items() if style in _SUMMED_OUTPUT_STYLES]
     # torch's row-wise style (the dense-layer and sequence-parallel rewrites) returns `to_local()` views as well.

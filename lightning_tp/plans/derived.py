@@ -246,12 +246,20 @@ def derive_plan(model: nn.Module) -> dict[str, str]:
     plan[prefix + downs[0]] = "rowwise"
     plan.update(_conv1d_roles(plan, layer, prefix))
 
-    # Embeddings and lm_head.
+    plan.update(vocabulary_plan(model))
+    return plan
+
+
+def vocabulary_plan(model: nn.Module) -> dict[str, str]:
+    """The input embedding split on the vocabulary and ``lm_head`` column-wise with its output gathered: the rules
+    of any causal LM, also one whose layers no derived rule describes (a recurrent model, layers built
+    differently), whose layers then stay whole (or are split by :mod:`lightning_tp.plans.mixers`)."""
+    plan = {}
     names = {id(m): name for name, m in model.named_modules()}
-    embedding = model.get_input_embeddings()
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if isinstance(embedding, nn.Embedding) and id(embedding) in names:
         plan[names[id(embedding)]] = "embedding_rowwise"
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear) and id(head) in names:
         plan[names[id(head)]] = "colwise_gather_output"
     return plan

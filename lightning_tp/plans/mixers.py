@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -248,7 +248,39 @@ MIXER_KIND_ATTENTION = MixerKind(
     # Its per-head norms (any names: q_norm, query_layernorm, ...) are found by `per_head_norms`.
     complete_only=True,
 )
-MIXER_KINDS += (MIXER_KIND_ATTENTION,)
+#: A gated MLP that the model's plan leaves whole (Bamba's, Zamba2's): up-projections column-wise, down row-wise.
+MIXER_KIND_MLP = MixerKind(
+    name="mlp",
+    description="gated MLP (gate, up and down projections)",
+    holds=("gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+    styles={"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"},
+    blocks={},
+    attributes=(),
+    heads=(),
+    complete_only=True,
+)
+#: The same, spelled ``out_proj`` (LFM2) and ``w1``/``w3``/``w2`` (LFM2, Mixtral-style).
+MIXER_KIND_ATTENTION_OUT = replace(
+    MIXER_KIND_ATTENTION,
+    name="attention_out_proj",
+    holds=("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight"),
+    styles={
+        "q_proj": "colwise",
+        "k_proj": "colwise",
+        "v_proj": "colwise",
+        "out_proj": "rowwise",
+        "sinks": "local_blocks",
+    },
+)
+MIXER_KIND_MLP_W = replace(
+    MIXER_KIND_MLP,
+    name="mlp_w",
+    holds=("w1.weight", "w3.weight", "w2.weight"),
+    styles={"w1": "colwise", "w3": "colwise", "w2": "rowwise"},
+)
+MIXER_KINDS += (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT, MIXER_KIND_MLP, MIXER_KIND_MLP_W)
+#: The kinds whose split is checked as attention's (head counts from the config).
+ATTENTION_KINDS = (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT)
 
 
 def per_head_norms(attention: nn.Module, head_dim: int) -> list[str]:
@@ -368,7 +400,7 @@ def mixer_entries(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, str
 def shared_norm_names(mixer: nn.Module, kind: MixerKind) -> list[str]:
     """The relative names of the mixer's norms whose gradient is summed over the TP group."""
     names = list(kind.shared_norms)
-    if kind.complete_only and (heads := config_heads(mixer)):
+    if kind in ATTENTION_KINDS and (heads := config_heads(mixer)):
         names += per_head_norms(mixer, mixer.q_proj.weight.shape[0] // heads)
     return [n for n in names if _has(mixer, n)]
 

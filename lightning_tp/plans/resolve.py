@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_tp.plans.derived import derive_plan
+from lightning_tp.plans.derived import derive_plan, vocabulary_plan
 from lightning_tp.plans.mixers import (
-    MIXER_KIND_ATTENTION,
+    ATTENTION_KINDS,
     MixerKind,
     config_heads,
     find_mixers,
@@ -200,7 +200,60 @@ def plan_source(module: nn.Module) -> tuple[dict[str, Style], str, str | None]:
         return derive_plan(module), "derived", None
     except ValueError as err:
         # A class rule for lm_head alone (no `base_model_tp_plan`) is kept as it was before plans were derived.
-        return (own, "model", None) if own else ({}, "none", str(err))
+        if own:
+            return own, "model", None
+        # Layers no derived rule describes stay whole (the mixers of lightning_tp.plans.mixers are split on their
+        # own); the vocabulary is split, where there is one.
+        vocabulary = vocabulary_plan(module)
+        if vocabulary and _has_layers(module):
+            rank_zero_info(f"{type(module).__name__}: its decoder layers stay whole on every TP rank ({err})")
+            return vocabulary, "derived", None
+        return {}, "none", str(err)
+
+
+def _report_whole_modules(module: nn.Module, param_styles: Mapping[str, Style | None], plan: ResolvedPlan) -> None:
+    """One info line naming the kinds of modules whose matrices no rule splits (every TP rank holds and computes all
+    of them), with their share of the parameters. Norms and biases (1-D) are left out: they are whole by design."""
+    total = sum(p.numel() for p in module.parameters())
+    kept: dict[str, list[int]] = {}
+    splits = {name for name, style in plan.styles.items() if _split_style(style)}
+    experts = tuple(f"{name}." for name in plan.experts)
+    for name, param in module.named_parameters():
+        if param.ndim < 2 or name in splits or (experts and name.startswith(experts)):
+            continue
+        if param_styles.get(name) is not None and _split_style(param_styles[name]):
+            continue
+        counts = kept.setdefault(_layer_kind(module, name), [0, 0])
+        counts[0] += 1
+        counts[1] += param.numel()
+    shares = sorted(((n / total, kind, k) for kind, (k, n) in kept.items() if total), reverse=True)
+    if shares and shares[0][0] >= 0.01:
+        listed = ", ".join(f"{kind} ({100 * share:.0f}% in {k} matrices)" for share, kind, k in shares if share >= 0.01)
+        rank_zero_info(f"{type(module).__name__}: TP keeps these whole on every rank (no rule splits them): {listed}.")
+
+
+def _layer_kind(module: nn.Module, param: str) -> str:
+    """The class of the nearest module above ``param`` that is not one of torch's building blocks (a mixer, an MLP,
+    an attention), which names the layer kind better than its ``Linear``."""
+    path = param.rpartition(".")[0]
+    while True:
+        owner = module.get_submodule(path) if path else module
+        if not type(owner).__module__.startswith("torch.") or not path:
+            return type(owner).__name__
+        path = path.rpartition(".")[0]
+
+
+def _split_style(style: Style | None) -> bool:
+    """Whether a style splits the parameters it is given (a torch ParallelStyle is taken to)."""
+    if style is None:
+        return False
+    fact = facts(style)
+    return fact is None or fact.weight_dim is not None or fact.kind in ("module", "expert")
+
+
+def _has_layers(model: nn.Module) -> bool:
+    """Whether the model holds a list of layers (a decoder, recurrent or not), as a causal LM does."""
+    return any(isinstance(m, nn.ModuleList) and len(m) > 1 for m in model.modules())
 
 
 def _output_embedding_name(model: nn.Module) -> str | None:
@@ -348,6 +401,8 @@ def resolve_plan(
     if is_transformers_model(module):
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
     _check_even_splits(module, resolved.styles, tp_size)
+    if tp_size > 1:
+        _report_whole_modules(module, param_styles, resolved)
     attention = [name for name in resolved.local_heads if name not in resolved.mixers]
     _check_local_heads(module, attention, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
@@ -373,7 +428,8 @@ def _head_parallel_mixers(
         if kind.complete_only:
             if any(key_regex(key).fullmatch(path) for key in plan for path in paths):
                 continue
-            problem = _attention_problem(module, mixer, tp_size)
+            check = _attention_problem if kind in ATTENTION_KINDS else _mlp_problem
+            problem = check(module, mixer, kind, tp_size)
         else:
             problem = heads_problem(name, mixer, kind, tp_size)
         if problem is not None:
@@ -385,7 +441,24 @@ def _head_parallel_mixers(
     return found, [name for names in whole.values() for name in names]
 
 
-def _attention_problem(model: nn.Module, attention: nn.Module, tp_size: int) -> str | None:
+def _mlp_problem(model: nn.Module, mlp: nn.Module, kind: MixerKind, tp_size: int) -> str | None:
+    """Why a gated MLP the model's plan leaves whole cannot be split at ``tp_size``, or ``None``."""
+    ups = [mlp.get_submodule(name).weight.shape[0] for name, style in kind.styles.items() if style == "colwise"]
+    if ups[0] % tp_size or len(set(ups)) != 1:
+        return f"{type(mlp).__name__}'s intermediate sizes {ups} do not split over tp_size={tp_size}"
+    known = set(kind.styles)
+    unknown = [
+        name
+        for name, m in mlp.named_modules()
+        if name and not any(name == k or name.startswith(f"{k}.") for k in known) and list(m.parameters(False))
+    ]
+    unknown += [name for name, _ in mlp.named_parameters(recurse=False)]
+    if unknown:
+        return f"{type(mlp).__name__} also holds {unknown}, which no rule of a gated MLP splits"
+    return None
+
+
+def _attention_problem(model: nn.Module, attention: nn.Module, kind: MixerKind, tp_size: int) -> str | None:
     """Why an attention module the model's plan leaves whole cannot be split by heads at ``tp_size``, or ``None``.
     Its head counts are the config's (most attention modules reshape by ``-1`` and keep none); KV heads the TP size
     does not divide are replicated (:mod:`lightning_tp.parallel.kv_heads`) where the query heads group evenly."""
@@ -404,7 +477,7 @@ def _attention_problem(model: nn.Module, attention: nn.Module, tp_size: int) -> 
         return f"{type(attention).__name__}'s q_proj has {out} features for {heads} heads"
     # Everything else it holds must be known: a per-head norm (kept whole, its gradient summed) or a rule of the
     # kind. Anything more (a differential attention's lambdas, a gate, a short convolution) keeps it whole.
-    known = set(per_head_norms(attention, out // heads)) | set(MIXER_KIND_ATTENTION.styles)
+    known = set(per_head_norms(attention, out // heads)) | set(kind.styles)
     unknown = [
         name
         for name, m in attention.named_modules()

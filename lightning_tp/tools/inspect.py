@@ -4,7 +4,7 @@ no processes), resolves its plan as the strategy would, and prints each planned 
 stays replicated, the sequence mixers split by heads (each rank's head counts and rows of each packed block) and
 those kept whole, rules that matched nothing, divisibility problems with the sizes that would work, what context
 parallelism exchanges, and per-rank memory for parameters, gradients and AdamW states. Exit code 0 when the layout is
-valid (the strategy accepts it), 1 with the reasons when not.
+valid, 1 with the reasons when not.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lightning_tp.plans.resolve import (
     model_plan,
     plan_source,
     resolve_plan,
+    uneven_kv_projections,
 )
 from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, facts, style_names
 
@@ -158,6 +159,15 @@ def inspect_model(
         except ValueError as err:
             report.problems.append(str(err))
     report.problems += _uneven_splits(model, plan, tp_size)
+    if dp_shard_size * cp_size > 1 and (uneven := uneven_kv_projections(model, plan, tp_size)):
+        # The strategy refuses it at setup (lightning_tp.parallelize): FSDP2 cannot shard uneven TP shards further.
+        width = model.get_submodule(uneven[0]).weight.shape[0]
+        report.problems.append(
+            f"the KV heads of {uneven[0]} are replicated over tp_size={tp_size}, and its width ({width}: KV heads x "
+            f"head_dim) is not divisible by it, so its shards are uneven, which FSDP2 (over dp_shard x cp = "
+            f"{dp_shard_size * cp_size}) cannot shard further. Use a tp_size that divides that width, or no data "
+            "parallelism."
+        )
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
     modules = dict(model.named_modules())
@@ -316,7 +326,9 @@ def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[Mi
             whole = plan.whole_blocks.get(param, ())
             rows = tuple(size if i in whole else size // tp_size for i, size in enumerate(sizes))
             blocks[param.removeprefix(f"{name}.")] = (sizes, rows)
-            gathered += params[param].numel() if param in params else 0
+            owner, _, leaf = param.rpartition(".")
+            held = params.get(param, params.get(f"{owner}.base_layer.{leaf}"))  # a LoRA wrapper's base layer
+            gathered += held.numel() if held is not None else 0
         kind_name = kind.name if kind is not None else "?"
         description = kind.description if kind is not None else type(mixer).__name__
         key = (kind_name, tuple(counts.items()), tuple(blocks.items()), gathered)
@@ -634,7 +646,10 @@ def _format_mixers(report: Report, tp_size: int) -> list[str]:
                 lines.append("    " + ", ".join(f"{a} {c} -> {p}" for a, (c, p) in group.counts.items()))
             width = max((len(p) for p in group.blocks), default=0)
             for param, (sizes, rows) in group.blocks.items():
-                lines.append(f"    {param:<{width}}  blocks {list(sizes)} -> rank's rows {list(rows)}")
+                whole = [str(i + 1) for i, (size, row) in enumerate(zip(sizes, rows, strict=True)) if size == row]
+                plural = "s" if len(whole) > 1 else ""
+                note = f" (block{plural} {', '.join(whole)} whole on every rank)" if whole and tp_size > 1 else ""
+                lines.append(f"    {param:<{width}}  blocks {list(sizes)} -> rank's rows {list(rows)}{note}")
             if group.blocks:
                 lines += [
                     "    (stored as a plain split of dim 0, the shapes above; each forward gathers these parameters,",

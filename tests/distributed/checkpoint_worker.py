@@ -362,9 +362,9 @@ def one(ctx: Context) -> dict[str, Any]:
 
 def head_split_mixers(ctx: Context, kind: str) -> dict[str, Any]:
     """A family whose mixers TP 2 splits by heads (:data:`MIXER_KINDS`), trained on TP 2: a sharded checkpoint
-    mid-epoch 1 (step 6, resumed on one process by ``one:KIND``), a final one and save_pretrained on every rank, with
-    the model's logits (for export and for the resumed run's weights) and the placement and local shape of each
-    DTensor parameter."""
+    mid-epoch 1 (step 6), resumed on TP 2 here and on one process by ``one:KIND``; a final one and save_pretrained on
+    every rank, with the model's logits (for export and for the resumed runs' weights) and the placements, local and
+    global shapes of each DTensor parameter."""
     from torch.distributed.tensor import DTensor
 
     out = ctx.out
@@ -373,11 +373,22 @@ def head_split_mixers(ctx: Context, kind: str) -> dict[str, Any]:
     trainer.save_checkpoint(out / f"{kind}_final")
     module.model.save_pretrained(out / f"{kind}_pretrained")  # on every rank of the sharded model
     sharded = {
-        name: (str(param.placements), tuple(param.to_local().shape))
+        name: (str(param.placements), tuple(param.to_local().shape), tuple(param.shape))
         for name, param in module.model.named_parameters()
         if isinstance(param, DTensor)
     }
-    return {f"mixers:{kind}": {"reference": module.losses, "logits": probe_logits(module.model), "sharded": sharded}}
+    logits = probe_logits(module.model)
+    resumed = ResumeModule(kind=kind)
+    fit(resumed, ckpt_path=out / f"{kind}_mid")
+    return {
+        f"mixers:{kind}": {
+            "reference": module.losses,
+            "logits": logits,
+            "sharded": sharded,
+            "resumed": resumed.losses,
+            "resumed_logits": probe_logits(resumed.model),
+        }
+    }
 
 
 def one_kind(ctx: Context, kind: str) -> dict[str, Any]:

@@ -462,21 +462,30 @@ def test_vision_language_model_resumes_exactly_and_exports(tp2: dict[str, Any], 
 
 @pytest.mark.parametrize("kind", list(MIXER_KINDS))
 @pytest.mark.scenarios("ckpt_tp2", "mixers:{kind}")
+def test_head_split_mixer_checkpoints_resume_exactly(tp2: dict[str, Any], kind: str) -> None:
+    """Qwen3.5 (Gated DeltaNet), DeepSeek-V3 (latent attention, a MoE layer) and Nemotron-H (Mamba2) at TP 2, their
+    mixers split by heads: the split parameters are ``Shard(0)`` DTensors (not left whole), and a sharded checkpoint
+    mid-epoch 1 resumes on TP 2 with the uninterrupted run's losses and final weights (its logits)."""
+    for result in tp2["ranks"]:
+        result = result[f"mixers:{kind}"]
+        for name in MIXER_KINDS[kind]:  # each rank holds half of dim 0
+            placements, local, whole = result["sharded"][name]
+            assert placements == "(Shard(dim=0),)" and local == (whole[0] // 2, *whole[1:]), (name, result["sharded"])
+        assert sorted(result["reference"]) == list(range(1, STEPS + 1))
+        _assert_close(result["resumed"], _after(result["reference"], 6), EXACT)
+        torch.testing.assert_close(result["resumed_logits"], result["logits"], atol=EXACT, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(MIXER_KINDS))
+@pytest.mark.scenarios("ckpt_tp2", "mixers:{kind}")
 @pytest.mark.scenarios("ckpt_one", "from_tp2:{kind}")
 def test_head_split_mixer_checkpoints_resume_on_one_process(
     tp2: dict[str, Any], one_process: dict[str, Any], kind: str
 ) -> None:
-    """Qwen3.5 (Gated DeltaNet), DeepSeek-V3 (latent attention, a MoE layer) and Nemotron-H (Mamba2) at TP 2, their
-    mixers split by heads (packed blocks stored as one ``Shard(0)`` tensor, read per rank as a slice of each block):
-    a sharded checkpoint mid-epoch 1 resumes on one process with the losses of the uninterrupted TP 2 run after it,
-    and ends with its weights (the final model's logits)."""
+    """The same mid-epoch TP 2 checkpoint resumes on one process (the packed blocks, stored as one ``Shard(0)`` tensor
+    in the model's own layout, read whole): the losses of the uninterrupted TP 2 run after it, within fp32 rounding,
+    and its final weights (its logits)."""
     reference = tp2["ranks"][0][f"mixers:{kind}"]
-    for name in MIXER_KINDS[kind]:  # split, not left whole: the checkpoint must undo the split
-        placements, local = reference["sharded"][name]
-        assert placements == "(Shard(dim=0),)", (name, placements)
-        assert [r[f"mixers:{kind}"]["sharded"][name][1] for r in tp2["ranks"]] == [local, local], name
-    for result in tp2["ranks"]:
-        assert sorted(result[f"mixers:{kind}"]["reference"]) == list(range(1, STEPS + 1))
     resumed = one_process[f"from_tp2:{kind}"]
     _assert_close(resumed["resumed"], _after(reference["reference"], 6), ACROSS)
     torch.testing.assert_close(resumed["logits"], reference["logits"], atol=1e-5, rtol=0)

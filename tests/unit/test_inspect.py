@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from lightning_tp.tools.inspect import build_meta_model, inspect_model, local_shape, main
+from lightning_tp.tools.inspect import build_meta_model, compact_names, format_report, inspect_model, local_shape, main
 from tests.helpers.models import build_causal_lm, tiny_config, tiny_vlm_config
 
 
@@ -13,6 +14,7 @@ def config_dirs(tmp_path_factory):
         "heads3": tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48),
         "qwen2_5_vl": tiny_vlm_config("qwen2_5_vl"),  # AutoModelForCausalLM does not take its config
         "gemma3": tiny_vlm_config("gemma3"),  # tied lm_head
+        "qwen3_5": tiny_config("qwen3_5"),  # a Gated DeltaNet mixer (2 key heads, 4 value heads)
     }
     for name, config in configs.items():
         config.save_pretrained(root / name)
@@ -30,6 +32,12 @@ def config_dirs(tmp_path_factory):
         ((95, 16), "embedding_colwise", False, (95, 8)),
         ((4, 64, 32), "packed_colwise", False, (4, 32, 32)),  # stacked experts
         ((64, 32), "replicate", False, (64, 32)),
+        # A mixer's packed parameters: stored as a plain Shard(0) of the whole tensor, a bias too.
+        ((100, 64), "colwise_blocks", False, (50, 64)),
+        ((100,), "colwise_blocks", True, (50,)),
+        ((64, 1, 4), "local_blocks", False, (32, 1, 4)),  # conv1d weight [channels, 1, kernel]
+        ((64,), "local_blocks", True, (32,)),
+        ((4,), "local_blocks", False, (2,)),  # A_log, dt_bias, D
     ],
 )
 def test_local_shape(shape, style, is_bias, expected):
@@ -138,3 +146,139 @@ def test_lists_the_tp_sizes_that_work_and_why_the_others_fail(intermediate: int,
     report = format_report(inspect_model(model, tp_size=3), tp_size=3, dp_shard_size=1)
     assert f"accepts (1 to 9): {', '.join(map(str, working))}" in report
     assert "not 2, 4, 5, 6, 7, 8: num_attention_heads=9" in report
+
+
+@pytest.fixture(scope="module")
+def hybrid_models():
+    return {kind: build_causal_lm(tiny_config(kind)) for kind in ("qwen3_5", "nemotron_h", "deepseek_v3")}
+
+
+def _text(report, tp_size: int) -> str:
+    return format_report(report, tp_size=tp_size, dp_shard_size=1)
+
+
+def _shard0_shapes_hold(report, tp_size: int) -> None:
+    """The reported per-rank shape of every packed parameter is rank 0's Shard(0) of the whole tensor."""
+    packed = [(shape, local) for _, style, shape, local in report.rows if style in ("colwise_blocks", "local_blocks")]
+    assert packed
+    for shape, local in packed:
+        assert local == tuple(torch.empty(shape, device="meta").chunk(tp_size, dim=0)[0].shape)
+
+
+def test_gated_deltanet_heads_and_blocks_per_rank(hybrid_models):
+    """Qwen3.5 at TP 2: the Gated DeltaNet mixer's size attributes halve, its fused [q | k | v] projection and the
+    conv over those channels give each rank half of every block, stored as a plain split of dim 0."""
+    report = inspect_model(hybrid_models["qwen3_5"], tp_size=2)
+    assert report.valid and not report.whole_mixers and not report.whole_mixer_sizes.get(2)
+    (group,) = report.mixers
+    assert group.names == ["model.layers.0.linear_attn"] and group.kind == "gated_deltanet"
+    assert group.counts == {
+        "num_v_heads": (4, 2),
+        "num_k_heads": (2, 1),
+        "key_dim": (16, 8),
+        "value_dim": (32, 16),
+        "conv_dim": (64, 32),
+    }
+    assert group.blocks == {
+        "in_proj_qkv.weight": ((16, 16, 32), (8, 8, 16)),
+        "conv1d.weight": ((16, 16, 32), (8, 8, 16)),
+    }
+    assert group.gathered == 64 * 64 + 64 * 4  # in_proj_qkv and conv1d weights
+    rows = {name: (style, shape, local) for name, style, shape, local in report.rows}
+    assert rows["model.layers.0.linear_attn.in_proj_qkv.weight"] == ("colwise_blocks", (64, 64), (32, 64))
+    assert rows["model.layers.0.linear_attn.conv1d.weight"] == ("local_blocks", (64, 1, 4), (32, 1, 4))
+    assert rows["model.layers.0.linear_attn.A_log"] == ("local_blocks", (4,), (2,))
+    _shard0_shapes_hold(report, 2)
+    assert "model.layers.0.linear_attn" not in dict(report.local_heads)  # a mixer, not attention
+    text = _text(report, 2)
+    assert "model.layers.0.linear_attn: gated_deltanet, Gated DeltaNet" in text
+    assert "num_v_heads 4 -> 2, num_k_heads 2 -> 1, key_dim 16 -> 8, value_dim 32 -> 16, conv_dim 64 -> 32" in text
+    assert "in_proj_qkv.weight  blocks [16, 16, 32] -> rank's rows [8, 8, 16]" in text
+    assert "at 4: 1 sequence mixer(s) stay whole (model.layers.0.linear_attn)" in text
+
+
+def test_a_mixer_the_tp_size_cannot_split_is_listed_whole_with_the_reason(config_dirs, capsys):
+    """Qwen3.5 at TP 4: 2 key heads do not split 4 ways, so the mixer stays whole (every rank computes its whole
+    recurrence): a valid layout that trains, the mixer listed with why and the sizes that split it."""
+    assert main([str(config_dirs / "qwen3_5"), "--tp-size", "4"]) == 0
+    out = capsys.readouterr().out
+    whole = out.split("Sequence mixers not split by heads at tp_size=4")[1].split("\n\n")[0]
+    assert "model.layers.0.linear_attn: gated_deltanet:" in whole
+    assert "tp_size=4 does not divide {'num_k_heads': 2}" in whole and "TP sizes that split it: [2]" in whole
+    assert "Sequence mixers split by heads" not in out and "colwise_blocks" not in out
+    assert "The layout is valid." in out
+
+
+def test_mamba2_mixer_blocks_and_completed_attention(hybrid_models):
+    """Nemotron-H at TP 2: the Mamba2 mixer's [z | x | B | C | dt] projection and conv over [x | B | C] split block
+    by block; its attention layer, which the model's plan leaves whole, is split by the config's heads."""
+    model = hybrid_models["nemotron_h"]
+    report = inspect_model(model, tp_size=2)
+    assert report.valid and not report.whole_mixers
+    groups = {group.names[0]: group for group in report.mixers}
+    mamba = groups["model.layers.0.mixer"]
+    assert mamba.kind == "mamba2"
+    assert mamba.counts == {
+        "intermediate_size": (32, 16),
+        "conv_dim": (64, 32),
+        "num_heads": (4, 2),
+        "n_groups": (2, 1),
+    }
+    assert mamba.blocks["in_proj.weight"] == ((32, 32, 16, 16, 4), (16, 16, 8, 8, 2))
+    assert mamba.blocks["conv1d.weight"] == mamba.blocks["conv1d.bias"] == ((32, 16, 16), (16, 8, 8))
+    attention = groups["model.layers.1.mixer"]
+    assert attention.kind == "attention" and not attention.blocks
+    assert attention.counts == {"num_attention_heads (config)": (4, 2), "num_key_value_heads (config)": (2, 1)}
+    rows = {name: local for name, _, _, local in report.rows}
+    assert rows["model.layers.0.mixer.in_proj.weight"] == (50, 64)  # 100 rows: Shard(0), not 1/2 of each block
+    assert rows["model.layers.0.mixer.norm.weight"] == (16,)
+    _shard0_shapes_hold(report, 2)
+    assert report.whole_mixer_sizes[4] == ["model.layers.0.mixer"]  # 2 groups: 4 does not split them
+    assert report.whole_mixer_sizes[3] == ["model.layers.0.mixer", "model.layers.1.mixer"]
+    three = inspect_model(model, tp_size=3)
+    assert three.valid and not three.mixers
+    whole = {tuple(names): (kind, why) for names, kind, why in three.whole_mixers}
+    assert (
+        whole[("model.layers.0.mixer",)][0] == "mamba2"
+        and "tp_size=3 does not divide" in whole[("model.layers.0.mixer",)][1]
+    )
+    assert whole[("model.layers.1.mixer",)] == (
+        "attention",
+        "NemotronHAttention has 4 query and 2 KV heads: tp_size=3 cannot split them",
+    )
+
+
+def test_latent_attention_layers_are_grouped(hybrid_models):
+    """DeepSeek-V3 at TP 2: both latent-attention layers alike, shown once; no packed blocks (plain column splits)."""
+    report = inspect_model(hybrid_models["deepseek_v3"], tp_size=2)
+    assert report.valid
+    (group,) = report.mixers
+    assert group.names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert (group.kind, group.counts, group.blocks) == ("latent_attention", {"num_heads": (4, 2)}, {})
+    assert not report.local_heads
+    text = _text(report, 2)
+    assert "model.layers.{0,1}.self_attn (2 modules): latent_attention, multi-head latent attention" in text
+    assert "    num_heads 4 -> 2" in text
+    assert report.whole_mixer_sizes == {8: ["model.layers.0.self_attn", "model.layers.1.self_attn"]}
+
+
+def test_compact_names():
+    assert compact_names(["a.layers.0.mixer"]) == "a.layers.0.mixer"
+    assert compact_names([f"a.layers.{i}.mixer" for i in (0, 1, 2, 3, 5, 7, 8)]) == "a.layers.{0-3,5,7,8}.mixer"
+    assert compact_names(["a.0.x", "b.1.x"]) == "a.0.x, b.1.x"
+
+
+def test_uneven_replicated_kv_projections_under_fsdp_are_a_problem():
+    """One KV head of width 6 over TP 4 is replicated with uneven shards: TP alone trains it, FSDP2 on top is refused
+    by the strategy, so the inspector does not call that layout valid."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, head_dim=6
+    )
+    config.num_key_value_heads = 1
+    model = build_causal_lm(config)
+    assert inspect_model(model, tp_size=4).valid
+    problems = inspect_model(model, tp_size=4, dp_shard_size=2).problems
+    assert len(problems) == 1 and "model.layers.0.self_attn.k_proj are replicated over tp_size=4" in problems[0]
+    assert "width (6: KV heads x head_dim)" in problems[0]
