@@ -260,6 +260,14 @@ def mark_hf_initialized(tensor: torch.Tensor) -> None:
     setattr(tensor, _HF_INITIALIZED_ATTR, True)
 
 
+def decode_config_floats(values: dict[str, Any]) -> dict[str, Any]:
+    """A config dict as ``to_json_string`` wrote it, with infinity and NaN (written ``{"__float__": "Infinity"}``)
+    back as floats (Nemotron-H's ``time_step_limit``): Transformers' private decoder of its own encoding."""
+    from transformers import PreTrainedConfig
+
+    return PreTrainedConfig._decode_special_floats(values)
+
+
 def no_split_modules(module: nn.Module) -> Iterable[str]:
     """The class names Transformers keeps whole when splitting a model (``_no_split_modules``, a class attribute):
     our default FSDP2 units. No public accessor."""

@@ -19,11 +19,13 @@ from functools import cache
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lightning_tp.compat import parameter_dict
+from lightning_tp.parallel.collectives import SumOverGroupBothWays
 from lightning_tp.parallel.hooks import run_on_parameter_views
 from lightning_tp.plans.resolve import ResolvedPlan
 
@@ -71,6 +73,33 @@ def block_view(
     return view
 
 
+def norm_across_ranks(norm: nn.Module, mesh: DeviceMesh, *, width: int) -> None:
+    """A gated RMS norm over one group of ``width`` features that the TP ranks hold slices of (Mamba2's with one
+    group of B/C): the mean square is summed over the TP group. It replaces the norm's forward, since the sum sits
+    inside it; the two conventions of Transformers' Mamba2 norms are kept: the gate applied first and the weight in
+    the input's dtype (``group_size``: Bamba, Granite 4, Zamba2), or the gate applied after when
+    ``norm_before_gate`` and the weight in float32 (Falcon-H1's, which keeps ``n_groups``)."""
+    group = mesh.get_group()
+    falcon_style = hasattr(norm, "norm_before_gate")
+
+    def forward(hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        before_gate = falcon_style and norm.norm_before_gate
+        states = hidden_states.to(torch.float32)
+        if gate is not None and not before_gate:
+            states = states * F.silu(gate.to(torch.float32))
+        square = SumOverGroupBothWays.apply(states.pow(2).sum(-1, keepdim=True), group)
+        states = states * torch.rsqrt(square / width + norm.variance_epsilon)
+        if not falcon_style:
+            return norm.weight * states.to(dtype)
+        states = norm.weight * states
+        if gate is not None and before_gate:
+            states = states * F.silu(gate.to(torch.float32))
+        return states.to(dtype)
+
+    norm.forward = forward
+
+
 def _replicated_input_grad_summed(mesh: DeviceMesh) -> Callable[..., Any]:
     """A forward pre-hook: the input is replicated, and each rank's gradient of it covers its own rows only, so the
     gradient is summed over the TP group in backward (as a column-wise layer does)."""
@@ -107,12 +136,14 @@ def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> Non
     their readers see the rank's rows; slice the mixers' packed buffers (not saved) to the rank's blocks."""
     modules = dict(module.named_modules())
     rank, tp_size = mesh.get_local_rank(), mesh.size()
-    for name, (dim, blocks) in plan.buffer_blocks.items():
+    for name, width in plan.norms_across_ranks.items():
+        norm_across_ranks(modules[name], mesh, width=width)
+    for name, (dim, blocks, whole_blocks) in plan.buffer_blocks.items():
         holder_name, _, leaf = name.rpartition(".")
         holder = modules[holder_name]
         whole = getattr(holder, leaf)
         if whole is not None and whole.shape[dim] == sum(blocks):
-            rows = rank_rows(blocks, tp_size=tp_size, rank=rank)
+            rows = rank_rows(blocks, tp_size=tp_size, rank=rank, whole=whole_blocks)
             # Setting an existing buffer's name keeps it a buffer (and keeps it out of the state dict).
             mine = whole.narrow(dim, 0, len(rows)) if whole.is_meta else whole.index_select(dim, rows.to(whole.device))
             setattr(holder, leaf, mine)

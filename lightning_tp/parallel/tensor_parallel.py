@@ -209,6 +209,9 @@ def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank:
             if isinstance(count, int) and not isinstance(count, bool):
                 assert count % tp_size == 0, (name, path, count, tp_size)
                 setattr(holder, attribute, count // tp_size)
+    for name, sizes in plan.mixer_sizes.items():
+        for attribute, value in sizes.items():
+            setattr(modules[name], attribute, value)
     for name, (query_heads, kv_heads) in plan.kv_replicated.items():
         layout = kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=rank)
         attributes = KV_HEAD_COUNT_ATTRIBUTES if name in plan.local_heads else ()

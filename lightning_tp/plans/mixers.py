@@ -57,8 +57,15 @@ class MixerKind:
     #: Applied only where the model's own plan leaves the module whole (no rule for any of its ``styles`` paths):
     #: plain attention, which a plan usually covers with KV-head replication and checks of its own.
     complete_only: bool = False
-    #: Attribute values the module must have to be this kind (``{"multi_query": True}``).
+    #: Attribute values the module must have to be this kind (``{"multi_query": True}``; dotted: an attribute's
+    #: attribute, ``"config.alibi"``).
     requires: Mapping[str, object] = field(default_factory=dict)
+    #: Attributes set to the rank's number of rows of a parameter (relative path) rather than divided: a size made of
+    #: split and whole blocks (Mamba2's ``conv_dim`` with its B/C groups whole).
+    local_sizes: Mapping[str, str] = field(default_factory=dict)
+    #: A gated norm (relative path) over one group that spans every rank: its mean square is summed over the TP
+    #: group (:mod:`lightning_tp.parallel.blocks`).
+    norm_across_ranks: str | None = None
 
 
 _GDN_ATTRIBUTES = ("num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim")
@@ -179,7 +186,42 @@ MIXER_KINDS: tuple[MixerKind, ...] = (
 )
 
 
+# With one group of B/C (Granite 4, Bamba, Falcon-H1 and Zamba2 ship n_groups=1) the TP size cannot split the groups:
+# every rank computes B and C whole (the small `n_groups * ssm_state_size` rows) with its own heads of x, z and dt, as
+# vLLM does; Megatron-Core refuses these. The gated norm then normalises one group spread over every rank.
+_SHARED = "=" + _GN
+_ZXBCDT_SHARED = ("intermediate_size", "intermediate_size", _SHARED, _SHARED, "num_heads")
+_MAMBA2_SHARED_BLOCKS = {
+    "in_proj.weight": _ZXBCDT_SHARED,
+    "in_proj.bias": _ZXBCDT_SHARED,
+    "conv1d.weight": ("intermediate_size", _SHARED, _SHARED),
+    "conv1d.bias": ("intermediate_size", _SHARED, _SHARED),
+}
+_MAMBA2_SHARED = dict(
+    blocks=_MAMBA2_SHARED_BLOCKS,
+    attributes=("intermediate_size", "num_heads"),
+    heads=("num_heads",),
+    requires={"n_groups": 1},
+    local_sizes={"conv_dim": "conv1d.weight"},
+    norm_across_ranks="norm",
+)
+
 MIXER_KINDS += (
+    MixerKind(
+        name="mamba2_mup_one_group",
+        description="Mamba2 mixer with muP multipliers and one group of B/C (Falcon-H1)",
+        holds=("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "D", "out_proj.weight"),
+        styles=_MAMBA2_STYLES,
+        buffers={"mup_vector": (2, _ZXBCDT_SHARED)},
+        **_MAMBA2_SHARED,
+    ),
+    MixerKind(
+        name="mamba2_one_group",
+        description="Mamba2 mixer with one group of B/C (Granite 4, Bamba, Zamba2)",
+        holds=("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "D", "out_proj.weight"),
+        styles=_MAMBA2_STYLES,
+        **_MAMBA2_SHARED,
+    ),
     MixerKind(
         name="mamba2_mup",
         description="Mamba2 mixer with muP multipliers (Falcon-H1)",
@@ -226,7 +268,8 @@ MIXER_KINDS += (
         blocks={"query_key_value.weight": _FALCON_MQA_BLOCKS, "query_key_value.bias": _FALCON_MQA_BLOCKS},
         attributes=("num_heads",),
         heads=("num_heads",),
-        requires={"multi_query": True, "new_decoder_architecture": False},
+        # ALiBi biases are built for every head outside the attention: not split (the layers stay whole).
+        requires={"multi_query": True, "new_decoder_architecture": False, "config.alibi": False},
     ),
 )
 
@@ -348,7 +391,7 @@ def mixer_kind(module: nn.Module) -> MixerKind | None:
             if (
                 all(isinstance(attribute(module, a), int) for a in required)
                 and set(kind.buffers) <= set(buffers)
-                and all(getattr(module, a, None) == value for a, value in kind.requires.items())
+                and all(attribute(module, a) == value for a, value in kind.requires.items())
             ):
                 return kind
     return None
@@ -434,10 +477,22 @@ def mixer_whole_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str
     }
 
 
-def mixer_buffers(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Full buffer path -> (dim, whole block sizes), for the mixer's packed buffers."""
+def mixer_buffers(
+    name: str, mixer: nn.Module, kind: MixerKind
+) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Full buffer path -> (dim, whole block sizes, indices of the blocks taken whole), for its packed buffers."""
     prefix = f"{name}." if name else ""
     return {
-        prefix + path: (dim, tuple(_size(mixer, e) for e in expressions))
+        prefix + path: (dim, tuple(_size(mixer, e) for e in expressions), _whole(expressions))
         for path, (dim, expressions) in kind.buffers.items()
     }
+
+
+def local_sizes(mixer: nn.Module, kind: MixerKind, tp_size: int) -> dict[str, int]:
+    """The attributes of :attr:`MixerKind.local_sizes`, set to the number of rows the rank takes of their
+    parameter (the same on every rank)."""
+    out = {}
+    for attr, path in kind.local_sizes.items():
+        expressions = kind.blocks[path]
+        out[attr] = sum(_size(mixer, e) if e.startswith(WHOLE) else _size(mixer, e) // tp_size for e in expressions)
+    return out

@@ -25,6 +25,7 @@ from lightning_tp.plans.mixers import (
     config_heads,
     find_mixers,
     heads_problem,
+    local_sizes,
     mixer_blocks,
     mixer_buffers,
     mixer_entries,
@@ -95,8 +96,12 @@ class ResolvedPlan:
     #: Parameters of ``blocks`` with blocks every rank takes whole (a multi-query attention's K and V): full name ->
     #: their indices.
     whole_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    #: The mixers' packed buffers, sliced once: full name -> (dim, whole block sizes).
-    buffer_blocks: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    #: The mixers' packed buffers, sliced once: full name -> (dim, whole block sizes, blocks taken whole).
+    buffer_blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: Mixer attributes set to the rank's own size rather than divided: mixer -> {attribute: value}.
+    mixer_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Gated norms over one group spread over every TP rank: name -> the group's whole width.
+    norms_across_ranks: dict[str, int] = field(default_factory=dict)
 
     @property
     def expert_modules(self) -> list[str]:
@@ -253,7 +258,7 @@ def _split_style(style: Style | None) -> bool:
 
 def _has_layers(model: nn.Module) -> bool:
     """Whether the model holds a list of layers (a decoder, recurrent or not), as a causal LM does."""
-    return any(isinstance(m, nn.ModuleList) and len(m) > 1 for m in model.modules())
+    return any(isinstance(m, nn.ModuleList) and len(m) for m in model.modules())
 
 
 def _output_embedding_name(model: nn.Module) -> str | None:
@@ -374,8 +379,9 @@ def resolve_plan(
             if isinstance(style, str) and full in unique_params and style not in _HEAD_STYLES:
                 resolved.styles[full] = style
         if module_name in mixers:
-            resolved.head_styles[module_name] = "local_heads"
             resolved.mixers[module_name] = mixers[module_name][1].attributes
+            if resolved.mixers[module_name]:  # an MLP has no head counts
+                resolved.head_styles[module_name] = "local_heads"
         if isinstance(module_style, str) and module_style in _HEAD_STYLES and module_name not in whole_mixers:
             resolved.head_styles[module_name] = module_style
         elif module_style is not None:
@@ -397,6 +403,11 @@ def resolve_plan(
         resolved.blocks.update(mixer_blocks(name, mixer, kind))
         resolved.whole_blocks.update(mixer_whole_blocks(name, mixer, kind))
         resolved.buffer_blocks.update(mixer_buffers(name, mixer, kind))
+        if kind.local_sizes:
+            resolved.mixer_sizes[name] = local_sizes(mixer, kind, tp_size)
+        norm = mixer.get_submodule(kind.norm_across_ranks) if kind.norm_across_ranks else None
+        if norm is not None and getattr(norm, "weight", None) is not None:
+            resolved.norms_across_ranks[f"{name}.{kind.norm_across_ranks}"] = norm.weight.shape[0]
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
@@ -426,7 +437,8 @@ def _head_parallel_mixers(
         if any(key_regex(key).fullmatch(path) for key in overrides for path in paths):
             continue
         if kind.complete_only:
-            if any(key_regex(key).fullmatch(path) for key in plan for path in paths):
+            # Only the text decoder's: a vision or audio tower that the plan leaves whole stays whole.
+            if not _in_decoder(module, name) or any(key_regex(key).fullmatch(p) for key in plan for p in paths):
                 continue
             check = _attention_problem if kind in ATTENTION_KINDS else _mlp_problem
             problem = check(module, mixer, kind, tp_size)
@@ -439,6 +451,16 @@ def _head_parallel_mixers(
     for problem, names in whole.items():
         rank_zero_info(f"{len(names)} sequence mixers ({names[0]}, ...) stay whole on every TP rank: {problem}.")
     return found, [name for names in whole.values() for name in names]
+
+
+def _in_decoder(model: nn.Module, name: str) -> bool:
+    """Whether the module at ``name`` sits in the model's text decoder (``get_decoder()``; the whole model when it
+    names none)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        return True
+    path = next((n for n, m in model.named_modules() if m is decoder), None)
+    return path is None or name.startswith(f"{path}.")
 
 
 def _mlp_problem(model: nn.Module, mlp: nn.Module, kind: MixerKind, tp_size: int) -> str | None:

@@ -29,7 +29,12 @@ from lightning_tp.checkpoint.format import MODELS_KEY
 from lightning_tp.checkpoint.publish import publish_directory
 from lightning_tp.checkpoint.readers import DcpCheckpoint, FileCheckpoint, SafetensorsDirectory, open_checkpoint
 from lightning_tp.checkpoint.safetensors import Item, Spec, write_safetensors, write_weights
-from lightning_tp.compat import keys_to_ignore_on_save, remove_tied_weights_from_state_dict, revert_weight_conversion
+from lightning_tp.compat import (
+    decode_config_floats,
+    keys_to_ignore_on_save,
+    remove_tied_weights_from_state_dict,
+    revert_weight_conversion,
+)
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, merged_weight
 from lightning_tp.plans.discovery import FORMAT_VERSION, name_prefix
 
@@ -74,7 +79,7 @@ def _select_model(meta: dict[str, Any], model_prefix: str | None, *, path: Path)
 def _config(entry: dict[str, Any], *, dtype: torch.dtype) -> Any:
     from transformers import AutoConfig
 
-    values = dict(entry["config"])
+    values = decode_config_floats(dict(entry["config"]))
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     config.architectures = [entry["architecture"]]
     config.dtype = str(dtype).removeprefix("torch.")

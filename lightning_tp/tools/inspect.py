@@ -24,10 +24,11 @@ from torch import nn
 
 from lightning_tp.checkpoint.loading import model_from_config
 from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
-from lightning_tp.plans.mixers import attribute, config_heads, find_mixers, heads_problem, mixer_kind
+from lightning_tp.plans.mixers import ATTENTION_KINDS, attribute, config_heads, find_mixers, heads_problem, mixer_kind
 from lightning_tp.plans.resolve import (
     ResolvedPlan,
     _attention_problem,
+    _mlp_problem,
     key_regex,
     model_plan,
     plan_source,
@@ -133,8 +134,7 @@ def inspect_model(
         from lightning_tp.parallel.expert_parallel import expert_modules_of
 
         leave = expert_modules_of(model) if ep_size > 1 else ()  # the experts are expert parallelism's to place
-        with _quiet():  # the mixers kept whole are listed in the report
-            plan = resolve_plan(model, tp_plan, tp_size=tp_size, leave=leave)
+        plan = resolve_plan(model, tp_plan, tp_size=tp_size, leave=leave)
     except ValueError as err:
         report.problems.append(str(err))
         plan = _permissive_plan(model, tp_size)
@@ -260,7 +260,7 @@ def _tp_size_details(
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Without the info lines of plan resolution (the mixers kept whole: the report lists them), warnings kept."""
+    """Without the info lines of plan resolution (the mixers kept whole at each TP size tried), warnings kept."""
     from lightning_utilities.core import rank_zero
 
     log = getattr(rank_zero, "log", None) or logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -303,9 +303,10 @@ def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[Mi
         mixer = model.get_submodule(name)
         kind = mixer_kind(mixer)
         counts = _head_counts(mixer, name, attributes, plan, tp_size)
-        if not counts and kind is not None and kind.complete_only:
+        if not counts and kind in ATTENTION_KINDS:
             # Plain attention reshaping by -1 keeps no head count: its heads are its config's, split like q/k/v.
-            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            config = getattr(mixer, "config", None)
+            config = config.get_text_config() if hasattr(config, "get_text_config") else config
             heads = config_heads(mixer)
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             if isinstance(heads, int) and isinstance(kv_heads, int):
@@ -362,8 +363,9 @@ def _whole_mixers(
             why = _PLACED_BY_TP_PLAN
         elif kind.complete_only:
             if _matches(own, paths):
-                continue  # attention the model's own rules split: listed with the others
-            why = _attention_problem(model, mixer, tp_size) or "not split by heads"
+                continue  # attention (or an MLP) the model's own rules split: listed with the others
+            check = _attention_problem if kind in ATTENTION_KINDS else _mlp_problem  # as resolve_plan decides
+            why = check(model, mixer, kind, tp_size) or "not split by heads"
         else:
             why = heads_problem(name, mixer, kind, tp_size) or "not split by heads"
         found.append((name, kind.name, why))

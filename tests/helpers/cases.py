@@ -458,6 +458,9 @@ CASES: dict[str, Case] = {
     "qwen3_5_hybrid_sgd": lm("qwen3_5", 3),
     "deepseek_v3_mla_sgd": lm("deepseek_v3", 3),
     "nemotron_h_mamba2_sgd": lm("nemotron_h", 3),
+    # One group of B/C, whole on every rank; the gated norm's mean square summed over the TP group.
+    "bamba_one_group_sgd": lm("bamba", 3),
+    "falcon_h1_one_group_sgd": lm("falcon_h1", 3),
     # Llama 4's experts (`packed_rowwise` gate/up stored [in, out]) and its shared expert added in place.
     "llama4_moe_sgd": lm(
         "llama4_text", 3, config={"moe_layers": [1, 3], "num_local_experts": 4, "intermediate_size": 32}
@@ -703,6 +706,7 @@ TWO_D_CASES = [
     "qwen3_5_hybrid_lora",
     "deepseek_v3_mla_lora",
     "nemotron_h_mamba2_sgd",
+    "bamba_one_group_sgd",
     "qwen3_sp_lp_adamw_clip",
     "qwen2_5_vl_sgd",
     "gemma3_sgd",

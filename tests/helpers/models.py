@@ -103,6 +103,33 @@ def tiny_config(kind: str, **overrides: Any):
             chunk_size=8,
             use_mamba_kernels=False,
         )
+    elif kind == "bamba":  # hybrid: a Mamba2 mixer with one group of B/C (whole on every rank), then attention
+        from transformers import BambaConfig
+
+        cfg = BambaConfig(
+            **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False},
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            mamba_expand=2,
+        )
+    elif kind == "falcon_h1":  # attention and a Mamba2 mixer in parallel in every layer: one group, gated norm, muP
+        from transformers import FalconH1Config
+
+        cfg = FalconH1Config(
+            **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False},
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            mamba_expand=2,
+            mamba_d_ssm=128,
+            mamba_rms_norm=True,
+        )
     elif kind == "deepseek_v3":  # multi-head latent attention (its shipped plan leaves it whole), a dense and a MoE
         # layer with a shared expert
         from transformers import DeepseekV3Config

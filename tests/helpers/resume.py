@@ -21,9 +21,10 @@ EPOCHS = 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS  # 8: 4 per epoch
 PROBE = torch.arange(24).reshape(2, 12) % 90  # a fixed batch for logits
 #: Families whose sequence mixers TP 2 splits by heads (lightning_tp/plans/mixers.py), with parameters of each that
-#: it must store as a plain ``Shard(0)`` of the whole tensor: packed blocks (``[q | k | v]``, Mamba2's ``[z | x | B |
-#: C | dt]``, the conv over those channels) whose module reads its slice of each block (lightning_tp/parallel/blocks.py),
-#: or per-head projections of latent attention. A checkpoint must hold the model's own layout of each.
+#: it must store as a plain ``Shard(0)`` of the whole tensor: packed blocks (``[q | k | v]``, Mamba2's
+#: ``[z | x | B | C | dt]``, the conv over those channels) whose module reads its slice of each block
+#: (lightning_tp/parallel/blocks.py), or the per-head projections of latent attention. A checkpoint holds the model's
+#: own layout of each.
 MIXER_KINDS: dict[str, tuple[str, ...]] = {
     "qwen3_5": (  # a Gated DeltaNet layer, then full attention
         "model.layers.0.linear_attn.in_proj_qkv.weight",

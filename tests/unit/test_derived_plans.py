@@ -5,7 +5,7 @@ import torch
 
 from lightning_tp import resolve_plan
 from lightning_tp.parallel.tensor_parallel import localize_heads
-from lightning_tp.plans.derived import FUSED_QKV_LAYOUTS, derive_plan
+from lightning_tp.plans.derived import FUSED_QKV_LAYOUTS, derive_plan, vocabulary_plan
 from lightning_tp.plans.resolve import plan_source
 from lightning_tp.tools.inspect import format_report, inspect_model
 from tests.helpers.models import DERIVED_KINDS, tiny_config
@@ -155,21 +155,6 @@ def test_tp_plan_overrides_a_derived_rule_and_keeps_the_others():
     ("model_type", "config", "fragments"),
     [
         (
-            "gpt_bigcode",
-            dict(n_layer=1, n_head=4, n_embd=64, multi_query=True),
-            ["transformer.h.0.attn.c_attn (Linear)", "multi_query=True"],
-        ),
-        (
-            "falcon",
-            dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64),
-            ["transformer.h.0.self_attention.query_key_value (FalconLinear)", "mlp_output += attention_output"],
-        ),
-        (
-            "falcon",
-            dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, parallel_attn=False),
-            ["query_key_value", "multi-query attention"],
-        ),
-        (
             "falcon",
             dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, parallel_attn=False, alibi=True),
             ["query_key_value", "ALiBi"],
@@ -181,18 +166,66 @@ def test_tp_plan_overrides_a_derived_rule_and_keeps_the_others():
         ),
     ],
 )
-def test_a_structure_not_understood_is_refused_naming_the_module_and_the_fix(model_type, config, fragments):
+def test_a_structure_not_understood_keeps_the_layers_whole_naming_the_module(model_type, config, fragments):
     model = meta_model_of(model_type, **config)
     with pytest.raises(ValueError) as err:
         derive_plan(model)
     message = str(err.value)
     for fragment in [*fragments, "has no `base_model_tp_plan`", "Pass `tp_plan`", "tp_size=1"]:
         assert fragment in message, message
-    # resolve_plan raises the same message for "auto" ...
-    with pytest.raises(ValueError, match="could not be derived"):
-        resolve_plan(model, "auto", tp_size=2)
-    # ... and a plan written by hand is taken on its own.
-    assert resolve_plan(model, {"lm_head": "replicate"}, tp_size=2).styles["lm_head"] == "replicate"
+    # "auto" trains it: the vocabulary split, the layers whole (the reason in an info line).
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.styles["lm_head"] == "colwise_gather_output"
+    # The attention stays whole (its MLP, a plain gated one, may be split).
+    attention = [style for name, style in plan.styles.items() if ".self_attn" in name or ".self_attention" in name]
+    assert set(attention) <= {"replicate"}, attention
+    assert not plan.local_heads
+    # ... and a plan written by hand overrides it.
+    whole = dict.fromkeys(vocabulary_plan(model), "replicate")
+    assert resolve_plan(model, whole, tp_size=2).styles["lm_head"] == "replicate"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config", "qkv", "blocks", "whole"),
+    [
+        # Multi-query attention, [q | k | v] with one K/V head: each rank takes its q slice and all of k and v.
+        (
+            "gpt_bigcode",
+            dict(n_layer=1, n_head=4, n_embd=64, multi_query=True),
+            "transformer.h.0.attn.c_attn",
+            (64, 16, 16),
+            (1, 2),
+        ),
+        (
+            "falcon",
+            dict(num_hidden_layers=1, num_attention_heads=4, hidden_size=64, multi_query=True),
+            "transformer.h.0.self_attention.query_key_value",
+            (64, 16, 16),
+            (1, 2),
+        ),
+        # Grouped per KV head ([q.. k v] per group): a plain column split gives each rank whole groups.
+        (
+            "falcon",
+            dict(
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                hidden_size=64,
+                new_decoder_architecture=True,
+                num_kv_heads=2,
+            ),
+            "transformer.h.0.self_attention.query_key_value",
+            None,
+            None,
+        ),
+    ],
+)
+def test_fused_multi_query_and_grouped_attention_are_split_by_heads(model_type, config, qkv, blocks, whole):
+    plan = resolve_plan(meta_model_of(model_type, **config), "auto", tp_size=2)
+    weight = f"{qkv}.weight"
+    assert plan.styles[weight] == ("colwise_blocks" if blocks else "colwise")
+    assert plan.blocks.get(weight) == blocks
+    assert plan.whole_blocks.get(weight) == whole
+    assert qkv.rpartition(".")[0] in plan.local_heads
 
 
 def test_every_fused_layout_is_a_style_of_the_table():
@@ -233,8 +266,9 @@ def test_inspector_says_the_plan_was_derived_and_shows_the_local_heads():
     assert "num_heads 4 -> 2" in text
     own = format_report(inspect_model(meta_model("llama"), tp_size=2), tp_size=2, dp_shard_size=1)
     assert "Plan: the model's own" in own
-    refused = inspect_model(meta_model("gpt_bigcode", multi_query=True), tp_size=2)
-    assert not refused.valid and "transformer.h.0.attn.c_attn" in refused.problems[0]
+    # Multi-query attention: split by heads, K and V taken whole by every rank.
+    multi_query = inspect_model(meta_model("gpt_bigcode", multi_query=True), tp_size=2)
+    assert multi_query.valid, multi_query.problems
 
 
 def test_gpt2_conv1d_layers_get_the_conv1d_styles_and_their_shapes():

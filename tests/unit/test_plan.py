@@ -66,8 +66,8 @@ def test_tied_weights_with_different_layouts_are_refused():
         ({"model.layers.*.mlp.up_proj": "sequence_parallel"}, r"'sequence_parallel' \(Transformers' sequence-parallel"),
         ({"model.layers.*.mlp.up_proj": "grouped_gemm"}, r"'grouped_gemm' \(it is expert parallelism"),
         (
-            {"model.layers.*.mlp.up_proj": "packed_rowwise", "model.layers.*.mlp.down_proj": "all_reduce"},
-            r"'model.layers.\*.mlp.up_proj': 'packed_rowwise'.*'model.layers.\*.mlp.down_proj': 'all_reduce'.*"
+            {"model.layers.*.mlp.up_proj": "moe_identity_expert", "model.layers.*.mlp.down_proj": "all_reduce"},
+            r"'model.layers.\*.mlp.up_proj': 'moe_identity_expert'.*'model.layers.\*.mlp.down_proj': 'all_reduce'.*"
             r"tp_plan=\{'model.layers.\*.mlp.up_proj': 'replicate', 'model.layers.\*.mlp.down_proj': 'replicate'\}",
         ),
         ({"model.layers.*.mlp.up_proj": 3}, r"must be a Transformers style name or a torch `ParallelStyle`"),
@@ -266,7 +266,7 @@ def test_a_vision_tower_with_its_own_plan_is_sharded_by_it_and_inert_refused_rul
 
     with torch.device("meta"):
         model = Llama4ForConditionalGeneration(tiny_vlm_config("llama4"))
-    assert "packed_rowwise" in model.tp_plan.values()  # the experts' rule, refused where it matches
+    assert "packed_rowwise" in model.tp_plan.values()  # the experts' rule, which matches nothing here
     plan = resolve_plan(model, "auto", tp_size=2)
     assert plan.styles["vision_model.model.layers.0.self_attn.q_proj"] == "colwise"
     assert plan.styles["vision_model.vision_adapter.mlp.fc2"] == "rowwise"

@@ -114,7 +114,12 @@ def test_inspect_local_shapes_follow_the_real_split(one_rank_mesh, style):
 
 def test_layer_facts_follow_the_style_classes():
     """Output layout, LoRA half and what sequence parallelism may rewrite, from each registered style's attributes."""
-    from transformers.distributed.tensor_parallel import ColwiseParallel, PackedColwiseParallel, RowwiseParallel
+    from transformers.distributed.tensor_parallel import (
+        ColwiseParallel,
+        PackedColwiseParallel,
+        PackedRowwiseParallel,
+        RowwiseParallel,
+    )
 
     for name, style in registered_styles().items():
         fact = STYLES[name]
@@ -127,6 +132,11 @@ def test_layer_facts_follow_the_style_classes():
             assert fact.kind == "row" and fact.lora_half == "lora_A" and not fact.output_sharded, name
             # torch's RowwiseParallel: input sharded on the last dim (not a replicated input split locally)
             assert fact.rewritable == (style.input_layouts == Shard(-1)), name
+        elif isinstance(style, PackedRowwiseParallel):
+            # Expert weights stored [in, out]: the packed output features (last dim) split, each rank its slice of
+            # gate and of up; not a LoRA target.
+            assert fact.kind == "column" and fact.output_sharded and fact.strided and fact.weight_dim == -1, name
+            assert fact.lora_half is None and not fact.rewritable, name
         elif isinstance(style, PackedColwiseParallel):
             assert fact.output_sharded and style.use_local_output, name  # each rank keeps its local slice
             assert fact.lora_half is None and not fact.rewritable, name
