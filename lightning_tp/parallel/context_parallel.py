@@ -58,6 +58,8 @@ INNER_MASK_FORMATS: Mapping[str, str] = {"sdpa": "-inf", "eager": "min"}
 #: Layer types (``config.layer_types``) whose sequence mixing is attention, which the split handles. Any other type
 #: (linear attention, state-space and convolution layers) mixes the sequence without keys and values to exchange.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+#: Layer types that mix no tokens (Nemotron-H's MLP and MoE layers): nothing to exchange.
+TOKENWISE_LAYER_TYPES = frozenset({"mlp", "moe"})
 #: The tensor keyword arguments of the decoder stack's forward that hold one entry per token and are split (or, for
 #: ``attention_mask``, replaced by the whole sequence's) here.
 SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
@@ -203,11 +205,13 @@ def context_parallel_problem(model: nn.Module) -> str | None:
             f'{" or ".join(map(repr, INNER_MASK_FORMATS))} (load the model with `attn_implementation="sdpa"`)'
         )
     layer_types = set(getattr(config, "layer_types", None) or ())
-    other = sorted(layer_types - ATTENTION_LAYER_TYPES)
+    other = sorted(layer_types - ATTENTION_LAYER_TYPES - TOKENWISE_LAYER_TYPES)
     if other:
+        # A recurrence over a chunk would need the state the previous rank's chunk ended with (not passed yet).
         return (
-            f"{name} has layers of type {other} (`config.layer_types`), which mix the sequence without attention: "
-            "each rank would see its chunk only"
+            f"{name} has layers of type {other} (`config.layer_types`), which mix the sequence without attention "
+            "(linear attention, state-space or convolution layers): each rank would see its chunk only, so context "
+            "parallelism is refused for it; use tp_size (their heads are split) or dp_shard_size instead"
         )
     if getattr(config, "output_router_logits", False):
         return (

@@ -277,3 +277,11 @@ def test_a_split_model_deep_copies_and_is_freed(one_rank_mesh) -> None:
     del split, copied
     gc.collect()
     assert layer() is None
+
+
+@pytest.mark.parametrize(("kind", "layer_type"), [("qwen3_5", "linear_attention"), ("nemotron_h", "linear_attention")])
+def test_layers_that_mix_the_sequence_without_attention_are_refused_by_name(kind: str, layer_type: str) -> None:
+    """A recurrence over one rank's chunk would miss the state of the chunks before it: refused before anything
+    moves, naming the layer type (Nemotron-H's MLP layers mix no tokens and are not named)."""
+    problem = context_parallel_problem(build_causal_lm(tiny_config(kind, _attn_implementation="sdpa")))
+    assert problem is not None and f"['{layer_type}']" in problem and "tp_size" in problem
