@@ -280,7 +280,7 @@ def test_a_split_model_deep_copies_and_is_freed(one_rank_mesh) -> None:
 
 
 @pytest.mark.parametrize(("kind", "layer_type"), [("qwen3_5", "linear_attention"), ("nemotron_h", "linear_attention")])
-def test_layers_that_mix_the_sequence_without_attention_are_refused_by_name(kind: str, layer_type: str) -> None:
+def test_hybrid_families_are_refused_naming_only_their_sequence_mixing_layers(kind: str, layer_type: str) -> None:
     """A recurrence over one rank's chunk would miss the state of the chunks before it: refused before anything
     moves, naming the layer type (Nemotron-H's MLP layers mix no tokens and are not named)."""
     problem = context_parallel_problem(build_causal_lm(tiny_config(kind, _attn_implementation="sdpa")))
