@@ -100,6 +100,8 @@ class ResolvedPlan:
     buffer_blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: Mixer attributes set to the rank's own size rather than divided: mixer -> {attribute: value}.
     mixer_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Mixers (attention, MLPs) this package would split but keeps whole at this TP size: name -> why.
+    whole_mixers: dict[str, str] = field(default_factory=dict)
     #: Gated norms over one group spread over every TP rank: name -> the group's whole width.
     norms_across_ranks: dict[str, int] = field(default_factory=dict)
 
@@ -216,24 +218,34 @@ def plan_source(module: nn.Module) -> tuple[dict[str, Style], str, str | None]:
         return {}, "none", str(err)
 
 
-def _report_whole_modules(module: nn.Module, param_styles: Mapping[str, Style | None], plan: ResolvedPlan) -> None:
-    """One info line naming the kinds of modules whose matrices no rule splits (every TP rank holds and computes all
-    of them), with their share of the parameters. Norms and biases (1-D) are left out: they are whole by design."""
+def kept_whole(module: nn.Module, plan: ResolvedPlan) -> dict[str, tuple[int, float]]:
+    """The kinds of modules whose matrices no rule of ``plan`` splits (every TP rank holds and computes all of them):
+    kind (the class of the nearest module above them that is not one of torch's building blocks) -> (matrices, share
+    of the parameter elements), largest first. Norms and biases (1-D) are left out: they are whole by design; the
+    experts of expert parallelism too (split over the EP ranks)."""
     total = sum(p.numel() for p in module.parameters())
     kept: dict[str, list[int]] = {}
     splits = {name for name, style in plan.styles.items() if _split_style(style)}
     experts = tuple(f"{name}." for name in plan.experts)
     for name, param in module.named_parameters():
-        if param.ndim < 2 or name in splits or (experts and name.startswith(experts)):
-            continue
-        if param_styles.get(name) is not None and _split_style(param_styles[name]):
+        owner = name.rpartition(".")[0]
+        if param.ndim < 2 or name in splits or owner in splits or (experts and name.startswith(experts)):
             continue
         counts = kept.setdefault(_layer_kind(module, name), [0, 0])
         counts[0] += 1
         counts[1] += param.numel()
-    shares = sorted(((n / total, kind, k) for kind, (k, n) in kept.items() if total), reverse=True)
-    if shares and shares[0][0] >= 0.01:
-        listed = ", ".join(f"{kind} ({100 * share:.0f}% in {k} matrices)" for share, kind, k in shares if share >= 0.01)
+    ordered = sorted(kept.items(), key=lambda item: -item[1][1])
+    return {kind: (k, n / total) for kind, (k, n) in ordered if total}
+
+
+def _report_whole_modules(module: nn.Module, plan: ResolvedPlan) -> None:
+    """One info line naming the layer kinds TP keeps whole (:func:`kept_whole`) with 1% of the parameters or more."""
+    listed = ", ".join(
+        f"{kind} ({100 * share:.0f}% in {k} matrices)"
+        for kind, (k, share) in kept_whole(module, plan).items()
+        if share >= 0.01
+    )
+    if listed:
         rank_zero_info(f"{type(module).__name__}: TP keeps these whole on every rank (no rule splits them): {listed}.")
 
 
@@ -366,7 +378,7 @@ def resolve_plan(
             f"model with `*` for one component; some of its modules: {module_names[:8]}."
         )
 
-    resolved = ResolvedPlan()
+    resolved = ResolvedPlan(whole_mixers=whole_mixers)
     param_styles: dict[str, Style | None] = {}
     for module_name, submodule in module.named_modules():
         module_style = _match(module_name, patterns) if module_name else None
@@ -413,7 +425,7 @@ def resolve_plan(
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
     _check_even_splits(module, resolved.styles, tp_size)
     if tp_size > 1:
-        _report_whole_modules(module, param_styles, resolved)
+        _report_whole_modules(module, resolved)
     attention = [name for name in resolved.local_heads if name not in resolved.mixers]
     _check_local_heads(module, attention, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
@@ -421,13 +433,13 @@ def resolve_plan(
 
 def _head_parallel_mixers(
     module: nn.Module, overrides: Mapping[str, Style], plan: Mapping[str, Style], *, tp_size: int
-) -> tuple[dict[str, tuple[nn.Module, MixerKind]], list[str]]:
+) -> tuple[dict[str, tuple[nn.Module, MixerKind]], dict[str, str]]:
     """The sequence mixers split by heads: every one :mod:`lightning_tp.plans.mixers` knows, but those the user's
     ``tp_plan`` places itself (a key naming the mixer or something inside it), and attention that the model's plan
     already covers. Also the mixers whose heads ``tp_size`` does not divide: kept whole (their derived or gathered
     rules would not fit), said in one info line."""
     if tp_size == 1 or not is_transformers_model(module):
-        return {}, []
+        return {}, {}
     found = {}
     whole: dict[str, list[str]] = {}
     for name, kind in find_mixers(module).items():
@@ -450,7 +462,7 @@ def _head_parallel_mixers(
         found[name] = (mixer, kind)
     for problem, names in whole.items():
         rank_zero_info(f"{len(names)} sequence mixers ({names[0]}, ...) stay whole on every TP rank: {problem}.")
-    return found, [name for names in whole.values() for name in names]
+    return found, {name: problem for problem, names in whole.items() for name in names}
 
 
 def _in_decoder(model: nn.Module, name: str) -> bool:

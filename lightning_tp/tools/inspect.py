@@ -24,11 +24,9 @@ from torch import nn
 
 from lightning_tp.checkpoint.loading import model_from_config
 from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
-from lightning_tp.plans.mixers import ATTENTION_KINDS, attribute, config_heads, find_mixers, heads_problem, mixer_kind
+from lightning_tp.plans.mixers import ATTENTION_KINDS, attribute, config_heads, find_mixers, mixer_kind
 from lightning_tp.plans.resolve import (
     ResolvedPlan,
-    _attention_problem,
-    _mlp_problem,
     key_regex,
     model_plan,
     plan_source,
@@ -349,10 +347,12 @@ def _whole_mixers(
     if tp_size == 1:
         return []
     overrides = list(tp_plan) if isinstance(tp_plan, dict) else []
-    own = list(model_plan(model)) if not isinstance(tp_plan, dict) or tp_plan else []
     found = []
     for name, kind in find_mixers(model).items():
         if name in plan.mixers:
+            continue
+        if name in plan.whole_mixers:
+            found.append((name, kind.name, plan.whole_mixers[name]))
             continue
         mixer = model.get_submodule(name)
         paths = [
@@ -360,15 +360,8 @@ def _whole_mixers(
             *(f"{name}.{inner}" for inner, _ in [*mixer.named_modules(), *mixer.named_parameters()] if inner),
         ]
         if _matches(overrides, paths):
-            why = _PLACED_BY_TP_PLAN
-        elif kind.complete_only:
-            if _matches(own, paths):
-                continue  # attention (or an MLP) the model's own rules split: listed with the others
-            check = _attention_problem if kind in ATTENTION_KINDS else _mlp_problem  # as resolve_plan decides
-            why = check(model, mixer, kind, tp_size) or "not split by heads"
-        else:
-            why = heads_problem(name, mixer, kind, tp_size) or "not split by heads"
-        found.append((name, kind.name, why))
+            found.append((name, kind.name, _PLACED_BY_TP_PLAN))
+        # Otherwise attention (or an MLP) the model's own rules split, or a tower left whole: listed with the others.
     return found
 
 
