@@ -433,7 +433,10 @@ def parity(model: torch.nn.Module, reference: torch.nn.Module, losses: list[floa
     worst = max(gaps, key=gaps.get) if gaps else None
     split = [n for n, p in model.named_parameters() if _is_split(p)]
     total = sum(w.numel() for w in weights.values())
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     return {
+        # The share of the parameter elements this rank holds (1 / tp_size where everything is split).
+        "held_fraction": held / total if total else 1.0,
         # What the plan split: the share of parameter elements, and whether the attention's query heads are split
         # (a plan may split the MLP alone).
         "split_fraction": sum(weights[n].numel() for n in split) / total if total else 0.0,
@@ -467,6 +470,8 @@ def prepare_case(
             raise Skip(f"fails to build: {_first_line(err)}") from err
         result["model_class"] = type(model).__name__
         result["plan_source"] = plan_source(model)[1]
+        if case == "tp2":
+            result.update(_kept_whole(model, tp_size))
         if case.startswith("ep2") and not getattr(model, "ep_plan", None):
             result.update(status="n/a", detail="no expert-parallel plan (`base_model_ep_plan`)")
             return None
@@ -483,6 +488,25 @@ def prepare_case(
         result.update(status="skipped", detail=str(err))
         return None
     return model, reference, batches, ref_losses
+
+
+def _kept_whole(model: torch.nn.Module, tp_size: int) -> dict[str, Any]:
+    """What the plan at ``tp_size`` leaves whole: the layer kinds no rule splits (share of the parameters, 1% or
+    more) and the mixers kept whole with the reason (no collective; the plan is resolved once more, as
+    ``parallelize`` will)."""
+    from lightning_tp.plans.resolve import kept_whole, resolve_plan
+
+    try:
+        plan = resolve_plan(model, "auto", tp_size=tp_size)
+    except ValueError:
+        return {}
+    reasons = {}
+    for name, why in plan.whole_mixers.items():
+        reasons.setdefault(why, name)
+    return {
+        "kept_whole": {kind: round(share, 4) for kind, (_, share) in kept_whole(model, plan).items() if share >= 0.01},
+        "whole_mixers": {name: why for why, name in reasons.items()},
+    }
 
 
 def _has_experts(model: torch.nn.Module) -> bool:
@@ -618,6 +642,18 @@ def _split_cell(case: Mapping[str, Any]) -> str:
     return f"{case['split_fraction']:.0%}" + ("" if case.get("attention_split") else ", attention whole")
 
 
+def _held_cell(case: Mapping[str, Any]) -> str:
+    if "held_fraction" not in case:
+        return ""
+    return f"{case['held_fraction']:.0%}"
+
+
+def _whole_cell(case: Mapping[str, Any]) -> str:
+    kinds = ", ".join(f"{kind} {share:.0%}" for kind, share in (case.get("kept_whole") or {}).items())
+    why = "; ".join(f"{name}: {reason}" for name, reason in (case.get("whole_mixers") or {}).items())
+    return (kinds + (f" ({why[:160]})" if why else "")).replace("|", "\\|")
+
+
 def _case_cell(case: Mapping[str, Any] | None) -> str:
     if not case:
         return ""
@@ -687,7 +723,11 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
         "KV heads too). 'TP 2 > KV heads': the same "
         "run with 1 KV head (regenerate with `--cases kv_replication --merge`); it trains where the plan gathers K/V "
         "or leaves the attention whole. 'split at TP 2': the share of parameter elements the plan splits, and "
-        "'attention whole' where it splits no query projection (the MLP or experts alone). 'cp 2': the same model "
+        "'attention whole' where it splits no query projection (the MLP or experts alone). 'held per rank': the "
+        "share of the parameter elements one rank holds at TP 2 (50% where everything is split). 'kept whole': the "
+        "layer kinds no rule splits (1% of the parameters or more; norms and biases are always whole) and, in "
+        "parentheses, why a mixer the package would split stays whole at TP 2 on the tiny config. 'cp 2': the same "
+        "model "
         "with context parallelism instead (`cp_size=2`, no TP: each sequence split over the 2 ranks; regenerate with "
         "`--cases cp2 --merge`). 'ep 2': the same model with expert parallelism instead (`ep_size=2`, no TP: half of "
         "the experts on each rank, tokens exchanged by all-to-all; n/a without an expert-parallel plan; regenerate "
@@ -721,8 +761,8 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
     lines += ["", "## Families", ""]
     lines += [
         "| family | model class | plan source | max TP with KV replication | max TP without | TP 2 (gaps loss / param) "
-        "| split at TP 2 | TP 2 > KV heads | cp 2 | ep 2 | ep 2 x tp 2 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| split at TP 2 | held per rank | kept whole | TP 2 > KV heads | cp 2 | ep 2 | ep 2 x tp 2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for family, row in rows.items():
         tp2 = row.get("cases", {}).get("tp2", {})
@@ -734,6 +774,8 @@ def write_table(rows: Mapping[str, Mapping[str, Any]], *, md: Path, js: Path, me
             _tp_cell(row, "max_tp_no_kv_replication"),
             _case_cell(tp2) if tp2.get("status") in (*TRAINED, "error") else tp2.get("status", ""),
             _split_cell(tp2),
+            _held_cell(tp2),
+            _whole_cell(tp2),
             _case_cell(row.get("cases", {}).get("kv_replication")),
             _case_cell(row.get("cases", {}).get("cp2")),
             _case_cell(row.get("cases", {}).get("ep2")),

@@ -411,9 +411,10 @@ def replicate_unsharded_parameters(
                 run_on_parameter_views(owner, dict.fromkeys(local_names, view), holder=submodule)
             else:
                 run_on_parameter_views(submodule, dict.fromkeys(local_names, view))
-                if "." in name:
-                    # Sequence mixers read a child's parameters without calling it (`self.conv1d.weight` passed to a
-                    # causal-conv function): the parent's call swaps them too, when they are still replicated.
+                if "." in name and isinstance(submodule, nn.Conv1d):
+                    # Sequence mixers read their convolution's parameters without calling it (`self.conv1d.weight`
+                    # passed to a causal-conv function): the parent's call swaps them too, when still replicated.
+                    # Only there: a swap at every parent breaks torch.compile (the swapped view becomes a constant).
                     parent = modules[name.rpartition(".")[0]]
                     parent_view = _replicated_view(tp_mesh.get_group() if name in summed else None)
                     run_on_parameter_views(parent, dict.fromkeys(local_names, parent_view), holder=submodule)
