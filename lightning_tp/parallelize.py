@@ -72,6 +72,7 @@ from lightning_tp.parallel.tensor_parallel import (
     transformers_tp_mesh,
 )
 from lightning_tp.plans.discovery import modules_outside, peft_models, torchmetrics_in, transformers_models
+from lightning_tp.plans.mixers import find_mixers
 from lightning_tp.plans.resolve import (
     ResolvedPlan,
     check_style,
@@ -589,8 +590,17 @@ def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None, compile_o
                 f"({sorted(blocks) if blocks else '`_no_split_modules`'}) to compile; name its layers with "
                 "`fsdp_blocks`, or compile it yourself."
             )
+        eager = [layer for layer in layers if any(not kind.compiles for kind in find_mixers(layer).values())]
+        if eager:
+            kinds = sorted({k.description for layer in eager for k in find_mixers(layer).values() if not k.compiles})
+            rank_zero_warn(
+                f"`compile`: {len(eager)} of {len(layers)} decoder layers of {type(target.module).__name__} run "
+                f"uncompiled: they hold {', '.join(kinds)}, whose compiled backward fails in torch "
+                f"{torch.__version__.split('+')[0]} (see lightning_tp.plans.mixers.MixerKind.compiles)."
+            )
         for layer in layers:
-            layer.compile(**compile_options)
+            if layer not in eager:
+                layer.compile(**compile_options)
 
 
 def apply_data_parallel(

@@ -57,6 +57,10 @@ class MixerKind:
     #: Applied only where the model's own plan leaves the module whole (no rule for any of its ``styles`` paths):
     #: plain attention, which a plan usually covers with KV-head replication and checks of its own.
     complete_only: bool = False
+    #: Whether a decoder layer holding it is compiled with ``compile=True``: torch 2.13's compiled backward of the
+    #: Gated DeltaNet torch fallback fails ("view size is not compatible", on one process with one key head, and
+    #: split by heads), so those layers run eager, said in a warning.
+    compiles: bool = True
     #: Attribute values the module must have to be this kind (``{"multi_query": True}``; dotted: an attribute's
     #: attribute, ``"config.alibi"``).
     requires: Mapping[str, object] = field(default_factory=dict)
@@ -115,6 +119,7 @@ MIXER_KINDS: tuple[MixerKind, ...] = (
     ),
     MixerKind(
         name="gated_deltanet",
+        compiles=False,
         description="Gated DeltaNet (separate q|k|v, z, b, a projections: Qwen3.5)",
         holds=("in_proj_qkv.weight", "in_proj_z.weight", "conv1d.weight", "A_log", "dt_bias", "out_proj.weight"),
         styles={
@@ -141,6 +146,7 @@ MIXER_KINDS: tuple[MixerKind, ...] = (
     ),
     MixerKind(
         name="gated_deltanet_separate",
+        compiles=False,
         description="Gated DeltaNet with separate q, k, v, g, a, b projections (OLMo-hybrid)",
         holds=("q_proj.weight", "k_proj.weight", "v_proj.weight", "conv1d.weight", "A_log", "dt_bias", "o_proj.weight"),
         styles={
@@ -162,6 +168,7 @@ MIXER_KINDS: tuple[MixerKind, ...] = (
     ),
     MixerKind(
         name="gated_deltanet_grouped",
+        compiles=False,
         description="Gated DeltaNet with q|k|v|z and b|a fused per key head (Qwen3-Next)",
         holds=("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias", "out_proj.weight"),
         styles={

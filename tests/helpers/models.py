@@ -81,8 +81,10 @@ def tiny_config(kind: str, **overrides: Any):
         cfg = Qwen3_5TextConfig(
             **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False},
             layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
+            # 2 key heads per rank at TP 2: with one, torch.compile's backward fails in the torch fallback of the
+            # delta rule (upstream, on one process too: "view size is not compatible").
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
             linear_key_head_dim=8,
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
