@@ -1,0 +1,84 @@
+"""The head-parallel mixers as data (lightning_tp/plans/mixers.py) and the rows each rank takes of packed blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_tp.parallel.blocks import rank_rows
+from lightning_tp.plans.mixers import MIXER_KINDS, find_mixers
+from lightning_tp.plans.resolve import kept_whole, resolve_plan
+from tests.helpers.models import build_causal_lm, tiny_config
+
+
+def test_each_rank_takes_its_slice_of_every_block_and_the_whole_blocks():
+    rows = [rank_rows((4, 4, 8), tp_size=2, rank=r).tolist() for r in (0, 1)]
+    assert rows == [[0, 1, 4, 5, 8, 9, 10, 11], [2, 3, 6, 7, 12, 13, 14, 15]]
+    # The union over the ranks is every row once: a plain reduce-scatter of the gathered gradient is the sum.
+    assert sorted(rows[0] + rows[1]) == list(range(16))
+    # Multi-query attention: q split, the one K/V head taken whole by every rank.
+    assert rank_rows((4, 2, 2), tp_size=2, rank=1, whole=(1, 2)).tolist() == [2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("kind", "mixer", "name", "blocks"),
+    [
+        ("qwen3_5", "model.layers.0.linear_attn", "gated_deltanet", {"in_proj_qkv.weight": (32, 32, 64)}),
+        ("nemotron_h", "model.layers.0.mixer", "mamba2", {"in_proj.weight": (32, 32, 16, 16, 4)}),
+        ("bamba", "model.layers.0.mamba", "mamba2_one_group", {"in_proj.weight": (128, 128, 8, 8, 4)}),
+        ("deepseek_v3", "model.layers.0.self_attn", "latent_attention", {}),
+    ],
+)
+def test_mixers_are_recognised_by_structure_and_split_by_their_blocks(kind, mixer, name, blocks):
+    model = build_causal_lm(tiny_config(kind))
+    assert find_mixers(model)[mixer].name == name
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert mixer in plan.mixers and mixer in plan.local_heads
+    for path, sizes in blocks.items():
+        assert plan.blocks[f"{mixer}.{path}"] == sizes
+    if name == "mamba2_one_group":
+        # B and C whole on every rank; the conv's width is the rank's rows; the gated norm spans the ranks.
+        assert plan.whole_blocks[f"{mixer}.in_proj.weight"] == (2, 3)
+        assert plan.mixer_sizes[mixer] == {"conv_dim": 128 // 2 + 16}
+        assert plan.norms_across_ranks[f"{mixer}.norm"] == 128
+
+
+def test_a_mixer_the_tp_size_cannot_split_stays_whole_and_says_why():
+    model = build_causal_lm(tiny_config("qwen3_5", linear_num_key_heads=2, linear_num_value_heads=4))
+    plan = resolve_plan(model, "auto", tp_size=4)
+    mixer = "model.layers.0.linear_attn"
+    assert mixer not in plan.mixers and mixer not in plan.local_heads
+    assert "num_k_heads" in plan.whole_mixers[mixer] and "TP sizes that split it: [2]" in plan.whole_mixers[mixer]
+    # Its rules are `replicate`, not the model's gathered ones (which would not fit a whole mixer either way).
+    assert plan.styles[f"{mixer}.in_proj_qkv"] == "replicate"
+    assert "Qwen3_5GatedDeltaNet" in kept_whole(model, plan)
+
+
+def test_a_user_rule_inside_a_mixer_leaves_it_to_the_user():
+    model = build_causal_lm(tiny_config("qwen3_5"))
+    plan = resolve_plan(model, {"model.layers.0.linear_attn": "replicate"}, tp_size=2)
+    assert "model.layers.0.linear_attn" not in plan.mixers
+
+
+def test_every_kind_names_styles_of_the_table_and_blocks_of_its_parameters():
+    from lightning_tp.plans.styles import STYLES
+
+    for kind in MIXER_KINDS:
+        assert all(style in STYLES and STYLES[style].supported for style in kind.styles.values()), kind.name
+        for path in kind.blocks:
+            owner = path.rpartition(".")[0]
+            assert not owner or owner in kind.styles, (kind.name, path)
+
+
+def test_the_one_group_norm_matches_the_whole_norm_on_one_rank():
+    """The gated norm over one group spread over the ranks, on a one-rank group, is Transformers' own norm."""
+    from lightning_tp.parallel.blocks import norm_across_ranks
+    from tests.helpers.process_group import one_rank_mesh
+
+    model = build_causal_lm(tiny_config("bamba"))
+    norm = model.model.layers[0].mamba.norm
+    x, gate = torch.randn(2, 5, 128), torch.randn(2, 5, 128)
+    expected = norm(x, gate)
+    with one_rank_mesh() as mesh:
+        norm_across_ranks(norm, mesh, width=128)
+        torch.testing.assert_close(norm(x, gate), expected)
