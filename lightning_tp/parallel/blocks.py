@@ -14,6 +14,7 @@ whole recurrence computed on every rank.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -24,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from lightning_tp.compat import parameter_dict
+from lightning_tp.compat import buffer_dict, parameter_dict
 from lightning_tp.parallel.collectives import SumOverGroupBothWays
 from lightning_tp.parallel.hooks import run_on_parameter_views
 from lightning_tp.plans.resolve import ResolvedPlan
@@ -61,6 +62,7 @@ def block_view(
     all of the blocks in ``whole``."""
     rank, tp_size = mesh.get_local_rank(), mesh.size()
     rows = None if blocks is None else rank_rows(blocks, tp_size=tp_size, rank=rank, whole=whole)
+    on_device: dict[torch.device, torch.Tensor] = {}  # the index copied to each device once, not at every forward
 
     def view(param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
@@ -68,9 +70,28 @@ def block_view(
         if rows is None:
             return param.to_local()
         whole = param.full_tensor(grad_placements=[Partial()])
-        return whole.index_select(0, rows.to(whole.device))
+        return whole.index_select(0, on_device.setdefault(whole.device, rows.to(whole.device)))
 
     return view
+
+
+def _run_on_buffer_view(module: nn.Module, name: str, *, dim: int, rows: torch.Tensor) -> None:
+    """During each call of ``module``, its buffer ``name`` is the ``rows`` of its ``dim``."""
+    pending: list[torch.Tensor] = []
+    on_device: dict[torch.device, torch.Tensor] = {}
+
+    def swap(_module: nn.Module, _args: Any) -> None:
+        whole = buffer_dict(module)[name]
+        index = on_device.setdefault(whole.device, rows.to(whole.device))
+        pending.append(whole)
+        buffer_dict(module)[name] = whole.index_select(dim, index)
+
+    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if pending:
+            buffer_dict(module)[name] = pending.pop()
+
+    module.register_forward_pre_hook(swap)
+    module.register_forward_hook(restore, prepend=True, always_call=True)
 
 
 def norm_across_ranks(norm: nn.Module, mesh: DeviceMesh, *, width: int) -> None:
@@ -82,7 +103,8 @@ def norm_across_ranks(norm: nn.Module, mesh: DeviceMesh, *, width: int) -> None:
     group = mesh.get_group()
     falcon_style = hasattr(norm, "norm_before_gate")
 
-    def forward(hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    # Bound to the norm (not a closure over it), so that a deep copy of the model runs on the copy's weight.
+    def forward(norm: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = hidden_states.dtype
         before_gate = falcon_style and norm.norm_before_gate
         states = hidden_states.to(torch.float32)
@@ -97,7 +119,7 @@ def norm_across_ranks(norm: nn.Module, mesh: DeviceMesh, *, width: int) -> None:
             states = states * F.silu(gate.to(torch.float32))
         return states.to(dtype)
 
-    norm.forward = forward
+    norm.forward = types.MethodType(forward, norm)
 
 
 def _replicated_input_grad_summed(mesh: DeviceMesh) -> Callable[..., Any]:
@@ -140,13 +162,10 @@ def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> Non
         norm_across_ranks(modules[name], mesh, width=width)
     for name, (dim, blocks, whole_blocks) in plan.buffer_blocks.items():
         holder_name, _, leaf = name.rpartition(".")
-        holder = modules[holder_name]
-        whole = getattr(holder, leaf)
-        if whole is not None and whole.shape[dim] == sum(blocks):
-            rows = rank_rows(blocks, tp_size=tp_size, rank=rank, whole=whole_blocks)
-            # Setting an existing buffer's name keeps it a buffer (and keeps it out of the state dict).
-            mine = whole.narrow(dim, 0, len(rows)) if whole.is_meta else whole.index_select(dim, rows.to(whole.device))
-            setattr(holder, leaf, mine)
+        rows = rank_rows(blocks, tp_size=tp_size, rank=rank, whole=whole_blocks)
+        # A view during the call, the buffer kept whole: Transformers' initialisation writes the whole vector into it
+        # (Falcon-H1's `mup_vector`, not saved, so also after loading a checkpoint).
+        _run_on_buffer_view(modules[holder_name], leaf, dim=dim, rows=rows)
     done: set[str] = set()
     for name, style in plan.styles.items():
         if style not in (COLUMN_STYLE, LOCAL_STYLE) or name not in modules and style == COLUMN_STYLE:

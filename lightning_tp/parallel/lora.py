@@ -96,6 +96,10 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
         if not isinstance(wrapper, LoraLayer):
             styles[name] = style
             continue
+        if facts(style) is not None and facts(style).output_hook:
+            # Its hook sums part of the output's gradient: on the wrapper, it covers base and adapters alike.
+            styles[name] = style
+            continue
         base = f"{name}.base_layer"
         styles.update({f"{base}.{p}": style for p, _ in wrapper.base_layer.named_parameters(recurse=False)})
         styles[base] = style

@@ -28,6 +28,20 @@ from lightning_tp.compat import (
     wrapped_initialize_weights,
 )
 
+#: The attribute a module whose size attributes TP changed keeps them in: {path: (whole value, rank's value)}.
+WHOLE_SIZES = "_lightning_tp_whole_sizes"
+
+
+def record_local_size(module: nn.Module, path: str, whole: int, local: int) -> None:
+    """Record that the size attribute at ``path`` (``"norm.n_groups"``: a child's) of ``module`` went from ``whole``
+    to the rank's ``local`` (see :func:`whole_parameters`)."""
+    module.__dict__.setdefault(WHOLE_SIZES, {})[path] = (whole, local)
+
+
+def _set_attribute(module: nn.Module, path: str, value: int) -> None:
+    owner, _, name = path.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, name, value)
+
 
 @contextmanager
 def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None]:
@@ -35,7 +49,14 @@ def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None
     until written); on exit each rank copies its slice of what was written into its shard, and the sharded parameter
     is back in place. Parameters marked ``_is_hf_initialized`` (loaded from a checkpoint) are left as they are."""
     swapped: list[tuple[nn.Module, str, DTensor, torch.Tensor]] = []
-    for module in dict.fromkeys(modules):  # once each, in order
+    modules = list(dict.fromkeys(modules))
+    # Modules whose head counts TP made the rank's (`local_heads`) get their whole counts back while the
+    # initialisation runs: it sizes what it writes by them (`A_log = log(arange(1, num_heads + 1))`).
+    local_sizes = [(m, getattr(m, WHOLE_SIZES)) for m in modules if getattr(m, WHOLE_SIZES, None)]
+    for module, whole_sizes in local_sizes:
+        for path, (whole_value, _) in whole_sizes.items():
+            _set_attribute(module, path, whole_value)
+    for module in modules:  # once each, in order
         for name, param in parameter_dict(module).items():
             if not isinstance(param, DTensor) or is_hf_initialized(param):
                 continue
@@ -51,6 +72,9 @@ def whole_parameters(modules: Iterable[nn.Module]) -> Generator[None, None, None
     try:
         yield
     finally:
+        for module, whole_sizes in local_sizes:
+            for path, (_, local_value) in whole_sizes.items():
+                _set_attribute(module, path, local_value)
         with torch.no_grad():
             for module, name, param, whole in swapped:
                 parameter_dict(module)[name] = param

@@ -97,9 +97,11 @@ class ScatterSequence(ParallelStyle):
         )
 
         def to_local(module: nn.Module, args: Any, output: DTensor) -> Any:
+            # A copy, not `to_local()`'s view: some models add to the output in place (Falcon's parallel attention),
+            # which autograd refuses on a view a custom Function returned.
             if self.split.active:
-                return output.to_local()
-            return output.redistribute(device_mesh, [Replicate()]).to_local()
+                return output.to_local().clone()
+            return output.redistribute(device_mesh, [Replicate()]).to_local().clone()
 
         module.register_forward_hook(to_local)
         return module

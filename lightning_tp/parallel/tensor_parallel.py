@@ -28,6 +28,7 @@ from lightning_tp.compat import (
 from lightning_tp.parallel.blocks import apply_blocks
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads, kv_head_layout, localize_kv_groups
+from lightning_tp.parallel.random_init import record_local_size
 from lightning_tp.plans.resolve import ResolvedPlan
 from lightning_tp.plans.styles import KV_HEAD_COUNT_ATTRIBUTES, style_names
 
@@ -209,8 +210,10 @@ def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank:
             if isinstance(count, int) and not isinstance(count, bool):
                 assert count % tp_size == 0, (name, path, count, tp_size)
                 setattr(holder, attribute, count // tp_size)
+                record_local_size(attention, path, count, count // tp_size)
     for name, sizes in plan.mixer_sizes.items():
         for attribute, value in sizes.items():
+            record_local_size(modules[name], attribute, getattr(modules[name], attribute), value)
             setattr(modules[name], attribute, value)
     for name, (query_heads, kv_heads) in plan.kv_replicated.items():
         layout = kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=rank)

@@ -61,6 +61,9 @@ class MixerKind:
     #: Gated DeltaNet torch fallback fails ("view size is not compatible", on one process with one key head, and
     #: split by heads), so those layers run eager, said in a warning.
     compiles: bool = True
+    #: A package whose fused kernel Transformers uses for this kind in training when it is installed, reading the
+    #: mixer's parameters itself (Mamba2's `mamba_ssm`): refused with a split mixer, before anything moves.
+    fused_kernel: str | None = None
     #: Attribute values the module must have to be this kind (``{"multi_query": True}``; dotted: an attribute's
     #: attribute, ``"config.alibi"``).
     requires: Mapping[str, object] = field(default_factory=dict)
@@ -205,6 +208,7 @@ _MAMBA2_SHARED_BLOCKS = {
     "conv1d.bias": ("intermediate_size", _SHARED, _SHARED),
 }
 _MAMBA2_SHARED = dict(
+    fused_kernel="mamba_ssm",
     blocks=_MAMBA2_SHARED_BLOCKS,
     attributes=("intermediate_size", "num_heads"),
     heads=("num_heads",),
@@ -238,6 +242,7 @@ MIXER_KINDS += (
         # Its norm keeps the group count rather than the group size.
         attributes=(*_MAMBA2_ATTRIBUTES, "norm.n_groups"),
         heads=("n_groups", "num_heads"),
+        fused_kernel="mamba_ssm",
         buffers={"mup_vector": (2, _ZXBCDT)},
     ),
     MixerKind(
@@ -248,6 +253,7 @@ MIXER_KINDS += (
         blocks=_MAMBA2_BLOCKS,
         attributes=_MAMBA2_ATTRIBUTES,
         heads=("n_groups", "num_heads"),
+        fused_kernel="mamba_ssm",
     ),
 )
 
@@ -298,7 +304,7 @@ MIXER_KIND_ATTENTION = MixerKind(
     # Its per-head norms (any names: q_norm, query_layernorm, ...) are found by `per_head_norms`.
     complete_only=True,
 )
-#: A gated MLP that the model's plan leaves whole (Bamba's, Zamba2's): up-projections column-wise, down row-wise.
+#: A gated MLP that the model's plan leaves whole (Bamba's, Nemotron-H's): up-projections column-wise, down row-wise.
 MIXER_KIND_MLP = MixerKind(
     name="mlp",
     description="gated MLP (gate, up and down projections)",

@@ -8,6 +8,7 @@ component (``model.layers.*.mlp.up_proj``). Values are Transformers' registered 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_tp.plans.derived import derive_plan, vocabulary_plan
@@ -100,6 +102,8 @@ class ResolvedPlan:
     buffer_blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: Mixer attributes set to the rank's own size rather than divided: mixer -> {attribute: value}.
     mixer_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The split mixers that are not attention (linear attention, state-space layers): their heads are their own.
+    recurrent_mixers: list[str] = field(default_factory=list)
     #: Mixers (attention, MLPs) this package would split but keeps whole at this TP size: name -> why.
     whole_mixers: dict[str, str] = field(default_factory=dict)
     #: Gated norms over one group spread over every TP rank: name -> the group's whole width.
@@ -218,18 +222,21 @@ def plan_source(module: nn.Module) -> tuple[dict[str, Style], str, str | None]:
         return {}, "none", str(err)
 
 
-def kept_whole(module: nn.Module, plan: ResolvedPlan) -> dict[str, tuple[int, float]]:
+def kept_whole(module: nn.Module, plan: ResolvedPlan, *, leave: tuple[str, ...] = ()) -> dict[str, tuple[int, float]]:
     """The kinds of modules whose matrices no rule of ``plan`` splits (every TP rank holds and computes all of them):
     kind (the class of the nearest module above them that is not one of torch's building blocks) -> (matrices, share
-    of the parameter elements), largest first. Norms and biases (1-D) are left out: they are whole by design; the
-    experts of expert parallelism too (split over the EP ranks)."""
+    of the parameter elements), largest first. Norms and biases (1-D) are left out: they are whole by design; LoRA
+    adapters too; and the experts of expert parallelism (``plan.experts``, or the ``leave`` keys of
+    :func:`resolve_plan`: split over the EP ranks)."""
     total = sum(p.numel() for p in module.parameters())
     kept: dict[str, list[int]] = {}
     splits = {name for name, style in plan.styles.items() if _split_style(style)}
     experts = tuple(f"{name}." for name in plan.experts)
     for name, param in module.named_parameters():
-        owner = name.rpartition(".")[0]
-        if param.ndim < 2 or name in splits or owner in splits or (experts and name.startswith(experts)):
+        owners = [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)]
+        if param.ndim < 2 or name in splits or any(o in splits for o in owners) or ".lora_" in name:
+            continue  # split, under a split module (a LoRA wrapper's base layer), or an adapter (small, by design)
+        if (experts and name.startswith(experts)) or any(key_regex(k).fullmatch(o) for k in leave for o in owners):
             continue
         counts = kept.setdefault(_layer_kind(module, name), [0, 0])
         counts[0] += 1
@@ -238,11 +245,11 @@ def kept_whole(module: nn.Module, plan: ResolvedPlan) -> dict[str, tuple[int, fl
     return {kind: (k, n / total) for kind, (k, n) in ordered if total}
 
 
-def _report_whole_modules(module: nn.Module, plan: ResolvedPlan) -> None:
+def _report_whole_modules(module: nn.Module, plan: ResolvedPlan, *, leave: tuple[str, ...] = ()) -> None:
     """One info line naming the layer kinds TP keeps whole (:func:`kept_whole`) with 1% of the parameters or more."""
     listed = ", ".join(
         f"{kind} ({100 * share:.0f}% in {k} matrices)"
-        for kind, (k, share) in kept_whole(module, plan).items()
+        for kind, (k, share) in kept_whole(module, plan, leave=leave).items()
         if share >= 0.01
     )
     if listed:
@@ -392,6 +399,8 @@ def resolve_plan(
                 resolved.styles[full] = style
         if module_name in mixers:
             resolved.mixers[module_name] = mixers[module_name][1].attributes
+            if not mixers[module_name][1].complete_only and mixers[module_name][1].name != "latent_attention":
+                resolved.recurrent_mixers.append(module_name)
             if resolved.mixers[module_name]:  # an MLP has no head counts
                 resolved.head_styles[module_name] = "local_heads"
         if isinstance(module_style, str) and module_style in _HEAD_STYLES and module_name not in whole_mixers:
@@ -412,7 +421,16 @@ def resolve_plan(
             f"{name}.{norm}" for norm in shared_norm_names(mixer, kind) if f"{name}.{norm}" in resolved.styles
         ]
         resolved.grad_allreduce = list(dict.fromkeys(resolved.grad_allreduce))
-        resolved.blocks.update(mixer_blocks(name, mixer, kind))
+        blocks = mixer_blocks(name, mixer, kind)
+        for path, sizes in blocks.items():
+            rows = module.get_parameter(path).shape[0]
+            if sum(sizes) != rows:
+                raise ValueError(
+                    f"{path} has {rows} rows where {type(mixer).__name__}, recognised as {kind.description}, packs "
+                    f"blocks of {list(sizes)}: its layout is not the one lightning_tp.plans.mixers describes. Keep it "
+                    f"whole with tp_plan={{'{name}': 'replicate'}}, or write its plan."
+                )
+        resolved.blocks.update(blocks)
         resolved.whole_blocks.update(mixer_whole_blocks(name, mixer, kind))
         resolved.buffer_blocks.update(mixer_buffers(name, mixer, kind))
         if kind.local_sizes:
@@ -425,7 +443,7 @@ def resolve_plan(
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
     _check_even_splits(module, resolved.styles, tp_size)
     if tp_size > 1:
-        _report_whole_modules(module, resolved)
+        _report_whole_modules(module, resolved, leave=leave)
     attention = [name for name in resolved.local_heads if name not in resolved.mixers]
     _check_local_heads(module, attention, tp_size, kv_replicated=resolved.kv_replicated)
     return resolved
@@ -438,7 +456,9 @@ def _head_parallel_mixers(
     ``tp_plan`` places itself (a key naming the mixer or something inside it), and attention that the model's plan
     already covers. Also the mixers whose heads ``tp_size`` does not divide: kept whole (their derived or gathered
     rules would not fit), said in one info line."""
-    if tp_size == 1 or not is_transformers_model(module):
+    already_sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    if tp_size == 1 or not is_transformers_model(module) or already_sharded:
+        # A model Transformers sharded at load time keeps its plan's placements (gathered mixers included).
         return {}, {}
     found = {}
     whole: dict[str, list[str]] = {}
@@ -456,6 +476,13 @@ def _head_parallel_mixers(
             problem = check(module, mixer, kind, tp_size)
         else:
             problem = heads_problem(name, mixer, kind, tp_size)
+            if problem is None and kind.fused_kernel and importlib.util.find_spec(kind.fused_kernel) is not None:
+                raise ValueError(
+                    f"{name} ({type(mixer).__name__}) would be split by heads, but `{kind.fused_kernel}` is "
+                    f"installed: in training Transformers then runs this mixer through its fused kernel, which reads "
+                    f"`out_proj` and the norm itself and would skip the TP sums. Uninstall `{kind.fused_kernel}` for "
+                    f"TP training, or keep the mixers whole with tp_plan={{'{name}': 'replicate', ...}}."
+                )
         if problem is not None:
             whole.setdefault(problem, []).append(name)
             continue
@@ -506,6 +533,15 @@ def _attention_problem(model: nn.Module, attention: nn.Module, kind: MixerKind, 
         return f"{name} has {heads} query and {kv_heads} KV heads: tp_size={tp_size} cannot split them"
     if config_heads(attention) != heads:
         return f"{type(attention).__name__} keeps no config with its head count"
+    uneven = {
+        a: getattr(attention, a)
+        for a in HEAD_COUNT_ATTRIBUTES
+        if isinstance(getattr(attention, a, None), int)
+        and getattr(attention, a) % tp_size
+        and not (a in KV_HEAD_COUNT_ATTRIBUTES and heads % kv_heads == 0)  # KV heads replicated
+    }
+    if uneven:
+        return f"{type(attention).__name__} keeps head counts {uneven} that tp_size={tp_size} does not divide"
     out = attention.q_proj.weight.shape[0]
     if out % heads:
         return f"{type(attention).__name__}'s q_proj has {out} features for {heads} heads"
@@ -709,6 +745,8 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
                 if name.rsplit(".", 1)[-1] in projections
                 and style in _COLUMN_STYLES
                 and not any(name.startswith(f"{prefix}.") for prefix in inner)
+                # A linear-attention mixer's q/k/v (OLMo-hybrid's) count its own heads, not the config's.
+                and not any(name.startswith(f"{mixer}.") for mixer in plan.recurrent_mixers)
             )
         )
 

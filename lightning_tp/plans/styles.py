@@ -47,6 +47,8 @@ class StyleFacts:
     same kind, or keeps it as is (a norm).
     ``expert_parallel``: an expert-parallel style of Transformers' ``ep_plan``, applied on the expert mesh (``ep``) by
     :mod:`lightning_tp.parallel.expert_parallel` when ``ep_size > 1``; refused in a ``tp_plan``.
+    ``output_hook``: a style that changes its module's output gradient (a sum over TP of part of it): on a LoRA
+    wrapper it stays on the wrapper, so that it covers the adapters' output too, and the adapters stay whole.
     ``refused``: why this package refuses the style in a ``tp_plan``, and the fix; ``None``: applied.
     ``registered``: a style name Transformers registers; ``False``: this package's own style, applied by it.
     """
@@ -63,6 +65,7 @@ class StyleFacts:
     sums_gradients: bool = False
     rewritable: bool = False
     expert_parallel: bool = False
+    output_hook: bool = False
     refused: str | None = None
     registered: bool = True
 
@@ -299,6 +302,7 @@ STYLES: dict[str, StyleFacts] = {
         "heads unprojected, so its output gradient is summed over the TP group (the latent's is summed by the "
         "column-wise up-projection it feeds)",
         kind="replicated",
+        output_hook=True,
     ),
 }
 

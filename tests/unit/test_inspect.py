@@ -14,7 +14,8 @@ def config_dirs(tmp_path_factory):
         "heads3": tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48),
         "qwen2_5_vl": tiny_vlm_config("qwen2_5_vl"),  # AutoModelForCausalLM does not take its config
         "gemma3": tiny_vlm_config("gemma3"),  # tied lm_head
-        "qwen3_5": tiny_config("qwen3_5"),  # a Gated DeltaNet mixer (2 key heads, 4 value heads)
+        # a Gated DeltaNet mixer (2 key heads, 4 value heads)
+        "qwen3_5": tiny_config("qwen3_5", linear_num_key_heads=2, linear_num_value_heads=4),
     }
     for name, config in configs.items():
         config.save_pretrained(root / name)
@@ -150,7 +151,11 @@ def test_lists_the_tp_sizes_that_work_and_why_the_others_fail(intermediate: int,
 
 @pytest.fixture(scope="module")
 def hybrid_models():
-    return {kind: build_causal_lm(tiny_config(kind)) for kind in ("qwen3_5", "nemotron_h", "deepseek_v3")}
+    small = {"qwen3_5": {"linear_num_key_heads": 2, "linear_num_value_heads": 4}}  # 2 key heads, 4 value heads
+    return {
+        kind: build_causal_lm(tiny_config(kind, **small.get(kind, {})))
+        for kind in ("qwen3_5", "nemotron_h", "deepseek_v3")
+    }
 
 
 def _text(report, tp_size: int) -> str:
