@@ -304,7 +304,7 @@ MIXER_KIND_ATTENTION = MixerKind(
     # Its per-head norms (any names: q_norm, query_layernorm, ...) are found by `per_head_norms`.
     complete_only=True,
 )
-#: A gated MLP that the model's plan leaves whole (Bamba's, Nemotron-H's): up-projections column-wise, down row-wise.
+#: A gated MLP that the model's plan leaves whole (Bamba's): up-projections column-wise, down row-wise.
 MIXER_KIND_MLP = MixerKind(
     name="mlp",
     description="gated MLP (gate, up and down projections)",
