@@ -117,12 +117,6 @@ DROPOUT = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter")
 #: The documented per-family exceptions to the generic overrides (keep it small): family -> (overrides, why).
 EXCEPTIONS: dict[str, tuple[dict[str, Any], str]] = {}
 
-#: Class-name fragments of recurrent / state-space / convolutional sequence mixers: a model holding one is skipped
-#: (not an attention decoder this plan format describes).
-RECURRENT = re.compile(
-    r"Mamba|Mixer|RWKV|Rwkv|xLSTM|Recurrent|DeltaNet|DeltaAttention|LinearAttention|ShortConv|Lightning"
-)
-
 
 class Skip(Exception):
     """A family that is not a decoder LM this benchmark can build tiny; the message says why."""
@@ -233,10 +227,6 @@ def build_model(config, *, seed: int = 0, device: str | torch.device = "cpu") ->
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return model
-
-
-def recurrent_modules(model: torch.nn.Module) -> list[str]:
-    return sorted({type(m).__name__ for m in model.modules() if RECURRENT.search(type(m).__name__)})
 
 
 def _first_line(err: BaseException) -> str:

@@ -324,6 +324,7 @@ def resolve_plan(
         plan = {key: style for key, style in plan.items() if key not in left}
     module_names = [name for name, _ in module.named_modules() if name]
     all_params = list(module.named_parameters(remove_duplicate=False))
+    params = dict(all_params)
     unique_params = {name for name, _ in module.named_parameters()}
     names = set(module_names) | {name for name, _ in all_params}
 
@@ -408,6 +409,15 @@ def resolve_plan(
         elif module_style is not None:
             resolved.styles[module_name] = module_style
 
+    # Stacked expert weights packing gate and up as two halves (`gate_up_proj`, chunked in two by the experts'
+    # forward) that a plan splits with plain `colwise` (Inkling's) would give one rank the gates and the other the
+    # ups: each rank takes its slice of each half instead.
+    packed = [n for n, st in resolved.styles.items() if st == "colwise" and n.endswith(".gate_up_proj") and n in params]
+    for name in packed:
+        if params[name].ndim == 3:
+            resolved.styles[name] = "packed_colwise"
+    if packed:
+        rank_zero_info(f"{model_name}: {packed[0]} (and {len(packed) - 1} more) split per half (`packed_colwise`).")
     resolved.grad_allreduce = [
         name
         for name, style in resolved.styles.items()

@@ -82,3 +82,15 @@ def test_the_one_group_norm_matches_the_whole_norm_on_one_rank():
     with one_rank_mesh() as mesh:
         norm_across_ranks(norm, mesh, width=128)
         torch.testing.assert_close(norm(x, gate), expected)
+
+
+def test_stacked_gate_up_weights_split_plainly_by_a_plan_are_split_per_half():
+    """Inkling 2's plan gives its experts' `gate_up_proj` (chunked into gate and up halves) plain `colwise`, which
+    would give one rank the gates and the other the ups (its coverage row was off parity): each half is split."""
+    from benchmarks.coverage import build_model
+    from benchmarks.coverage import tiny_config as coverage_config
+
+    model = build_model(coverage_config("inkling2_text"))
+    assert model.config.base_model_tp_plan["layers.*.mlp.experts.gate_up_proj"] == "colwise"
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert plan.styles["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
