@@ -237,7 +237,6 @@ CASES: dict[str, Case] = {
         "falcon", 3, config={"new_decoder_architecture": True, "num_kv_heads": 2, "parallel_attn": True}
     ),
     # Multi-query attention ([q | k | v], one K/V head): each rank takes its q slice and all of k and v.
-    "falcon_multi_query_derived": lm("falcon", 3, config={"multi_query": True, "parallel_attn": True}),
     "gpt_bigcode_multi_query_derived": lm("gpt_bigcode", 3, config={"multi_query": True}),
     "bloom_derived": lm("bloom", 4),
     "mpt_derived": lm("mpt", 4),
@@ -472,7 +471,6 @@ CASES: dict[str, Case] = {
     "nemotron_h_mamba2_sgd": lm("nemotron_h", 3),
     # One group of B/C, whole on every rank; the gated norm's mean square summed over the TP group.
     "bamba_one_group_sgd": lm("bamba", 3),
-    "falcon_h1_one_group_sgd": lm("falcon_h1", 3),
     # Llama 4's experts (`packed_rowwise` gate/up stored [in, out]) and its shared expert added in place.
     "llama4_moe_sgd": lm(
         "llama4_text", 3, config={"moe_layers": [1, 3], "num_local_experts": 4, "intermediate_size": 32}
@@ -589,8 +587,6 @@ CASES: dict[str, Case] = {
         lr=1e-2,
         strategy_kwargs={"compile": {"backend": "aot_eager"}},
     ),
-    # A hybrid compiled: its attention layer compiled, its Gated DeltaNet layer eager (MixerKind.compiles).
-    "qwen3_5_hybrid_compile": lm("qwen3_5", 3, strategy_kwargs={"compile": {"backend": "aot_eager"}}),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
     # data-parallel ranks (tp 1: the experts' FSDP2 has one rank each; the router's load-balancing loss over the whole
     # batch), ep 2 over the TP group (the ranks share one batch and each sends half of it), LoRA on the attention.
@@ -724,7 +720,6 @@ TWO_D_CASES = [
     "deepseek_v3_mla_sgd",
     "qwen3_5_hybrid_lora",
     "deepseek_v3_mla_lora",
-    "bamba_one_group_sgd",
     "qwen3_sp_lp_adamw_clip",
     "qwen2_5_vl_sgd",
     "gemma3_sgd",
