@@ -43,6 +43,7 @@ __all__ = [
     "clear_received_sigterm",
     "cluster_environment",
     "compute_local_shape_and_global_offset",
+    "config_value",
     "distributed_is_initialized",
     "flatten_mesh",
     "foreach_mul_",
@@ -55,6 +56,7 @@ __all__ = [
     "model_checkpoint_dirs_from_file_urls",
     "is_hf_initialized",
     "keys_to_ignore_on_save",
+    "layer_configs",
     "load_checkpoint",
     "mark_hf_initialized",
     "no_split_modules",
@@ -258,6 +260,23 @@ def is_hf_initialized(tensor: torch.Tensor) -> bool:
 def mark_hf_initialized(tensor: torch.Tensor) -> None:
     """Make Transformers' ``initialize_weights`` skip ``tensor``, as its own loading does; no public API."""
     setattr(tensor, _HF_INITIALIZED_ATTR, True)
+
+
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """``config.<name>``, or ``default`` where the config has no single value: a heterogeneous config (values per
+    layer, ``per_layer_config``) raises Transformers' ``AmbiguousGlobalPerLayerAttributeError`` (a RuntimeError) on
+    a global read of a per-layer attribute (Dots 3's head counts); its opt-in flag is internal."""
+    try:
+        return getattr(config, name, default)
+    except RuntimeError:
+        return default
+
+
+def layer_configs(config: Any) -> list[Any]:
+    """The per-layer configs of a heterogeneous config (``per_layer_config``), else ``[config]``."""
+    if not getattr(config, "is_heterogeneous", False):
+        return [config]
+    return list(config.per_layer_config)
 
 
 def decode_config_floats(values: dict[str, Any]) -> dict[str, Any]:

@@ -8,18 +8,22 @@ tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fa
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_tp.compat import (
+    config_value,
     distributed_is_initialized,
     parameter_dict,
     strided_shard,
@@ -73,6 +77,7 @@ def apply_tensor_parallel(
         module.to(device)
     # The experts of expert parallelism stay plain: the EP stage splits them over the expert mesh next.
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce, keep=plan.expert_modules)
+    gather_embedding_for_direct_reads(module)
     keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
@@ -171,14 +176,53 @@ class PackedLinear(Conv1DParallel):
         return x @ weight.t()
 
 
-#: The package's own layer styles (``registered=False`` in the style table), as torch ``ParallelStyle``s, each built
-#: from its module's name and the plan.
-OWN_LAYER_STYLES: dict[str, Callable[[str, ResolvedPlan], ParallelStyle]] = {
-    "conv1d_colwise": lambda name, plan: Conv1DParallel(column=True),
-    "conv1d_colwise_qkv": lambda name, plan: Conv1DParallel(column=True, split_factor=3),
-    "conv1d_rowwise": lambda name, plan: Conv1DParallel(column=False),
-    "packed_colwise_qkv": lambda name, plan: PackedLinear(column=True, split_factor=3),
-    "colwise_kv_heads": lambda name, plan: ColwiseKVHeads(plan.kv_heads_of(name)),
+class MlaKvAProj(ParallelStyle):
+    """``mla_kv_a_proj``: a latent attention's KV down-projection ([latent | rotary key]) stays whole, and the
+    gradient of its rotary-key slice, which reaches the rank's heads unprojected, is summed over the TP group.
+    Transformers' layer reads ``qk_rope_head_dim`` from the global config, which a config with per-layer values
+    refuses (Dots 3); the width here is the attention module's own."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group, rope_dim = device_mesh.get_group(), self.rope_dim
+
+        def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+            latent, rope = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+            return torch.cat([latent, _AllReduceGrad.apply(rope, group)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _rope_dim(name: str, modules: Mapping[str, nn.Module]) -> int:
+    """The rotary key width of the latent attention holding the projection ``name``."""
+    attention = modules[name.rpartition(".")[0]]
+    width = getattr(attention, "qk_rope_head_dim", None)
+    if not isinstance(width, int):
+        width = config_value(getattr(attention, "config", None), "qk_rope_head_dim")
+    if not isinstance(width, int):
+        raise ValueError(
+            f"{name} has style 'mla_kv_a_proj', but neither its attention module ({type(attention).__name__}) nor "
+            "its config holds `qk_rope_head_dim`, the width of its rotary key. Give it 'replicate' in `tp_plan`, or "
+            "set the attribute."
+        )
+    return width
+
+
+#: The package's own layer styles (``registered=False`` in the style table, or ``own_layer``), as torch
+#: ``ParallelStyle``s, each built from its module's name, the plan and the model's modules by name.
+OWN_LAYER_STYLES: dict[str, Callable[[str, ResolvedPlan, Mapping[str, nn.Module]], ParallelStyle]] = {
+    "conv1d_colwise": lambda name, plan, modules: Conv1DParallel(column=True),
+    "conv1d_colwise_qkv": lambda name, plan, modules: Conv1DParallel(column=True, split_factor=3),
+    "conv1d_rowwise": lambda name, plan, modules: Conv1DParallel(column=False),
+    "packed_colwise_qkv": lambda name, plan, modules: PackedLinear(column=True, split_factor=3),
+    "colwise_kv_heads": lambda name, plan, modules: ColwiseKVHeads(plan.kv_heads_of(name)),
+    # Partial outputs reduce-scattered on the features: DTensor's Partial -> Shard(-1).
+    "rowwise_local_output": lambda name, plan, modules: RowwiseParallel(output_layouts=Shard(-1)),
+    "mla_kv_a_proj": lambda name, plan, modules: MlaKvAProj(_rope_dim(name, modules)),
 }
 
 
@@ -186,7 +230,7 @@ def own_layer_styles(module: nn.Module, plan: ResolvedPlan) -> dict[str, Paralle
     """The plan's module entries that name one of :data:`OWN_LAYER_STYLES`, as torch styles."""
     modules = dict(module.named_modules())
     return {
-        name: OWN_LAYER_STYLES[style](name, plan)
+        name: OWN_LAYER_STYLES[style](name, plan, modules)
         for name, style in plan.styles.items()
         if isinstance(style, str) and style in OWN_LAYER_STYLES and name in modules
     }
@@ -422,6 +466,69 @@ def replicate_unsharded_parameters(
                     parent_view = _replicated_view(tp_mesh.get_group() if name in summed else None)
                     run_on_parameter_views(parent, dict.fromkeys(local_names, parent_view), holder=submodule)
     _run_replicated_subtrees_on_views(module, {id(p) for p in replaced.values()}, summed)
+
+
+def embedding_readers(model: nn.Module) -> list[str]:
+    """The modules above ``model``'s input embedding whose class reads its ``weight`` without calling it (Gemma 4's
+    per-layer inputs take ``self.language_model.embed_tokens.weight[pad_token_id]``), outermost first. Found in the
+    classes' source: nothing else tells."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    path = next((name for name, m in model.named_modules() if m is embedding and name), None)
+    if path is None:
+        return []
+    parts = path.split(".")
+    readers = []
+    for i in range(len(parts)):
+        ancestor = ".".join(parts[:i])
+        try:
+            source = inspect.getsource(type(model.get_submodule(ancestor)))
+        except (OSError, TypeError):
+            continue
+        # Its values, not its `.device`/`.dtype`/`.shape` (Llama 4 reads the device) nor an assignment to it.
+        read = rf"self\.{re.escape('.'.join(parts[i:]))}\.weight(?!\s*\.(?:device|dtype|shape)\b|\s*=[^=])"
+        if re.search(read, source):
+            readers.append(ancestor)
+    return readers
+
+
+def gather_embedding_for_direct_reads(model: nn.Module) -> None:
+    """Where a module reads the input embedding's ``weight`` itself (:func:`embedding_readers`), that module's call
+    sees the whole table (``full_tensor()``: gathered once per call when the vocabulary is split, a row's gradient
+    going back to its shard), and the embedding's own call inside it sees its shard as usual."""
+    readers = embedding_readers(model)
+    if not readers:
+        return
+    reader, embedding = model.get_submodule(readers[0]), model.get_input_embeddings()
+    if not isinstance(parameter_dict(embedding).get("weight"), DTensor):
+        return
+    stack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (what the reader's call replaced, the whole table)
+
+    def gather(_module: nn.Module, _args: Any) -> None:
+        params = parameter_dict(embedding)
+        weight = params["weight"]
+        whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        stack.append((weight, whole))
+        params["weight"] = whole
+
+    def put(index: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if stack:
+                parameter_dict(embedding)["weight"] = stack[-1][index]
+
+        return hook
+
+    def restore(*_: Any) -> None:
+        if stack:
+            parameter_dict(embedding)["weight"] = stack.pop()[0]
+
+    reader.register_forward_pre_hook(gather)
+    reader.register_forward_hook(restore, prepend=True, always_call=True)
+    embedding.register_forward_pre_hook(put(0), prepend=True)
+    embedding.register_forward_hook(put(1), always_call=True)
+    rank_zero_info(
+        f"{type(model).__name__}: {type(reader).__name__} reads its input embedding's weight itself; the whole table "
+        "is gathered for each of its calls."
+    )
 
 
 def _run_replicated_subtrees_on_views(module: nn.Module, replicated: set[int], summed: set[str]) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from lightning_tp.compat import config_value
 from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES
 
 
@@ -37,7 +38,8 @@ class MixerKind:
     names it must not have (to tell similar kinds apart). ``styles``: relative module or parameter path -> style;
     a path the mixer lacks is skipped (a bias, an optional projection). ``blocks``: relative parameter path -> block
     sizes of its dim 0. ``attributes``: the size attributes divided by the TP size. ``heads``: the attributes whose
-    counts the TP size must divide (key heads or groups first), named in the refusal.
+    counts the TP size must divide (key heads or groups first; dotted: a child's, ``"config.num_key_value_heads"``),
+    named in the refusal.
     """
 
     name: str
@@ -114,11 +116,15 @@ MIXER_KINDS: tuple[MixerKind, ...] = (
             "q_b_proj": "colwise",
             "kv_b_proj": "colwise",
             "kv_a_proj_with_mqa": "mla_kv_a_proj",
+            # A head-wise output gate (Ling 3's `g_proj`: one logit per head).
+            "g_proj": "colwise",
             "o_proj": "rowwise",
         },
         blocks={},
         attributes=("num_heads",),
         heads=("num_heads",),
+        # A norm of the rotary key alone (Dots 3): its output reaches the rank's heads only.
+        shared_norms=("k_rope_only_layernorm",),
     ),
     MixerKind(
         name="gated_deltanet",
@@ -286,6 +292,31 @@ MIXER_KINDS += (
     ),
 )
 
+# Dynamic-mask attention (Doge): a per-KV-head score `dt` computed from every head's values (`dt_proj`), scaled by a
+# per-head `A`, masks each head's keys. The rank computes the values of its own KV heads; `dt_proj` sums the partial
+# scores over the TP group and keeps the rank's heads of them (Transformers' plan sums them for every head, which
+# does not fit the rank's attention weights).
+MIXER_KINDS += (
+    MixerKind(
+        name="dynamic_mask_attention",
+        description="attention with a dynamic mask from the values (`dt_proj`, per-head `A`: Doge)",
+        holds=("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "dt_proj.weight", "A"),
+        styles={
+            "q_proj": "colwise",
+            "k_proj": "colwise",
+            "v_proj": "colwise",
+            "dt_proj": "rowwise_local_output",
+            "A": "local_blocks",
+            "o_proj": "rowwise",
+        },
+        blocks={},
+        # Its forward reshapes by `head_dim` and groups by `num_key_value_groups` (a ratio): no count to divide.
+        attributes=(),
+        heads=("config.num_key_value_heads", "config.num_attention_heads"),
+        shared_norms=("q_norm", "k_norm"),
+    ),
+)
+
 MIXER_KIND_ATTENTION = MixerKind(
     name="attention",
     description="attention with separate q, k, v and output projections",
@@ -423,7 +454,7 @@ def block_sizes(mixer: nn.Module, kind: MixerKind, path: str) -> tuple[int, ...]
 
 def heads_problem(name: str, mixer: nn.Module, kind: MixerKind, tp_size: int) -> str | None:
     """Why ``tp_size`` cannot split this mixer's heads, naming the sizes that work; ``None`` when it can."""
-    counts = {a: int(getattr(mixer, a)) for a in kind.heads}
+    counts = {a: int(attribute(mixer, a)) for a in kind.heads}
     sizes = {a: c for a, c in counts.items() if c % tp_size}
     if not sizes:
         for path, expressions in kind.blocks.items():
@@ -465,7 +496,7 @@ def config_heads(attention: nn.Module) -> int | None:
     """The query heads of the config an attention module keeps (``self.config``), or ``None``."""
     config = getattr(attention, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(config, "num_attention_heads", None)
+    heads = config_value(config, "num_attention_heads")
     return heads if isinstance(heads, int) else None
 
 

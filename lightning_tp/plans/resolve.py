@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_tp.compat import config_value, layer_configs
 from lightning_tp.plans.derived import derive_plan, vocabulary_plan
 from lightning_tp.plans.mixers import (
     ATTENTION_KINDS,
@@ -49,8 +50,8 @@ Style = str | ParallelStyle
 
 #: Styles whose gradient sum over the TP group this package applies itself (not Transformers' hook layer).
 _SUMMED_HERE = style_names(sums_gradients=True)
-#: This package's own styles (Transformers does not register them).
-_OWN_STYLES = style_names(registered=False)
+#: The styles this package applies with its own layers (Transformers registers none of them, or its layer is broken).
+_OWN_STYLES = (*style_names(registered=False), *style_names(own_layer=True))
 #: Styles that give an attention module its rank's head counts.
 _HEAD_STYLES = style_names(kind="heads")
 
@@ -534,8 +535,8 @@ def _attention_problem(model: nn.Module, attention: nn.Module, kind: MixerKind, 
     Its head counts are the config's (most attention modules reshape by ``-1`` and keep none); KV heads the TP size
     does not divide are replicated (:mod:`lightning_tp.parallel.kv_heads`) where the query heads group evenly."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads = config_value(config, "num_attention_heads")
+    kv_heads = config_value(config, "num_key_value_heads") or heads
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return f"{type(attention).__name__} has no head counts in its config"
     if heads % tp_size or (kv_heads % tp_size and heads % kv_heads):
@@ -738,8 +739,18 @@ def _replicate_kv_heads(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> d
         inside = {key: style for key, style in styles.items() if key.startswith(f"{name}.")}
         if inside:
             _check_head_counts(f"{type(model).__name__}.{name}", model.get_submodule(name).config, inside, tp_size)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if len(layers := layer_configs(config)) > 1:
+        # Head counts per layer (a heterogeneous config, Dots 3): each layer's must divide; no KV-head replication.
+        outside = {
+            key: style
+            for key, style in styles.items()
+            if not any(key.startswith(f"{prefix}.") for prefix in (*inner, *plan.recurrent_mixers))
+        }
+        for layer in layers:
+            _check_head_counts(f"{type(model).__name__} (a layer of its per_layer_config)", layer, outside, tp_size)
+        return {}
+    heads = config_value(config, "num_attention_heads")
+    kv_heads = config_value(config, "num_key_value_heads") or heads
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return {}
     model_name = type(model).__name__
@@ -878,9 +889,9 @@ def _check_head_counts(owner: str, config: Any, styles: Mapping[str, Style], tp_
     """The heads of a model inside a composite one (a vision tower) that its plan entries split must divide by the
     TP size (no KV-head replication there)."""
     heads = next(
-        (v for a in ("num_attention_heads", "num_heads") if isinstance(v := getattr(config, a, None), int)), None
+        (v for a in ("num_attention_heads", "num_heads") if isinstance(v := config_value(config, a), int)), None
     )
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = config_value(config, "num_key_value_heads") or heads
     if not isinstance(heads, int):
         return
 

@@ -51,6 +51,8 @@ class StyleFacts:
     wrapper it stays on the wrapper, so that it covers the adapters' output too, and the adapters stay whole.
     ``refused``: why this package refuses the style in a ``tp_plan``, and the fix; ``None``: applied.
     ``registered``: a style name Transformers registers; ``False``: this package's own style, applied by it.
+    ``own_layer``: a style Transformers registers that this package applies with its own layer (Transformers' is
+    broken for some models: the reason is at the layer).
     """
 
     description: str
@@ -68,6 +70,7 @@ class StyleFacts:
     output_hook: bool = False
     refused: str | None = None
     registered: bool = True
+    own_layer: bool = False
 
     @property
     def supported(self) -> bool:
@@ -264,6 +267,15 @@ STYLES: dict[str, StyleFacts] = {
         bias_split=True,
         registered=False,
     ),
+    "rowwise_local_output": StyleFacts(
+        "linear, weight sharded on the input dim, partial outputs summed and scattered: each rank keeps its slice of "
+        "the output features (a per-head output computed from every head, Doge's `dt_proj`)",
+        kind="row",
+        weight_dim=-1,
+        input_sharded=True,
+        output_sharded=True,
+        registered=False,
+    ),
     # Refused.
     "ep_dispatch_experts": StyleFacts(
         "experts module whose tokens go to the ranks holding their experts (all-to-all) and come back",
@@ -303,6 +315,7 @@ STYLES: dict[str, StyleFacts] = {
         "column-wise up-projection it feeds)",
         kind="replicated",
         output_hook=True,
+        own_layer=True,
     ),
 }
 

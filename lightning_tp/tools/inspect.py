@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_tp.checkpoint.loading import model_from_config
+from lightning_tp.compat import config_value
 from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
 from lightning_tp.plans.mixers import ATTENTION_KINDS, attribute, config_heads, find_mixers, mixer_kind
 from lightning_tp.plans.resolve import (
@@ -237,7 +238,7 @@ def _tp_size_details(
     config = getattr(model, "config", None)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    heads = getattr(config, "num_attention_heads", None)
+    heads = config_value(config, "num_attention_heads")
     limit = max(8, heads if isinstance(heads, int) else 0)
     working, failing, whole = [], {}, {}
     for size in range(1, min(limit, 128) + 1):
@@ -306,7 +307,7 @@ def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[Mi
             config = getattr(mixer, "config", None)
             config = config.get_text_config() if hasattr(config, "get_text_config") else config
             heads = config_heads(mixer)
-            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            kv_heads = config_value(config, "num_key_value_heads") or heads
             if isinstance(heads, int) and isinstance(kv_heads, int):
                 kv_local = kv_heads // tp_size
                 if name in plan.kv_replicated:
@@ -463,8 +464,8 @@ def _context_parallel(model: nn.Module, *, tp_size: int, cp_size: int) -> tuple[
 
     problem = context_parallel_problem(model)
     config = model.config.get_text_config() if hasattr(model, "config") else None
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads = config_value(config, "num_attention_heads")
+    kv_heads = config_value(config, "num_key_value_heads") or heads
     layers = getattr(config, "num_hidden_layers", None)
     lines = [
         f"Each sequence is split into {2 * cp_size} pieces; each rank holds 2 of them (one from the front, its mirror "
