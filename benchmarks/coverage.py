@@ -115,7 +115,10 @@ KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_que
 DROPOUT = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter")
 
 #: The documented per-family exceptions to the generic overrides (keep it small): family -> (overrides, why).
-EXCEPTIONS: dict[str, tuple[dict[str, Any], str]] = {}
+EXCEPTIONS: dict[str, tuple[dict[str, Any], str]] = {
+    "mamba2": ({"head_dim": 32, "n_groups": 2}, "its heads span hidden_size * expand (2); 2 groups of B/C for 4 heads"),
+    "zaya": ({"num_experts_per_tok": 1}, "ZAYA supports one expert per token only"),
+}
 
 
 class Skip(Exception):

@@ -65,10 +65,11 @@ def block_view(
     on_device: dict[torch.device, torch.Tensor] = {}  # the index copied to each device once, not at every forward
 
     def view(param: torch.Tensor) -> torch.Tensor:
-        if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+        if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or not param.placements[0].is_shard():
             return param  # already a view (an outer module's call), or held sharded by FSDP2 at this moment
         if rows is None:
             return param.to_local()
+        assert param.placements == (Shard(0),), param.placements
         whole = param.full_tensor(grad_placements=[Partial()])
         return whole.index_select(0, on_device.setdefault(whole.device, rows.to(whole.device)))
 
@@ -184,7 +185,8 @@ def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> Non
         for leaf in params:
             param = parameter_dict(holder)[leaf]
             if not isinstance(param, DTensor):
-                sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+                dim = plan.block_dims.get(f"{holder_name}.{leaf}", 0)
+                sharded = distribute_tensor(param.data, mesh, [Shard(dim)], src_data_rank=None)
                 parameter_dict(holder)[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
             blocks, whole = _blocks_of(plan, f"{holder_name}.{leaf}")
             views[leaf] = block_view(blocks, mesh, whole=whole)

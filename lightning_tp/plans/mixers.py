@@ -75,6 +75,9 @@ class MixerKind:
     #: A gated norm (relative path) over one group that spans every rank: its mean square is summed over the TP
     #: group (:mod:`lightning_tp.parallel.blocks`).
     norm_across_ranks: str | None = None
+    #: ``local_blocks`` parameters (relative path) that hold their heads on another dim than 0 (Kimi-Linear's
+    #: ``A_log`` of shape [1, 1, heads, 1]): split on that dim (one block).
+    dims: Mapping[str, int] = field(default_factory=dict)
 
 
 _GDN_ATTRIBUTES = ("num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim")
@@ -317,6 +320,47 @@ MIXER_KINDS += (
     ),
 )
 
+# Kimi Delta Attention (Kimi-Linear, Ling 3's linear layers): Gated DeltaNet with a decay per channel. q, k, v, the
+# per-head input gate `b_proj` and the output gate split by heads with the conv over [q | k | v]; the forget gate's
+# per-channel projection, `dt_bias` and per-head `A_log` too. Its low-rank down-projections (`f_a_proj`, `g_a_proj`)
+# stay whole: they feed column-wise layers, which sum their input gradient over the TP group.
+_KDA_ATTRIBUTES = ("num_heads", "qkv_dim", "conv_dim", "forget_gate.num_heads", "forget_gate.qkv_dim")
+_KDA_STYLES = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "g_b_proj"), "colwise"),
+    **dict.fromkeys(("forget_gate.f_proj", "forget_gate.f_b_proj"), "colwise"),
+    "conv1d": "local_blocks",
+    "forget_gate.dt_bias": "local_blocks",
+    "forget_gate.A_log": "local_blocks",
+    "o_proj": "rowwise",
+}
+_KDA_BLOCKS = {"conv1d.weight": ("qkv_dim",) * 3, "conv1d.bias": ("qkv_dim",) * 3}
+_KDA_HOLDS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "conv1d.weight", "b_proj.weight", "o_proj.weight")
+MIXER_KINDS += (
+    MixerKind(
+        name="kimi_delta_attention",
+        compiles=False,
+        description="Kimi Delta Attention with a low-rank forget gate (Kimi-Linear)",
+        holds=(*_KDA_HOLDS, "forget_gate.f_b_proj.weight", "forget_gate.A_log", "forget_gate.dt_bias"),
+        styles=_KDA_STYLES,
+        blocks=_KDA_BLOCKS,
+        attributes=_KDA_ATTRIBUTES,
+        heads=("num_heads",),
+        shared_norms=("o_norm",),
+        dims={"forget_gate.A_log": 2},
+    ),
+    MixerKind(
+        name="kimi_delta_attention_full_gate",
+        compiles=False,
+        description="Kimi Delta Attention with a full-rank forget gate (Ling 3)",
+        holds=(*_KDA_HOLDS, "forget_gate.f_proj.weight", "forget_gate.A_log", "forget_gate.dt_bias"),
+        styles=_KDA_STYLES,
+        blocks=_KDA_BLOCKS,
+        attributes=_KDA_ATTRIBUTES,
+        heads=("num_heads",),
+        shared_norms=("o_norm",),
+    ),
+)
+
 MIXER_KIND_ATTENTION = MixerKind(
     name="attention",
     description="attention with separate q, k, v and output projections",
@@ -509,6 +553,12 @@ def mixer_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tupl
         if sizes is not None and len(sizes) > 1 and _has_param(mixer, path):
             out[prefix + path] = sizes
     return out
+
+
+def mixer_dims(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, int]:
+    """Full parameter path -> the dim it is split on, for the mixer's parameters not split on dim 0."""
+    prefix = f"{name}." if name else ""
+    return {prefix + path: dim for path, dim in kind.dims.items() if _has_param(mixer, path)}
 
 
 def mixer_whole_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, ...]]:

@@ -31,6 +31,7 @@ from lightning_tp.plans.mixers import (
     local_sizes,
     mixer_blocks,
     mixer_buffers,
+    mixer_dims,
     mixer_entries,
     mixer_whole_blocks,
     per_head_norms,
@@ -99,6 +100,8 @@ class ResolvedPlan:
     #: Parameters of ``blocks`` with blocks every rank takes whole (a multi-query attention's K and V): full name ->
     #: their indices.
     whole_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: ``local_blocks`` parameters split on another dim than 0: full name -> dim.
+    block_dims: dict[str, int] = field(default_factory=dict)
     #: The mixers' packed buffers, sliced once: full name -> (dim, whole block sizes, blocks taken whole).
     buffer_blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: Mixer attributes set to the rank's own size rather than divided: mixer -> {attribute: value}.
@@ -443,6 +446,7 @@ def resolve_plan(
                 )
         resolved.blocks.update(blocks)
         resolved.whole_blocks.update(mixer_whole_blocks(name, mixer, kind))
+        resolved.block_dims.update(mixer_dims(name, mixer, kind))
         resolved.buffer_blocks.update(mixer_buffers(name, mixer, kind))
         if kind.local_sizes:
             resolved.mixer_sizes[name] = local_sizes(mixer, kind, tp_size)

@@ -95,11 +95,15 @@ class Report:
         return not self.problems
 
 
-def local_shape(shape: tuple[int, ...], style: str, tp_size: int, *, is_bias: bool) -> tuple[int, ...]:
+def local_shape(
+    shape: tuple[int, ...], style: str, tp_size: int, *, is_bias: bool, dim: int | None = None
+) -> tuple[int, ...]:
     """The largest per-rank shape of a parameter of ``shape`` under ``style`` (uneven splits give rank 0 the most).
-    ``is_bias``: the parameter is named ``bias`` (a row-wise bias is added after the reduction: replicated)."""
+    ``is_bias``: the parameter is named ``bias`` (a row-wise bias is added after the reduction: replicated).
+    ``dim``: the split dim where the plan gives one (``ResolvedPlan.block_dims``), not the style's."""
     fact = facts(style)
-    dim = fact.split_dim(len(shape), is_bias=is_bias) if fact is not None else None
+    if dim is None:
+        dim = fact.split_dim(len(shape), is_bias=is_bias) if fact is not None else None
     if dim is None:
         return shape
     out = list(shape)
@@ -192,7 +196,8 @@ def inspect_model(
             counts["params"] += math.prod(local)
             counts["trainable"] += math.prod(local) if param.requires_grad else 0
             continue
-        tp_local = local_shape(shape, style, tp_size, is_bias=is_bias) if style else shape
+        dim = plan.block_dims.get(name)
+        tp_local = local_shape(shape, style, tp_size, is_bias=is_bias, dim=dim) if style else shape
         local = _fsdp_shape(tp_local, dp_shard_size * cp_size)
         if tp_local != shape:
             sharded_shapes[name] = tp_local
