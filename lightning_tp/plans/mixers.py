@@ -53,8 +53,8 @@ class MixerKind:
     #: Modules holding a norm over one head (or group) whose weight every head shares: kept whole, their gradient
     #: summed over the TP group (each rank's heads contribute their part).
     shared_norms: tuple[str, ...] = field(default=())
-    #: Buffers (not saved: ``persistent=False``) that the forward multiplies with a packed output: name -> (dim,
-    #: block sizes); each rank keeps its slice of every block. Recognition needs them too.
+    #: Buffers that the forward multiplies with a packed output or per head: name -> (dim, block sizes); kept whole
+    #: (so saved whole), each call sees the rank's slice of every block. Recognition needs them too.
     buffers: Mapping[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)
     #: Applied only where the model's own plan leaves the module whole (no rule for any of its ``styles`` paths):
     #: plain attention, which a plan usually covers with KV-head replication and checks of its own.
@@ -358,6 +358,29 @@ MIXER_KINDS += (
         attributes=_KDA_ATTRIBUTES,
         heads=("num_heads",),
         shared_norms=("o_norm",),
+    ),
+)
+
+# Lightning attention (MiniMax): linear attention with a decay per head. Its fused projection interleaves q, k and v
+# per head, so a plain column split gives each rank whole heads; its decays (buffers, one per head) are sliced to
+# the rank's heads in each call; its norm spans every head, so its mean square is summed over the TP group.
+_HEADS = ("num_attention_heads",)
+MIXER_KINDS += (
+    MixerKind(
+        name="lightning_attention",
+        description="lightning attention (MiniMax): q|k|v interleaved per head, a decay per head",
+        holds=("qkv_proj.weight", "output_gate.weight", "norm.weight", "out_proj.weight"),
+        styles={"qkv_proj": "colwise", "output_gate": "colwise", "norm": "local_blocks", "out_proj": "rowwise"},
+        blocks={},
+        attributes=_HEADS,
+        heads=_HEADS,
+        buffers={
+            "slope_rate": (0, _HEADS),
+            "query_decay": (0, _HEADS),
+            "key_decay": (0, _HEADS),
+            "diagonal_decay": (1, _HEADS),
+        },
+        norm_across_ranks="norm",
     ),
 )
 
