@@ -197,9 +197,19 @@ LLAVA_VISION_PLAN = {
 
 def _longcat_moe() -> Any:
     """LongCat-Flash's tiny config from the coverage benchmark (latent attention, routed and identity experts)."""
+    return _coverage_model("longcat_flash")
+
+
+def _coverage_model(family: str) -> Any:
+    """``family``'s tiny config from the coverage benchmark (2 layers, 4 heads, hidden 64, vocabulary 128)."""
     from benchmarks import coverage
 
-    return build_causal_lm(coverage.tiny_config("longcat_flash"))
+    return build_causal_lm(coverage.tiny_config(family))
+
+
+def coverage_lm(family: str) -> Case:
+    """A case of the coverage benchmark's tiny model of ``family`` on its batches (3 steps)."""
+    return Case(partial(_coverage_model, family), _coverage_batches)
 
 
 def _coverage_batches() -> list:
@@ -471,6 +481,14 @@ CASES: dict[str, Case] = {
     "nemotron_h_mamba2_sgd": lm("nemotron_h", 3),
     # One group of B/C, whole on every rank; the gated norm's mean square summed over the TP group.
     "bamba_one_group_sgd": lm("bamba", 3),
+    # Kimi Delta Attention split by heads: a low-rank forget gate, `A_log` split on its dim 2 (Kimi-Linear, with a
+    # latent-attention layer); a full-rank gate, and latent attention with a head-wise output gate (Ling 3).
+    "kimi_linear_kda_sgd": coverage_lm("kimi_linear"),
+    "bailing_hybrid_kda_sgd": coverage_lm("bailing_hybrid"),
+    # Doge's dynamic-mask attention: per-KV-head scores from every head's values, reduce-scattered to the rank.
+    "doge_dynamic_mask_sgd": coverage_lm("doge"),
+    # MiniMax's lightning attention: per-head decays sliced per call, a norm over every head summed over TP.
+    "minimax_lightning_sgd": coverage_lm("minimax"),
     # Llama 4's experts (`packed_rowwise` gate/up stored [in, out]) and its shared expert added in place.
     "llama4_moe_sgd": lm(
         "llama4_text", 3, config={"moe_layers": [1, 3], "num_local_experts": 4, "intermediate_size": 32}

@@ -94,3 +94,104 @@ def test_stacked_gate_up_weights_split_plainly_by_a_plan_are_split_per_half():
     assert model.config.base_model_tp_plan["layers.*.mlp.experts.gate_up_proj"] == "colwise"
     plan = resolve_plan(model, "auto", tp_size=2)
     assert plan.styles["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
+
+
+def _coverage_model(family: str):
+    from benchmarks import coverage
+
+    return build_causal_lm(coverage.tiny_config(family))
+
+
+@pytest.mark.parametrize(
+    ("family", "mixer", "name", "styles"),
+    [
+        # Per-KV-head scores from every head's values: summed, then each rank keeps its heads' (and its `A`).
+        (
+            "doge",
+            "model.layers.0.self_attn",
+            "dynamic_mask_attention",
+            {"dt_proj": "rowwise_local_output", "A": "local_blocks", "q_norm": "replicated_with_grad_allreduce"},
+        ),
+        # Kimi-Linear: the forget gate's low-rank down-projection whole, its up-projection and A_log split.
+        (
+            "kimi_linear",
+            "model.layers.0.self_attn",
+            "kimi_delta_attention",
+            {"forget_gate.f_b_proj": "colwise", "forget_gate.A_log": "local_blocks", "g_b_proj": "colwise"},
+        ),
+        ("bailing_hybrid", "model.layers.0.self_attn", "kimi_delta_attention_full_gate", {"g_proj": "colwise"}),
+        # Ling 3's latent attention: its head-wise output gate split with the heads.
+        ("bailing_hybrid", "model.layers.1.self_attn", "latent_attention", {"g_proj": "colwise"}),
+        ("minimax", "model.layers.1.self_attn", "lightning_attention", {"qkv_proj": "colwise", "norm": "local_blocks"}),
+    ],
+)
+def test_2026_mixer_kinds_are_recognised_and_split(family, mixer, name, styles):
+    model = _coverage_model(family)
+    assert find_mixers(model)[mixer].name == name
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert mixer in plan.mixers and not plan.whole_mixers
+    for path, style in styles.items():
+        assert plan.styles[f"{mixer}.{path}"] == style
+    if name == "kimi_delta_attention":  # A_log is [1, 1, heads, 1]: split on its heads
+        assert plan.block_dims == {f"model.layers.{i}.self_attn.forget_gate.A_log": 2 for i in (0,)}
+    if name == "lightning_attention":  # the norm spans every head; the decays are sliced per call
+        assert plan.norms_across_ranks[f"{mixer}.norm"] == 64
+        assert plan.buffer_blocks[f"{mixer}.diagonal_decay"] == (1, (4,), ())
+
+
+def test_a_heterogeneous_config_is_read_per_layer():
+    from benchmarks import coverage
+    from lightning_tp.compat import config_value, layer_configs
+
+    config = coverage.tiny_config("dots3_note_text")
+    with pytest.raises(RuntimeError):  # Transformers refuses the global read of a per-layer value
+        _ = config.num_attention_heads
+    assert config_value(config, "num_attention_heads") is None
+    assert [c.num_attention_heads for c in layer_configs(config)] == [4, 64]
+    plan = resolve_plan(build_causal_lm(config), "auto", tp_size=2)
+    assert plan.styles["model.layers.0.self_attn.kv_a_proj_with_mqa"] == "mla_kv_a_proj"
+    # Each layer by its own heads: at TP 8 the first (4 heads) stays whole, the second (64) is split.
+    plan = resolve_plan(build_causal_lm(config), "auto", tp_size=8)
+    assert list(plan.whole_mixers) == ["model.layers.0.self_attn"] and "model.layers.1.self_attn" in plan.mixers
+
+
+def test_the_latent_attentions_rotary_width_is_its_own():
+    from torch import nn
+
+    from lightning_tp.parallel.tensor_parallel import _rope_dim
+
+    attention = nn.Module()
+    attention.kv_a_proj_with_mqa = nn.Linear(4, 6)
+    attention.qk_rope_head_dim = 2
+    assert _rope_dim("attn.kv_a_proj_with_mqa", {"attn": attention}) == 2
+    del attention.qk_rope_head_dim
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        _rope_dim("attn.kv_a_proj_with_mqa", {"attn": attention})
+
+
+def test_modules_reading_the_input_embedding_weight_themselves_are_found():
+    from torch import nn
+
+    from lightning_tp.parallel.tensor_parallel import embedding_readers
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(8, 4)
+
+        def forward(self, ids):
+            return self.embed_tokens(ids.to(self.embed_tokens.weight.device))  # its device only: not a read
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def get_input_embeddings(self):
+            return self.inner.embed_tokens
+
+        def forward(self, ids):
+            pad = self.inner.embed_tokens.weight[0]  # a row of the table, read without calling it
+            return self.inner(ids) + pad
+
+    assert embedding_readers(Outer()) == [""]
