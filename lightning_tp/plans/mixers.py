@@ -384,17 +384,22 @@ MIXER_KINDS += (
     ),
 )
 
+#: The names of an attention's output gate (its values multiply the attention output, per feature or per head).
+OUTPUT_GATES = ("gate_proj", "g_proj")
 MIXER_KIND_ATTENTION = MixerKind(
     name="attention",
     description="attention with separate q, k, v and output projections",
     holds=("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"),
-    # Attention sinks (gpt-oss): one logit per query head, read by the attention function from the module.
+    # Attention sinks (gpt-oss): one logit per query head, read by the attention function from the module. An output
+    # gate (AFMoE's `gate_proj`, LFM3's `g_proj`) splits with the heads where it has one value per query feature or
+    # per head, which `_attention_problem` checks.
     styles={
         "q_proj": "colwise",
         "k_proj": "colwise",
         "v_proj": "colwise",
         "o_proj": "rowwise",
         "sinks": "local_blocks",
+        **dict.fromkeys(OUTPUT_GATES, "colwise"),
     },
     blocks={},
     attributes=HEAD_COUNT_ATTRIBUTES,
@@ -424,6 +429,7 @@ MIXER_KIND_ATTENTION_OUT = replace(
         "v_proj": "colwise",
         "out_proj": "rowwise",
         "sinks": "local_blocks",
+        **dict.fromkeys(OUTPUT_GATES, "colwise"),
     },
 )
 MIXER_KIND_MLP_W = replace(

@@ -24,6 +24,7 @@ from lightning_tp.compat import config_value, layer_configs
 from lightning_tp.plans.derived import derive_plan, vocabulary_plan
 from lightning_tp.plans.mixers import (
     ATTENTION_KINDS,
+    OUTPUT_GATES,
     MixerKind,
     config_heads,
     find_mixers,
@@ -560,8 +561,12 @@ def _attention_problem(model: nn.Module, attention: nn.Module, kind: MixerKind, 
     out = attention.q_proj.weight.shape[0]
     if out % heads:
         return f"{type(attention).__name__}'s q_proj has {out} features for {heads} heads"
+    for gate in OUTPUT_GATES:
+        width = getattr(getattr(getattr(attention, gate, None), "weight", None), "shape", (None,))[0]
+        if width is not None and width not in (out, heads):
+            return f"{type(attention).__name__}'s {gate} has {width} features: neither one per head nor per q feature"
     # Everything else it holds must be known: a per-head norm (kept whole, its gradient summed) or a rule of the
-    # kind. Anything more (a differential attention's lambdas, a gate, a short convolution) keeps it whole.
+    # kind. Anything more (a differential attention's lambdas, a short convolution) keeps it whole.
     known = set(per_head_norms(attention, out // heads)) | set(kind.styles)
     unknown = [
         name

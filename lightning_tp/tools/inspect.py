@@ -307,6 +307,9 @@ def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[Mi
         mixer = model.get_submodule(name)
         kind = mixer_kind(mixer)
         counts = _head_counts(mixer, name, attributes, plan, tp_size)
+        if not counts and kind is not None and kind.heads:
+            # A mixer that reshapes by -1 (Doge's): the counts its split is checked on, read where they live.
+            counts = _head_counts(mixer, name, kind.heads, plan, tp_size)
         if not counts and kind in ATTENTION_KINDS:
             # Plain attention reshaping by -1 keeps no head count: its heads are its config's, split like q/k/v.
             config = getattr(mixer, "config", None)

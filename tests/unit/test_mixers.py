@@ -123,6 +123,9 @@ def _coverage_model(family: str):
         # Ling 3's latent attention: its head-wise output gate split with the heads.
         ("bailing_hybrid", "model.layers.1.self_attn", "latent_attention", {"g_proj": "colwise"}),
         ("minimax", "model.layers.1.self_attn", "lightning_attention", {"qkv_proj": "colwise", "norm": "local_blocks"}),
+        # Attention a plan leaves whole, with an output gate per query feature (AFMoE) or per head (LFM3).
+        ("afmoe", "model.layers.0.self_attn", "attention", {"gate_proj": "colwise"}),
+        ("lfm3", "model.layers.1.self_attn", "attention", {"g_proj": "colwise"}),
     ],
 )
 def test_2026_mixer_kinds_are_recognised_and_split(family, mixer, name, styles):
@@ -195,3 +198,13 @@ def test_modules_reading_the_input_embedding_weight_themselves_are_found():
             return self.inner(ids) + pad
 
     assert embedding_readers(Outer()) == [""]
+
+
+def test_an_attention_gate_of_another_width_keeps_the_attention_whole():
+    from torch import nn
+
+    model = _coverage_model("afmoe")
+    model.model.layers[0].self_attn.gate_proj = nn.Linear(64, 8, bias=False)  # neither per head nor per q feature
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert "gate_proj has 8 features" in plan.whole_mixers["model.layers.0.self_attn"]
+    assert "model.layers.1.self_attn" in plan.mixers
