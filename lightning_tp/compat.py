@@ -262,13 +262,15 @@ def mark_hf_initialized(tensor: torch.Tensor) -> None:
     setattr(tensor, _HF_INITIALIZED_ATTR, True)
 
 
-def config_value(config: Any, name: str, default: Any = None) -> Any:
+def config_value(config: Any, name: str, *, default: Any = None) -> Any:
     """``config.<name>``, or ``default`` where the config has no single value: a heterogeneous config (values per
-    layer, ``per_layer_config``) raises Transformers' ``AmbiguousGlobalPerLayerAttributeError`` (a RuntimeError) on
-    a global read of a per-layer attribute (Dots 3's head counts); its opt-in flag is internal."""
+    layer, ``per_layer_config``) raises Transformers' ``AmbiguousGlobalPerLayerAttributeError`` on a global read of
+    a per-layer attribute (Dots 3's head counts); its opt-in flag is internal."""
     try:
         return getattr(config, name, default)
-    except RuntimeError:
+    except RuntimeError as err:
+        if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError":  # its module path is internal
+            raise
         return default
 
 

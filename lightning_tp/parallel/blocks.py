@@ -5,6 +5,9 @@ Storage is a plain ``Shard(0)`` DTensor of the whole tensor, the layout every ot
 (each rank holding its slice of every block) would avoid the gather below, but DTensor has no placement for blocks of
 different sizes, and a permuted storage would leak into every checkpoint.
 
+A one-block parameter may hold its heads on another dim (Kimi-Linear's ``A_log`` [1, 1, heads, 1]): it is a plain
+``Shard`` of that dim (``ResolvedPlan.block_dims``), read as its local tensor.
+
 During the forward the module reads its rank's rows: its slice of each block. With one block that is the local
 shard (no communication); with several, the weight is gathered over the TP group and the rows are taken from it, and
 in backward the gradient is reduce-scattered back to the shards. For a fused input projection that costs the

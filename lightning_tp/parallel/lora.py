@@ -112,7 +112,8 @@ def extend_plan_to_adapters(model: nn.Module, plan: ResolvedPlan) -> ResolvedPla
         if own is not None and not own.registered and own.kind in ("column", "row") and own.lora_half is None:
             raise ValueError(
                 f"tp_plan[{name!r}] = {style!r} on a LoRA-wrapped layer: adapters do not follow this package's own "
-                "layer styles (GPT-2's Conv1D) yet. Leave this layer out of `target_modules`, or use tp_size=1."
+                "layer styles (GPT-2's Conv1D, a row-wise layer whose output stays split) yet. Leave this layer out of "
+                "`target_modules`, or use tp_size=1."
             )
         if not isinstance(wrapper.get_base_layer(), nn.Linear):
             continue  # embeddings keep their adapters whole

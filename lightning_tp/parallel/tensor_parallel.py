@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_tp.compat import (
-    config_value,
     distributed_is_initialized,
     parameter_dict,
     strided_shard,
@@ -33,6 +32,7 @@ from lightning_tp.parallel.blocks import apply_blocks
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads, kv_head_layout, localize_kv_groups
 from lightning_tp.parallel.random_init import record_local_size
+from lightning_tp.plans.mixers import rotary_width
 from lightning_tp.plans.resolve import ResolvedPlan
 from lightning_tp.plans.styles import KV_HEAD_COUNT_ATTRIBUTES, style_names
 
@@ -101,6 +101,7 @@ def _own_row_outputs(module: nn.Module, plan: ResolvedPlan) -> None:
     summed = [name for name, style in plan.transformers_styles.items() if style in _SUMMED_OUTPUT_STYLES]
     # torch's row-wise style (the dense-layer and sequence-parallel rewrites) returns `to_local()` views as well.
     summed += [name for name, style in plan.torch_styles.items() if isinstance(style, RowwiseParallel)]
+    summed += [name for name, style in plan.styles.items() if style == "rowwise_local_output"]
     for name in summed:
         if name in modules:
             modules[name].register_forward_hook(_clone_output)
@@ -198,17 +199,10 @@ class MlaKvAProj(ParallelStyle):
 
 
 def _rope_dim(name: str, modules: Mapping[str, nn.Module]) -> int:
-    """The rotary key width of the latent attention holding the projection ``name``."""
-    attention = modules[name.rpartition(".")[0]]
-    width = getattr(attention, "qk_rope_head_dim", None)
-    if not isinstance(width, int):
-        width = config_value(getattr(attention, "config", None), "qk_rope_head_dim")
-    if not isinstance(width, int):
-        raise ValueError(
-            f"{name} has style 'mla_kv_a_proj', but neither its attention module ({type(attention).__name__}) nor "
-            "its config holds `qk_rope_head_dim`, the width of its rotary key. Give it 'replicate' in `tp_plan`, or "
-            "set the attribute."
-        )
+    """The rotary key width of the latent attention holding the projection ``name`` (checked when the plan was
+    resolved)."""
+    width = rotary_width(modules[name.rpartition(".")[0]])
+    assert width is not None, name
     return width
 
 
@@ -312,6 +306,7 @@ def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: Res
     for name in plan.grad_allreduce:
         model.get_submodule(name).__dict__.pop("forward", None)
     replicate_unsharded_parameters(model, tp_mesh, grad_allreduce=plan.grad_allreduce)
+    gather_embedding_for_direct_reads(model)
     keep_gradient_layout(model, plan)
     setattr(model, SHARDED_MARKER, tp_mesh)
     return model
@@ -468,15 +463,30 @@ def replicate_unsharded_parameters(
     _run_replicated_subtrees_on_views(module, {id(p) for p in replaced.values()}, summed)
 
 
+#: What a class may do with the embedding's weight without reading its values (Llama 4 reads its device).
+_NOT_A_READ = r"(?!\w)(?!\s*\.(?:device|dtype|shape|ndim|size|numel|requires_grad|data_ptr)\b|\s*[-+*/]?=[^=])"
+
+
+def _input_embedding(model: nn.Module) -> nn.Module | None:
+    """``model``'s input embedding (a LoRA wrapper's base layer), or ``None`` where it has none."""
+    try:
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:  # Transformers' default for a model it cannot resolve
+        return None
+    if hasattr(embedding, "get_base_layer"):
+        embedding = embedding.get_base_layer()
+    return embedding if isinstance(embedding, nn.Module) and embedding is not model else None
+
+
 def embedding_readers(model: nn.Module) -> list[str]:
     """The modules above ``model``'s input embedding whose class reads its ``weight`` without calling it (Gemma 4's
     per-layer inputs take ``self.language_model.embed_tokens.weight[pad_token_id]``), outermost first. Found in the
-    classes' source: nothing else tells."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    classes' source (comments left out): nothing else tells."""
+    embedding = _input_embedding(model)
     path = next((name for name, m in model.named_modules() if m is embedding and name), None)
     if path is None:
         return []
-    parts = path.split(".")
+    parts = path.removesuffix(".base_layer").split(".")
     readers = []
     for i in range(len(parts)):
         ancestor = ".".join(parts[:i])
@@ -484,24 +494,23 @@ def embedding_readers(model: nn.Module) -> list[str]:
             source = inspect.getsource(type(model.get_submodule(ancestor)))
         except (OSError, TypeError):
             continue
-        # Its values, not its `.device`/`.dtype`/`.shape` (Llama 4 reads the device) nor an assignment to it.
-        read = rf"self\.{re.escape('.'.join(parts[i:]))}\.weight(?!\s*\.(?:device|dtype|shape)\b|\s*=[^=])"
-        if re.search(read, source):
+        code = re.sub(r"#.*", "", source)
+        if re.search(rf"self\.{re.escape('.'.join(parts[i:]))}\.weight{_NOT_A_READ}", code):
             readers.append(ancestor)
     return readers
 
 
 def gather_embedding_for_direct_reads(model: nn.Module) -> None:
     """Where a module reads the input embedding's ``weight`` itself (:func:`embedding_readers`), that module's call
-    sees the whole table (``full_tensor()``: gathered once per call when the vocabulary is split, a row's gradient
-    going back to its shard), and the embedding's own call inside it sees its shard as usual."""
+    sees the whole table: ``full_tensor()``, gathered at each of its calls when the vocabulary is split (nothing to
+    gather when it is replicated), a row's gradient going back to its shard. The embedding's own call inside it sees
+    its shard as usual. Every reader is hooked (one may be called without the others); a nested one finds the table
+    whole already."""
+    embedding = _input_embedding(model)
     readers = embedding_readers(model)
-    if not readers:
+    if embedding is None or not readers or not isinstance(parameter_dict(embedding).get("weight"), DTensor):
         return
-    reader, embedding = model.get_submodule(readers[0]), model.get_input_embeddings()
-    if not isinstance(parameter_dict(embedding).get("weight"), DTensor):
-        return
-    stack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (what the reader's call replaced, the whole table)
+    stack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (what a reader's call replaced, the whole table)
 
     def gather(_module: nn.Module, _args: Any) -> None:
         params = parameter_dict(embedding)
@@ -519,15 +528,20 @@ def gather_embedding_for_direct_reads(model: nn.Module) -> None:
 
     def restore(*_: Any) -> None:
         if stack:
-            parameter_dict(embedding)["weight"] = stack.pop()[0]
+            replaced, whole = stack.pop()
+            params = parameter_dict(embedding)
+            if params["weight"] is whole:  # left alone if something else (FSDP2) put its own in since
+                params["weight"] = replaced
 
-    reader.register_forward_pre_hook(gather)
-    reader.register_forward_hook(restore, prepend=True, always_call=True)
+    for name in readers:
+        reader = model.get_submodule(name)
+        reader.register_forward_pre_hook(gather)
+        reader.register_forward_hook(restore, prepend=True, always_call=True)
     embedding.register_forward_pre_hook(put(0), prepend=True)
     embedding.register_forward_hook(put(1), always_call=True)
     rank_zero_info(
-        f"{type(model).__name__}: {type(reader).__name__} reads its input embedding's weight itself; the whole table "
-        "is gathered for each of its calls."
+        f"{type(model).__name__}: {type(model.get_submodule(readers[0])).__name__} reads its input embedding's weight "
+        "itself; it sees the whole table during its call (gathered at each call where the vocabulary is split)."
     )
 
 

@@ -9,10 +9,10 @@ holds, and computes, its slice of every block: its own heads of q, k, v, z, the 
 split these mixers the same way.
 
 A parameter with one block is a plain column split (``colwise``, or ``local_blocks`` for a parameter the mixer reads
-itself); one with several (a fused ``[q | k | v]`` projection, the conv over those channels) is ``colwise_blocks`` /
-``local_blocks``, whose storage is a plain ``Shard(0)`` of the whole tensor (so checkpoints, resharding and export see
-the model's own layout) and whose forward takes the rank's rows of each block (see
-:mod:`lightning_tp.parallel.blocks`).
+itself, split on dim 0 or on the dim :attr:`MixerKind.dims` names); one with several (a fused ``[q | k | v]``
+projection, the conv over those channels) is ``colwise_blocks`` / ``local_blocks``, whose storage is a plain
+``Shard(0)`` of the whole tensor (so checkpoints, resharding and export see the model's own layout) and whose forward
+takes the rank's rows of each block (see :mod:`lightning_tp.parallel.blocks`).
 
 A block size is written as attribute names of the mixer joined by ``*`` (``"n_groups*ssm_state_size"``), read from
 the module before its attributes are divided.
@@ -443,6 +443,15 @@ MIXER_KINDS += (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT, MIXER_KIND_MLP, 
 ATTENTION_KINDS = (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT)
 
 
+def rotary_width(attention: nn.Module) -> int | None:
+    """The rotary key width of a latent attention (``qk_rope_head_dim``): its own attribute (per layer), else its
+    config's; ``None`` when neither holds one."""
+    width = getattr(attention, "qk_rope_head_dim", None)
+    if not isinstance(width, int):
+        width = config_value(getattr(attention, "config", None), "qk_rope_head_dim")
+    return width if isinstance(width, int) else None
+
+
 def per_head_norms(attention: nn.Module, head_dim: int) -> list[str]:
     """The children of ``attention`` holding one 1-D ``weight`` of ``head_dim`` features and no other parameter:
     norms applied to each head (Qwen3's ``q_norm``, Hunyuan's ``query_layernorm``), shared by every head."""
@@ -472,7 +481,7 @@ def attribute(module: nn.Module, path: str) -> object:
     owner, _, name = path.rpartition(".")
     for part in owner.split(".") if owner else ():
         module = getattr(module, part, None)
-    return getattr(module, name, None)
+    return config_value(module, name)
 
 
 def _has(module: nn.Module, path: str) -> bool:

@@ -36,6 +36,7 @@ from lightning_tp.plans.mixers import (
     mixer_entries,
     mixer_whole_blocks,
     per_head_norms,
+    rotary_width,
     shared_norm_names,
 )
 from lightning_tp.plans.styles import (
@@ -454,6 +455,15 @@ def resolve_plan(
         norm = mixer.get_submodule(kind.norm_across_ranks) if kind.norm_across_ranks else None
         if norm is not None and getattr(norm, "weight", None) is not None:
             resolved.norms_across_ranks[f"{name}.{kind.norm_across_ranks}"] = norm.weight.shape[0]
+    for name in [n for n, style in resolved.styles.items() if style == "mla_kv_a_proj" and n in module_names]:
+        attention = module.get_submodule(name.rpartition(".")[0])
+        if rotary_width(attention) is None:
+            raise ValueError(
+                f"{model_name}: {name} has style 'mla_kv_a_proj', but neither its attention module "
+                f"({type(attention).__name__}) nor its config holds `qk_rope_head_dim`, the width of the rotary key "
+                f"whose gradient it sums over the TP group. Keep the attention whole with "
+                f"tp_plan={{'{name.rpartition('.')[0]}': 'replicate'}}, or set the attribute."
+            )
     resolved.tied = _tied_aliases(module, param_styles)
     if is_transformers_model(module):
         resolved.kv_replicated = _replicate_kv_heads(module, resolved, tp_size)
@@ -499,6 +509,8 @@ def _head_parallel_mixers(
                     f"`out_proj` and the norm itself and would skip the TP sums. Uninstall `{kind.fused_kernel}` for "
                     f"TP training, or keep the mixers whole with tp_plan={{'{name}': 'replicate', ...}}."
                 )
+        if problem is None and "mla_kv_a_proj" in kind.styles.values() and rotary_width(mixer) is None:
+            problem = f"{type(mixer).__name__} keeps no `qk_rope_head_dim` (its rotary key width), nor does its config"
         if problem is not None:
             whole.setdefault(problem, []).append(name)
             continue

@@ -261,7 +261,8 @@ STYLES: dict[str, StyleFacts] = {
     ),
     "local_blocks": StyleFacts(
         "parameters a mixer reads itself (its conv1d over [q | k | v] channels, per-head A_log, dt_bias, D): stored "
-        "as a plain split of dim 0, the mixer reads its slice of every block",
+        "as a plain split of dim 0 (of its heads' dim where the plan says so: Kimi's A_log), the mixer reads its "
+        "slice of every block",
         kind="module",
         weight_dim=0,
         bias_split=True,

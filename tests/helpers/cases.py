@@ -14,6 +14,7 @@ from tests.helpers.models import (
     TwiceMLP,
     build_causal_lm,
     build_vlm,
+    coverage_model,
     lm_batches,
     mlp_batches,
     packed_lm_batches,
@@ -197,19 +198,12 @@ LLAVA_VISION_PLAN = {
 
 def _longcat_moe() -> Any:
     """LongCat-Flash's tiny config from the coverage benchmark (latent attention, routed and identity experts)."""
-    return _coverage_model("longcat_flash")
-
-
-def _coverage_model(family: str) -> Any:
-    """``family``'s tiny config from the coverage benchmark (2 layers, 4 heads, hidden 64, vocabulary 128)."""
-    from benchmarks import coverage
-
-    return build_causal_lm(coverage.tiny_config(family))
+    return coverage_model("longcat_flash")
 
 
 def coverage_lm(family: str) -> Case:
     """A case of the coverage benchmark's tiny model of ``family`` on its batches (3 steps)."""
-    return Case(partial(_coverage_model, family), _coverage_batches)
+    return Case(partial(coverage_model, family), _coverage_batches)
 
 
 def _coverage_batches() -> list:

@@ -437,6 +437,14 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(**{**defaults, **kwargs})
 
 
+def coverage_model(family: str) -> nn.Module:
+    """``family``'s tiny model from the coverage benchmark (2 layers, 4 heads, hidden 64, vocabulary 128): the
+    families without a tiny config here."""
+    from benchmarks import coverage
+
+    return build_causal_lm(coverage.tiny_config(family))
+
+
 def build_causal_lm(config, seed: int = 0) -> nn.Module:
     from transformers import AutoModelForCausalLM
 

@@ -8,7 +8,7 @@ import torch
 from lightning_tp.parallel.blocks import rank_rows
 from lightning_tp.plans.mixers import MIXER_KINDS, find_mixers
 from lightning_tp.plans.resolve import kept_whole, resolve_plan
-from tests.helpers.models import build_causal_lm, tiny_config
+from tests.helpers.models import build_causal_lm, coverage_model, tiny_config
 
 
 def test_each_rank_takes_its_slice_of_every_block_and_the_whole_blocks():
@@ -96,12 +96,6 @@ def test_stacked_gate_up_weights_split_plainly_by_a_plan_are_split_per_half():
     assert plan.styles["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
 
 
-def _coverage_model(family: str):
-    from benchmarks import coverage
-
-    return build_causal_lm(coverage.tiny_config(family))
-
-
 @pytest.mark.parametrize(
     ("family", "mixer", "name", "styles"),
     [
@@ -129,7 +123,7 @@ def _coverage_model(family: str):
     ],
 )
 def test_2026_mixer_kinds_are_recognised_and_split(family, mixer, name, styles):
-    model = _coverage_model(family)
+    model = coverage_model(family)
     assert find_mixers(model)[mixer].name == name
     plan = resolve_plan(model, "auto", tp_size=2)
     assert mixer in plan.mixers and not plan.whole_mixers
@@ -158,18 +152,23 @@ def test_a_heterogeneous_config_is_read_per_layer():
     assert list(plan.whole_mixers) == ["model.layers.0.self_attn"] and "model.layers.1.self_attn" in plan.mixers
 
 
-def test_the_latent_attentions_rotary_width_is_its_own():
-    from torch import nn
+def test_a_latent_attention_without_a_rotary_width_stays_whole_or_is_refused_by_name():
+    from types import SimpleNamespace
 
-    from lightning_tp.parallel.tensor_parallel import _rope_dim
+    from lightning_tp.plans.mixers import rotary_width
 
-    attention = nn.Module()
-    attention.kv_a_proj_with_mqa = nn.Linear(4, 6)
-    attention.qk_rope_head_dim = 2
-    assert _rope_dim("attn.kv_a_proj_with_mqa", {"attn": attention}) == 2
-    del attention.qk_rope_head_dim
-    with pytest.raises(ValueError, match="qk_rope_head_dim"):
-        _rope_dim("attn.kv_a_proj_with_mqa", {"attn": attention})
+    model = build_causal_lm(tiny_config("deepseek_v3"))
+    attention = model.model.layers[0].self_attn
+    assert rotary_width(attention) == attention.qk_rope_head_dim
+    for layer in model.model.layers:  # neither the module nor its config holds the width
+        del layer.self_attn.qk_rope_head_dim
+        layer.self_attn.config = SimpleNamespace()
+    assert rotary_width(attention) is None
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert "qk_rope_head_dim" in plan.whole_mixers["model.layers.0.self_attn"]
+    # A plan that names the style itself is refused before anything moves, with the fix.
+    with pytest.raises(ValueError, match=r"qk_rope_head_dim.*'model.layers.0.self_attn': 'replicate'"):
+        resolve_plan(model, {"model.layers.0.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, tp_size=2)
 
 
 def test_modules_reading_the_input_embedding_weight_themselves_are_found():
@@ -203,8 +202,69 @@ def test_modules_reading_the_input_embedding_weight_themselves_are_found():
 def test_an_attention_gate_of_another_width_keeps_the_attention_whole():
     from torch import nn
 
-    model = _coverage_model("afmoe")
+    model = coverage_model("afmoe")
     model.model.layers[0].self_attn.gate_proj = nn.Linear(64, 8, bias=False)  # neither per head nor per q feature
     plan = resolve_plan(model, "auto", tp_size=2)
     assert "gate_proj has 8 features" in plan.whole_mixers["model.layers.0.self_attn"]
     assert "model.layers.1.self_attn" in plan.mixers
+
+
+def test_a_kind_splitting_a_parameter_on_another_dim_gives_it_one_block():
+    # `block_view` takes the rank's rows of packed blocks on dim 0 only.
+    for kind in MIXER_KINDS:
+        assert not set(kind.dims) & set(kind.blocks), kind.name
+        assert set(kind.dims) <= {path for path, style in kind.styles.items() if style == "local_blocks"}, kind.name
+
+
+def test_a_module_reading_the_embedding_weight_sees_it_whole_and_the_embedding_its_shard():
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from lightning_tp.compat import parameter_dict
+    from lightning_tp.parallel.tensor_parallel import gather_embedding_for_direct_reads
+    from tests.helpers.process_group import one_rank_mesh
+
+    seen = {}
+
+    class Table(nn.Embedding):
+        def forward(self, ids):
+            seen["own call"] = type(self.weight)
+            return self.weight.to_local()[ids]
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = Table(8, 4)
+
+    class Outer(nn.Module):
+        fail = False
+
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def get_input_embeddings(self):
+            return self.inner.embed_tokens
+
+        def forward(self, ids):
+            out = self.inner.embed_tokens(ids)
+            seen["reader"] = type(self.inner.embed_tokens.weight)
+            if self.fail:
+                raise RuntimeError("boom")
+            return out + self.inner.embed_tokens.weight[0]
+
+    with one_rank_mesh() as mesh:
+        model = Outer()
+        table = model.inner.embed_tokens
+        sharded = nn.Parameter(distribute_tensor(table.weight.data.clone(), mesh, [Shard(0)]))
+        parameter_dict(table)["weight"] = sharded
+        gather_embedding_for_direct_reads(model)
+        model(torch.tensor([1, 2])).sum().backward()
+        assert seen == {"own call": DTensor, "reader": torch.Tensor}
+        assert table.weight is sharded and isinstance(sharded.grad, DTensor)
+        # Rows 1 and 2 from the lookup, row 0 from the direct read (once per token).
+        assert sharded.grad.to_local()[:3].sum(-1).tolist() == [8.0, 4.0, 4.0]
+        Outer.fail = True
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.tensor([1]))
+        assert table.weight is sharded  # put back when the forward raises
