@@ -94,6 +94,10 @@ TINY: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("v_head_dim",), 16),
     (("kv_lora_rank", "q_lora_rank"), 32),
     (("index_n_heads",), 4),
+    # Linear-attention mixers (Gated DeltaNet, Kimi Delta Attention): their own heads, 2 key heads for 4 value heads.
+    (("linear_num_heads", "linear_num_value_heads"), 4),
+    (("linear_num_key_heads",), 2),
+    (("linear_head_dim", "linear_key_head_dim", "linear_value_head_dim"), 16),
     (("rotary_dim",), 8),
     (("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff", "decoder_ffn_dim"), 64),
     (("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size"), 32),
