@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import WALL_TIMES
+from tests.helpers.launch import SCENARIO_TIMES, WALL_TIMES
 from tests.helpers.selection import MARK_HELP
 
 
@@ -26,3 +26,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"{len(WALL_TIMES)} launches, {total:.0f} s of wall time")
     for seconds, label in sorted(WALL_TIMES, reverse=True):
         terminalreporter.write_line(f"{seconds:7.1f} s  {label}")
+    if SCENARIO_TIMES:  # inside the largest launches: what to fold or trim first
+        terminalreporter.write_sep("-", "slowest scenarios inside launches")
+        for seconds, label in sorted(SCENARIO_TIMES, reverse=True)[:15]:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {label}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader
 import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
+from tests.helpers.launch import SCENARIO_SECONDS
 from tests.helpers.models import PROBE, ParityModule, full_state, lm_batches, quiet_trainer, tied_embeddings
 from tests.helpers.scenarios import Scenarios
 from tests.helpers.tripwire import tripwire_timeout, worker_setup
@@ -496,12 +498,15 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for name in args.scenarios:
+        start = time.perf_counter()
         try:
             results[name] = SCENARIOS.run(name, ctx)
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
         if dist.is_initialized():
             dist.barrier()  # every rank reached the end of the case: none is left hanging
+        if rank == 0:  # read by tests/helpers/launch.py: the slowest scenarios close the run's summary
+            print(f"{SCENARIO_SECONDS} {time.perf_counter() - start:.2f} {name}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(results, args.out / f"rank{rank}.pt")
 

@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Each launch of this pytest process: (wall seconds, what ran). ``pytest --durations`` shows only a test's setup and
 #: call, and a launch shared by many tests hides inside one of them; the root conftest prints these at the end.
 WALL_TIMES: list[tuple[float, str]] = []
+#: The line prefix a worker prints (rank 0) after each scenario: ``<prefix> <seconds> <name>``.
+SCENARIO_SECONDS = "LIGHTNING_TP_SCENARIO_SECONDS"
+#: Each scenario a launch of this pytest process ran: (seconds, name), from those lines.
+SCENARIO_TIMES: list[tuple[float, str]] = []
 
 
 def _label(cmd: list[str]) -> str:
@@ -136,6 +140,10 @@ def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 600, 
     ]
     proc = _run(cmd, env=child_env(env), timeout=timeout)
     output = proc.stdout + proc.stderr
+    for line in proc.stdout.splitlines():
+        if line.startswith(f"{SCENARIO_SECONDS} "):
+            _, seconds, name = line.split(" ", 2)
+            SCENARIO_TIMES.append((float(seconds), f"{name} ({Path(script).name} x{nprocs})"))
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-20000:]}")
     return output
