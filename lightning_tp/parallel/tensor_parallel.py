@@ -510,14 +510,17 @@ def gather_embedding_for_direct_reads(model: nn.Module) -> None:
     readers = embedding_readers(model)
     if embedding is None or not readers or not isinstance(parameter_dict(embedding).get("weight"), DTensor):
         return
-    stack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (what a reader's call replaced, the whole table)
+    # Per reader's call: (what it replaced, the shard the embedding's own call sees, the whole table).
+    stack: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def gather(_module: nn.Module, _args: Any) -> None:
         params = parameter_dict(embedding)
         weight = params["weight"]
-        whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
-        stack.append((weight, whole))
-        params["weight"] = whole
+        if stack and weight is stack[-1][2]:  # inside another reader's call: the table is whole already
+            stack.append((weight, stack[-1][1], weight))
+        else:
+            stack.append((weight, weight, weight.full_tensor() if isinstance(weight, DTensor) else weight))
+        params["weight"] = stack[-1][2]
 
     def put(index: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -528,7 +531,7 @@ def gather_embedding_for_direct_reads(model: nn.Module) -> None:
 
     def restore(*_: Any) -> None:
         if stack:
-            replaced, whole = stack.pop()
+            replaced, _, whole = stack.pop()
             params = parameter_dict(embedding)
             if params["weight"] is whole:  # left alone if something else (FSDP2) put its own in since
                 params["weight"] = replaced
@@ -537,8 +540,8 @@ def gather_embedding_for_direct_reads(model: nn.Module) -> None:
         reader = model.get_submodule(name)
         reader.register_forward_pre_hook(gather)
         reader.register_forward_hook(restore, prepend=True, always_call=True)
-    embedding.register_forward_pre_hook(put(0), prepend=True)
-    embedding.register_forward_hook(put(1), always_call=True)
+    embedding.register_forward_pre_hook(put(1), prepend=True)
+    embedding.register_forward_hook(put(2), always_call=True)
     rank_zero_info(
         f"{type(model).__name__}: {type(model.get_submodule(readers[0])).__name__} reads its input embedding's weight "
         "itself; it sees the whole table during its call (gathered at each call where the vocabulary is split)."

@@ -236,6 +236,11 @@ def test_a_module_reading_the_embedding_weight_sees_it_whole_and_the_embedding_i
             super().__init__()
             self.embed_tokens = Table(8, 4)
 
+        def forward(self, ids):  # a reader too, calling the embedding inside its call
+            out = self.embed_tokens(ids)
+            seen["inner reader"] = type(self.embed_tokens.weight)
+            return out + self.embed_tokens.weight[0]
+
     class Outer(nn.Module):
         fail = False
 
@@ -247,7 +252,7 @@ def test_a_module_reading_the_embedding_weight_sees_it_whole_and_the_embedding_i
             return self.inner.embed_tokens
 
         def forward(self, ids):
-            out = self.inner.embed_tokens(ids)
+            out = self.inner(ids)
             seen["reader"] = type(self.inner.embed_tokens.weight)
             if self.fail:
                 raise RuntimeError("boom")
@@ -260,10 +265,10 @@ def test_a_module_reading_the_embedding_weight_sees_it_whole_and_the_embedding_i
         parameter_dict(table)["weight"] = sharded
         gather_embedding_for_direct_reads(model)
         model(torch.tensor([1, 2])).sum().backward()
-        assert seen == {"own call": DTensor, "reader": torch.Tensor}
+        assert seen == {"own call": DTensor, "inner reader": torch.Tensor, "reader": torch.Tensor}
         assert table.weight is sharded and isinstance(sharded.grad, DTensor)
-        # Rows 1 and 2 from the lookup, row 0 from the direct read (once per token).
-        assert sharded.grad.to_local()[:3].sum(-1).tolist() == [8.0, 4.0, 4.0]
+        # Rows 1 and 2 from the lookup, row 0 from the two direct reads (each once per token).
+        assert sharded.grad.to_local()[:3].sum(-1).tolist() == [16.0, 4.0, 4.0]
         Outer.fail = True
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.tensor([1]))
