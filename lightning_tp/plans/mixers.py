@@ -324,40 +324,35 @@ MIXER_KINDS += (
 # per-head input gate `b_proj` and the output gate split by heads with the conv over [q | k | v]; the forget gate's
 # per-channel projection, `dt_bias` and per-head `A_log` too. Its low-rank down-projections (`f_a_proj`, `g_a_proj`)
 # stay whole: they feed column-wise layers, which sum their input gradient over the TP group.
-_KDA_ATTRIBUTES = ("num_heads", "qkv_dim", "conv_dim", "forget_gate.num_heads", "forget_gate.qkv_dim")
-_KDA_STYLES = {
-    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "g_b_proj"), "colwise"),
-    **dict.fromkeys(("forget_gate.f_proj", "forget_gate.f_b_proj"), "colwise"),
-    "conv1d": "local_blocks",
-    "forget_gate.dt_bias": "local_blocks",
-    "forget_gate.A_log": "local_blocks",
-    "o_proj": "rowwise",
-}
-_KDA_BLOCKS = {"conv1d.weight": ("qkv_dim",) * 3, "conv1d.bias": ("qkv_dim",) * 3}
 _KDA_HOLDS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "conv1d.weight", "b_proj.weight", "o_proj.weight")
+_KIMI_DELTA_ATTENTION = MixerKind(
+    name="kimi_delta_attention",
+    compiles=False,
+    description="Kimi Delta Attention with a low-rank forget gate (Kimi-Linear)",
+    holds=(*_KDA_HOLDS, "forget_gate.f_b_proj.weight", "forget_gate.A_log", "forget_gate.dt_bias"),
+    styles={
+        **dict.fromkeys(("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "g_b_proj"), "colwise"),
+        **dict.fromkeys(("forget_gate.f_proj", "forget_gate.f_b_proj"), "colwise"),
+        "conv1d": "local_blocks",
+        "forget_gate.dt_bias": "local_blocks",
+        "forget_gate.A_log": "local_blocks",
+        "o_proj": "rowwise",
+    },
+    blocks={"conv1d.weight": ("qkv_dim",) * 3, "conv1d.bias": ("qkv_dim",) * 3},
+    attributes=("num_heads", "qkv_dim", "conv_dim", "forget_gate.num_heads", "forget_gate.qkv_dim"),
+    heads=("num_heads",),
+    shared_norms=("o_norm",),
+    dims={"forget_gate.A_log": 2},
+)
 MIXER_KINDS += (
-    MixerKind(
-        name="kimi_delta_attention",
-        compiles=False,
-        description="Kimi Delta Attention with a low-rank forget gate (Kimi-Linear)",
-        holds=(*_KDA_HOLDS, "forget_gate.f_b_proj.weight", "forget_gate.A_log", "forget_gate.dt_bias"),
-        styles=_KDA_STYLES,
-        blocks=_KDA_BLOCKS,
-        attributes=_KDA_ATTRIBUTES,
-        heads=("num_heads",),
-        shared_norms=("o_norm",),
-        dims={"forget_gate.A_log": 2},
-    ),
-    MixerKind(
+    _KIMI_DELTA_ATTENTION,
+    # Ling 3's: a full-rank forget gate (`f_proj`), its `A_log` one value per head on dim 0.
+    replace(
+        _KIMI_DELTA_ATTENTION,
         name="kimi_delta_attention_full_gate",
-        compiles=False,
         description="Kimi Delta Attention with a full-rank forget gate (Ling 3)",
         holds=(*_KDA_HOLDS, "forget_gate.f_proj.weight", "forget_gate.A_log", "forget_gate.dt_bias"),
-        styles=_KDA_STYLES,
-        blocks=_KDA_BLOCKS,
-        attributes=_KDA_ATTRIBUTES,
-        heads=("num_heads",),
-        shared_norms=("o_norm",),
+        dims={},
     ),
 )
 
