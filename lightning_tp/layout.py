@@ -1,6 +1,8 @@
 """The parallel layout: how many ranks each mesh axis gets, validated once, and the named device mesh built from it.
 
-Axes, outermost first: ``dp_replicate`` (replicated data parallel, e.g. across nodes), ``dp_shard`` (FSDP2 data
+Axes, outermost first: ``pp`` (pipeline parallel: each rank of a group holds some of the model's stages; only built
+with ``pp_size > 1``; outermost because its point-to-point traffic tolerates the slowest links), ``dp_replicate``
+(replicated data parallel, e.g. across nodes), ``dp_shard`` (FSDP2 data
 parallel), ``cp`` (context parallel: the ranks of a group split each sequence and see the same rows) and ``tp``
 (tensor parallel, innermost so a TP group stays on one node's fast links). The TP axis is named exactly ``tp``
 because Transformers' and PEFT's TP code looks the axis up by that name.
@@ -28,12 +30,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 #: Mesh axis names, outermost first.
+PP_AXIS = "pp"
 DP_REPLICATE_AXIS = "dp_replicate"
 DP_SHARD_AXIS = "dp_shard"
 CP_AXIS = "cp"
 TP_AXIS = "tp"
-#: Every axis of the mesh, outermost first.
-MESH_AXES = (DP_REPLICATE_AXIS, DP_SHARD_AXIS, CP_AXIS, TP_AXIS)
+#: Every axis of the mesh, outermost first (``pp`` only where ``pp_size > 1``: see :meth:`ParallelLayout.mesh_axes`).
+MESH_AXES = (PP_AXIS, DP_REPLICATE_AXIS, DP_SHARD_AXIS, CP_AXIS, TP_AXIS)
 #: The flattened data-parallel axis (``dp_replicate`` x ``dp_shard``): the sampler and metric reductions use it.
 DP_AXIS = "dp"
 #: The flattened ``dp_shard`` x ``cp`` axis that FSDP2 shards over (built only when ``cp_size > 1``).
@@ -54,12 +57,20 @@ class ParallelLayout:
     dp_replicate_size: int = 1
     cp_size: int = 1
     ep_size: int = 1
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "dp_shard_size", "dp_replicate_size", "cp_size", "ep_size"):
+        for name in ("tp_size", "dp_shard_size", "dp_replicate_size", "cp_size", "ep_size", "pp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if self.pp_size > 1 and (self.cp_size > 1 or self.ep_size > 1):
+            other = "cp_size" if self.cp_size > 1 else "ep_size"
+            raise ValueError(
+                f"pp_size={self.pp_size} with {other}={getattr(self, other)} is not supported yet: a pipeline stage "
+                f"sends one activation per micro-batch, which context and expert parallelism would have to split and "
+                f"route across the stages. Use pipeline parallelism with TP and data parallelism, or {other}=1."
+            )
         if self.ep_size > 1:
             below = self.dp_shard_size * self.cp_size * self.tp_size
             good = [n for n in range(self.tp_size, below + 1, self.tp_size) if below % n == 0]
@@ -73,7 +84,18 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
+        return self.pp_size * self.stage_size
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks that hold one pipeline stage together (every rank with ``pp_size=1``)."""
         return self.dp_replicate_size * self.dp_shard_size * self.cp_size * self.tp_size
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The axes of this layout's mesh, outermost first: :data:`MESH_AXES`, without ``pp`` unless
+        ``pp_size > 1``."""
+        return MESH_AXES if self.pp_size > 1 else MESH_AXES[1:]
 
     @property
     def dp_size(self) -> int:
@@ -106,15 +128,34 @@ class ParallelLayout:
         dp_replicate_size: int = 1,
         cp_size: int = 1,
         ep_size: int = 1,
+        pp_size: int = 1,
     ) -> ParallelLayout:
         """Fill in the sizes left as ``None`` from ``world_size`` and check that they multiply to it.
 
         ``tp_size=None`` takes every rank the data-parallel and CP axes leave (as Transformers' ``DistributedConfig``
         infers it from ``WORLD_SIZE``); ``dp_shard_size=None`` takes what ``tp_size``, ``cp_size`` and
-        ``dp_replicate_size`` leave.
+        ``dp_replicate_size`` leave. ``pp_size`` ranks hold the stages of one model: the other sizes split what is
+        left (``world_size / pp_size``).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be positive, got {world_size}.")
+        if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
+            raise ValueError(f"`pp_size` must be a positive integer, got {pp_size!r}.")
+        if world_size % pp_size:
+            raise ValueError(
+                f"The world size ({world_size}) is not divisible by pp_size={pp_size}. Use a pp_size that divides it "
+                f"({_divisors(world_size)}) or run on a multiple of {pp_size} devices."
+            )
+        if pp_size > 1:
+            inner = cls.resolve(
+                world_size // pp_size,
+                tp_size=tp_size,
+                dp_shard_size=dp_shard_size,
+                dp_replicate_size=dp_replicate_size,
+                cp_size=cp_size,
+                ep_size=ep_size,
+            )
+            return replace(inner, pp_size=pp_size)
         for name, value in (("tp_size", tp_size), ("dp_shard_size", dp_shard_size)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
@@ -156,8 +197,9 @@ class ParallelLayout:
         return layout
 
     def build_device_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> tuple[DeviceMesh, DeviceMesh]:
-        """Build the 4-D mesh (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``) and its flattened 1-D ``dp`` mesh (with
-        ``cp_size > 1``, the flattened ``dp_shard_cp`` axis FSDP2 shards over is built too: ``mesh["dp_shard_cp"]``).
+        """Build the mesh (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; ``pp`` before them with ``pp_size > 1``) and
+        its flattened 1-D ``dp`` mesh (with ``cp_size > 1``, the flattened ``dp_shard_cp`` axis FSDP2 shards over is
+        built too: ``mesh["dp_shard_cp"]``).
 
         Needs an initialised process group; every rank must call it. torch asks callers to keep the flattened mesh
         themselves rather than slice it from the root, hence the pair. ``timeout`` reaches every group the mesh
@@ -167,7 +209,9 @@ class ParallelLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = (self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size)
-        names = MESH_AXES
+        if self.pp_size > 1:
+            shape = (self.pp_size, *shape)
+        names = self.mesh_axes
         options = group_options(timeout)
         # An axis over the whole world reuses the world group (which has the timeout already) only without override.
         override = (
@@ -206,8 +250,9 @@ class ParallelLayout:
     def __str__(self) -> str:
         cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
         ep = f", ep={self.ep_size} x efsdp={self.efsdp_size} for the experts" if self.ep_size > 1 else ""
+        pp = f"pp={self.pp_size} x " if self.pp_size > 1 else ""
         return (
-            f"dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size}{cp} x tp={self.tp_size}{ep} "
+            f"{pp}dp_replicate={self.dp_replicate_size} x dp_shard={self.dp_shard_size}{cp} x tp={self.tp_size}{ep} "
             f"(world size {self.world_size})"
         )
 

@@ -100,6 +100,45 @@ OPTIONS: tuple[Option, ...] = (
         "``cp_size`` from, instead of passing them.",
     ),
     Option(
+        "pp_size",
+        "int",
+        1,
+        "Ranks per pipeline (axis ``pp``, outermost): each holds some of the model's stages, cut along its "
+        "``base_model_pp_plan`` (the embedding on the first, the norm and head on the last, the decoder layers "
+        "balanced by parameters between them). Every rank of a pipeline reads the same rows; ``model(**batch).loss`` "
+        "runs the schedule over the batch's micro-batches, backward included, and returns one process's loss of the "
+        "batch. Transformers causal LMs with untied embeddings; not with ``cp_size`` or ``ep_size``.",
+    ),
+    Option(
+        "pp_schedule",
+        "str | None",
+        None,
+        "torch's pipeline schedule by name (``1F1B``, ``GPipe``, ``Interleaved1F1B``, ``LoopedBFS``, "
+        "``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``). ``None``: ``1F1B`` with one stage per rank, "
+        "``Interleaved1F1B`` with more.",
+    ),
+    Option(
+        "pp_microbatches",
+        "int | None",
+        None,
+        "Micro-batches each batch is cut into by the pipeline (the batch size must divide by it). ``None``: the "
+        "number of stages. More micro-batches, a smaller bubble: ``(p - 1) / (m + p - 1)`` of a step for 1F1B.",
+    ),
+    Option(
+        "pp_stages_per_rank",
+        "int",
+        1,
+        "Stages each pipeline rank holds (``V``): 2 or more for the interleaved schedules, exactly 2 for "
+        "``ZBVZeroBubble`` and ``DualPipeV``.",
+    ),
+    Option(
+        "pp_split",
+        "list[int] | None",
+        None,
+        "Decoder layers per stage, in order (``pp_size * pp_stages_per_rank`` numbers adding up to the model's "
+        "layers). ``None``: balanced by parameters.",
+    ),
+    Option(
         "activation_checkpointing",
         "bool",
         False,

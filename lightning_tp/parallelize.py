@@ -14,7 +14,7 @@ Every stage is a small function of this module; each technique lives in its own 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,6 +40,7 @@ from lightning_tp.layout import (
     DP_SHARD_CP_AXIS,
     EP_AXIS,
     MESH_AXES,
+    PP_AXIS,
     TP_AXIS,
     ParallelLayout,
 )
@@ -56,6 +57,14 @@ from lightning_tp.parallel.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_ch
 from lightning_tp.parallel.fsdp import fsdp_units as check_fsdp_units
 from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft, initialize_adapters
 from lightning_tp.parallel.loss_parallel import install_loss_parallel, loss_parallel_plan
+from lightning_tp.parallel.pipeline import (
+    PipelinePlan,
+    install_pipeline,
+    pipeline_problem,
+    resolve_pipeline_plan,
+    schedule_class,
+    stage_modules_of,
+)
 from lightning_tp.parallel.random_init import random_state_of_rank_zero
 from lightning_tp.parallel.rng import prepare_dtensor_random, warn_repeated_dropout
 from lightning_tp.parallel.router_loss import install_global_router_loss
@@ -108,6 +117,10 @@ class ParallelOptions:
     cpu_offload: bool = False
     fsdp_blocks: tuple[str, ...] | None = None
     fsdp_param_dtype: Literal["bf16"] | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int = 1
+    pp_split: tuple[int, ...] | None = None
     precision: str = "32-true"
 
     def __post_init__(self) -> None:
@@ -127,6 +140,12 @@ class ParallelOptions:
                 f"`compile` must be True, False or a dict of `torch.compile` keyword arguments (say "
                 f'{{"fullgraph": True}}), got {self.compile!r}.'
             )
+        if self.pp_split is not None:
+            object.__setattr__(self, "pp_split", tuple(self.pp_split))
+        if self.pp_schedule is not None:
+            schedule_class(self.pp_schedule)  # an unknown name fails here, naming torch's
+        if not isinstance(self.pp_stages_per_rank, int) or self.pp_stages_per_rank < 1:
+            raise ValueError(f"`pp_stages_per_rank` must be a positive integer, got {self.pp_stages_per_rank!r}.")
         if self.fsdp_param_dtype is not None and self.fsdp_param_dtype not in BF16_NAMES:
             raise ValueError(
                 "`fsdp_param_dtype` must be None (gather parameters in their own dtype) or 'bf16' (gather bf16 copies, "
@@ -143,6 +162,19 @@ class ParallelOptions:
     def check_layout(self, layout: ParallelLayout, *, device: torch.device) -> None:
         """What depends on the layout and the device: decided on every rank from the configuration alone, before the
         process group starts."""
+        if layout.pp_size > 1:
+            asked = [name for name in ("sequence_parallel", "loss_parallel", "cpu_offload") if getattr(self, name)]
+            if asked:
+                raise ValueError(
+                    f"pp_size={layout.pp_size} does not support {', '.join(f'{n}=True' for n in asked)} yet: the "
+                    "stages exchange whole activations and the last stage computes the loss on whole logits. Drop "
+                    f"{' and '.join(asked)}, or use pp_size=1."
+                )
+        elif (self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank, self.pp_split) != (None, None, 1, None):
+            rank_zero_warn(
+                "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank` and `pp_split` are ignored: pp_size=1 runs no "
+                "pipeline."
+            )
         if self.cpu_offload and device.type == "cpu":
             raise ValueError(
                 "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
@@ -182,6 +214,7 @@ class Target:
     module: nn.Module
     plan: ResolvedPlan
     presharded_mesh: DeviceMesh | None = None
+    pipeline: PipelinePlan | None = None
 
 
 @dataclass(frozen=True)
@@ -202,6 +235,7 @@ def parallelize(
     dp_replicate_size: int = 1,
     cp_size: int = 1,
     ep_size: int = 1,
+    pp_size: int = 1,
     options: ParallelOptions | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
@@ -214,6 +248,8 @@ def parallelize(
     data-parallel mesh only); each forward then splits the sequence (see :mod:`lightning_tp.parallel.context_parallel`).
     ``ep_size > 1`` splits a mixture-of-experts model's experts over that many ranks, borrowed from the data-parallel,
     CP and TP ranks (see :mod:`lightning_tp.parallel.expert_parallel`); it may be given with ``mesh``.
+    ``pp_size > 1`` cuts each model into pipeline stages (see :mod:`lightning_tp.parallel.pipeline`): every rank of a
+    pipeline must then be given the same rows, and ``model(**batch).loss`` runs the schedule, backward included.
     ``device``: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
     Every rank must call it, with the same arguments: it runs collectives.
     """
@@ -231,14 +267,16 @@ def parallelize(
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
             ep_size=ep_size,
+            pp_size=pp_size,
         )
         device = _device(device, mesh_type=_default_device_type())
         options.check_layout(layout, device=device)
         mesh, _ = layout.build_device_mesh(device.type)
     else:
-        if (tp_size, dp_shard_size, dp_replicate_size, cp_size) != (None, None, 1, 1):
+        if (tp_size, dp_shard_size, dp_replicate_size, cp_size, pp_size) != (None, None, 1, 1, 1):
             raise ValueError(
-                "Pass either `mesh` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`, `cp_size`)."
+                "Pass either `mesh` or the sizes (`tp_size`, `dp_shard_size`, `dp_replicate_size`, `cp_size`, "
+                "`pp_size`)."
             )
         layout = layout_of(mesh)
         if ep_size != 1:
@@ -280,6 +318,14 @@ def apply_parallelisms(
     # 3. Every rank must hold the same weights before TP and FSDP2 each slice their own copy: one checksum all-gather
     #    over every rank, then rank 0's values of what differs (as torch's styles, `src_data_rank=0`).
     take_rank_zero_weights([t.module for t in targets.models if t.presharded_mesh is None] + targets.extras)
+    # 3b. Pipeline stages, after that check (the one step that needs every rank to hold the whole model) and before
+    #    everything else: each rank keeps only its stages' modules, so TP, FSDP2 and a meta model's loading see those
+    #    alone, and `model(...)` runs the schedule.
+    if layout.pp_size > 1:
+        for index, target in enumerate(targets.models):
+            assert target.pipeline is not None, "a model without a pipeline plan under pp"
+            install_pipeline(target.module, target.pipeline, pp_mesh=mesh[PP_AXIS], device=device)
+            targets.models[index] = replace(target, plan=target.plan.restricted_to(target.module))
     # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss
     #    parallelism with it, since it changes what the TP'd `lm_head` returns.
     apply_tp(targets, tp_mesh=tp_mesh, device=device, loss_parallel=options.loss_parallel and layout.tp_size > 1)
@@ -403,6 +449,24 @@ def resolve_targets(
             )
         if layout.cp_size > 1 and (problem := context_parallel_problem(module)) is not None:
             raise ValueError(f"cp_size={layout.cp_size}: {problem}.")
+        pipeline = None
+        if layout.pp_size > 1:
+            if presharded_mesh is not None or not is_transformers_model(module):
+                state = "sharded by Transformers at load time" if presharded_mesh is not None else "not one"
+                raise ValueError(
+                    f"pp_size={layout.pp_size} cuts Transformers causal LMs along their `base_model_pp_plan`; "
+                    f"{type(module).__name__} is {state}. Load it without `distributed_config`, or use pp_size=1."
+                )
+            if (problem := pipeline_problem(module)) is not None:
+                raise ValueError(f"pp_size={layout.pp_size}: {problem}.")
+            pipeline = resolve_pipeline_plan(
+                module,
+                pp_size=layout.pp_size,
+                schedule=options.pp_schedule,
+                microbatches=options.pp_microbatches,
+                stages_per_rank=options.pp_stages_per_rank,
+                split=options.pp_split,
+            )
         if layout.ep_size > 1:
             problem = expert_parallel_problem(
                 module,
@@ -442,7 +506,7 @@ def resolve_targets(
         plan = rewrite_for_regions(
             module, plan, presharded=presharded_mesh is not None, layout=layout, dp_mesh=dp_mesh, options=options
         )
-        targets.models.append(Target(module, plan, presharded_mesh))
+        targets.models.append(Target(module, plan, presharded_mesh, pipeline))
     targets.extras.extend(
         m
         for m in modules_outside(root, models)
@@ -450,6 +514,12 @@ def resolve_targets(
     )
     if options.cpu_offload and targets.extras:
         raise ValueError("`cpu_offload=True` supports parameters inside the Transformers models only.")
+    if layout.pp_size > 1 and (targets.extras or len(targets.models) > 1):
+        what = [type(m).__name__ for m in targets.extras] + [type(t.module).__name__ for t in targets.models[1:]]
+        raise ValueError(
+            f"pp_size={layout.pp_size} pipelines one Transformers model; {type(root).__name__} also holds parameters "
+            f"in {what}, which no stage would run. Keep one model with parameters in the module, or use pp_size=1."
+        )
     return targets
 
 
@@ -635,7 +705,12 @@ def apply_data_parallel(
             # Units of their own on the expert mesh, first: FSDP2 shards a parameter in the first unit holding it.
             assert expert_mesh is not None, "expert parallelism without the expert mesh"
             shard_experts(target.module, target.plan, expert_mesh=expert_mesh, layout=layout, **fsdp_options)
-        if target.module is root and not is_transformers_model(root):
+        if target.pipeline is not None:
+            # Each stage its own root (torch's `PipelineStage` runs FSDP2's gradient reduction of its root once the
+            # step's last micro-batch is through), its decoder layers units inside it.
+            for stage in stage_modules_of(target.module):
+                apply_fsdp(stage, fsdp_mesh, blocks=block_classes(target.module, blocks), **fsdp_options)
+        elif target.module is root and not is_transformers_model(root):
             # A plain module tree: the training loop calls its children, never the root's forward.
             apply_fsdp_per_child(root, fsdp_mesh, fsdp_blocks=blocks, **fsdp_options)
         else:
@@ -717,6 +792,7 @@ def layout_of(mesh: DeviceMesh) -> ParallelLayout:
         dp_shard_size=sizes[DP_SHARD_AXIS],
         dp_replicate_size=sizes[DP_REPLICATE_AXIS],
         cp_size=sizes[CP_AXIS],
+        pp_size=sizes[PP_AXIS],
     )
     world_size = dist.get_world_size() if distributed_is_initialized() else 1
     if layout.world_size != world_size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,13 @@ def _group_key(grad: torch.Tensor) -> object:
 
 
 @torch.no_grad()
-def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+def grad_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, *, pp_group: Any | None = None
+) -> torch.Tensor:
     """The global ``norm_type``-norm of the parameters' gradients, as a plain (replicated) 0-dim tensor.
+
+    ``pp_group``: the ranks of this rank's pipeline, each holding other parameters (their stages'): the norm then
+    covers every stage's.
 
     Each group's norm is taken on the local shards and reduced over the mesh dimensions the group is sharded on
     (sum of p-th powers, or max for inf), on the mesh's device: with FSDP2's CPU offload the local gradients live on
@@ -61,9 +67,21 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
         else:
             value = value.to(total.device)
             total = torch.maximum(total, value) if is_inf else total + value
+    if pp_group is not None:
+        # Every rank of the pipeline takes part, also one whose stages have no gradient.
+        device = _pp_device(pp_group)
+        total = torch.zeros((), device=device) if total is None else total.to(device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=pp_group)
     if total is None:
         return torch.tensor(0.0)
     return total if is_inf else total.pow(1.0 / norm_type)
+
+
+def _pp_device(group: Any) -> torch.device:
+    """Where a reduction over ``group`` runs: the current CUDA device where NCCL is its backend."""
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -73,15 +91,17 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     error_if_nonfinite: bool = False,
+    pp_group: Any | None = None,
 ) -> torch.Tensor:
-    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` that works on tensor-parallel and 2-D models.
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` that works on tensor-parallel and 2-D models, and on pipelined
+    ones given ``pp_group`` (the norm over every stage).
 
     Returns the total norm before clipping, like torch.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = [p for p in parameters if p.grad is not None]
-    total = grad_norm(parameters, norm_type)
+    total = grad_norm(parameters, norm_type, pp_group=pp_group)
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped."

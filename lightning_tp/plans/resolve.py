@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -114,6 +114,21 @@ class ResolvedPlan:
     whole_mixers: dict[str, str] = field(default_factory=dict)
     #: Gated norms over one group spread over every TP rank: name -> the group's whole width.
     norms_across_ranks: dict[str, int] = field(default_factory=dict)
+
+    def restricted_to(self, module: nn.Module) -> ResolvedPlan:
+        """This plan without the entries of modules and tensors that ``module`` (the one it was resolved on) no
+        longer holds: a rank of a pipeline keeps its stages' modules only."""
+        present = {name for name, _ in module.named_modules()}
+        present |= {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        present |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+        changes: dict[str, Any] = {}
+        for entry in fields(self):
+            value = getattr(self, entry.name)
+            if isinstance(value, dict):
+                changes[entry.name] = {name: v for name, v in value.items() if name in present}
+            elif isinstance(value, list):
+                changes[entry.name] = [name for name in value if name in present]
+        return replace(self, **changes)
 
     @property
     def expert_modules(self) -> list[str]:

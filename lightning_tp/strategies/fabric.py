@@ -78,6 +78,11 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         cp_size: int = 1,
         ep_size: int = 1,
         parallelism_config: Any | None = None,
+        pp_size: int = 1,
+        pp_schedule: str | None = None,
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int = 1,
+        pp_split: list[int] | None = None,
         activation_checkpointing: bool = False,
         compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
@@ -113,11 +118,16 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
             ep_size=ep_size,
+            pp_size=pp_size,
             parallelism_config=parallelism_config,
             tp_plan=tp_plan,
             fsdp_blocks=fsdp_blocks,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
+            pp_schedule=pp_schedule,
+            pp_microbatches=pp_microbatches,
+            pp_stages_per_rank=pp_stages_per_rank,
+            pp_split=pp_split,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
             reshard_after_forward=reshard_after_forward,
@@ -174,7 +184,8 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """``fabric.setup(model, optimizer)``: sharding replaces the parameters (DTensors, materialised meta tensors),
-        so the optimizers, built on the originals, are pointed at their replacements by name."""
+        so the optimizers, built on the originals, are pointed at their replacements by name (under pipeline
+        parallelism, at this rank's stages' only)."""
         names = _parameter_names(module)
         for optimizer in optimizers:
             _check_fresh(optimizer, names)
@@ -182,7 +193,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         replacements = {_unwrapped_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                group["params"] = [replacements[names[id(p)]] for p in group["params"]]
+                group["params"] = [replacements[names[id(p)]] for p in group["params"] if names[id(p)] in replacements]
         return module, optimizers, scheduler
 
     @override
@@ -240,7 +251,9 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         gradients that are DTensors on several meshes mixed with plain tensors)."""
         self.precision.unscale_gradients(optimizer)
         parameters = self.precision.main_params(optimizer)
-        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        return clip_grad_norm_(
+            parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, pp_group=self.pp_group
+        )
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized
-from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
+from lightning_tp.layout import CP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.parallel.fsdp import ACCUMULATE_GRADS
 from lightning_tp.parallel.grad import clip_grad_norm_
 from lightning_tp.parallelize import ParallelOptions
@@ -40,6 +40,7 @@ class StrategyOptions:
     parallel: ParallelOptions
     cp_size: int = 1
     ep_size: int = 1
+    pp_size: int = 1
     save_distributed_checkpoint: bool = True
     save_frozen_weights: bool = True
     accumulate_grads: Literal["sharded", "unsharded"] = "sharded"
@@ -55,6 +56,7 @@ class StrategyOptions:
         tp_plan: Literal["auto"] | Mapping[str, Any],
         cp_size: int = 1,
         ep_size: int = 1,
+        pp_size: int = 1,
         fsdp_blocks: Sequence[str] | None,
         save_distributed_checkpoint: bool = True,
         save_frozen_weights: bool = True,
@@ -76,6 +78,8 @@ class StrategyOptions:
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
         )
+        if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
+            raise ValueError(f"`pp_size` must be a positive integer, got {pp_size!r}.")
         if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
             raise ValueError(f"`ep_size` must be a positive integer, got {ep_size!r}.")
         if tp_size is not None and ep_size > 1 and ep_size % tp_size:
@@ -101,6 +105,7 @@ class StrategyOptions:
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
             ep_size=ep_size,
+            pp_size=pp_size,
             parallel=options,
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_frozen_weights=save_frozen_weights,
@@ -115,6 +120,7 @@ class StrategyOptions:
             dp_replicate_size=self.dp_replicate_size,
             cp_size=self.cp_size,
             ep_size=self.ep_size,
+            pp_size=self.pp_size,
         )
         if self.accumulate_grads != "sharded" and layout.fsdp_size == 1:
             rank_zero_warn(
@@ -173,6 +179,13 @@ class MeshMixin:
         if self._dp_mesh is None:
             return self.device_mesh  # raises the clear error: nothing is built yet
         return self._dp_mesh
+
+    @property
+    def pp_group(self) -> Any | None:
+        """The process group of this rank's pipeline (``None`` with ``pp_size=1``): gradient norms sum over it."""
+        if self._layout is None or self.layout.pp_size == 1:
+            return None
+        return self.device_mesh[PP_AXIS].get_group()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -261,12 +274,13 @@ def reduce_metrics_over(root: nn.Module, group: Any) -> None:
             metric.process_group = group
 
 
-def clip_with_dtensor_support(plugin: Any) -> None:
+def clip_with_dtensor_support(plugin: Any, *, pp_group: Any | None = None) -> None:
     """Lightning clips with ``torch.nn.utils.clip_grad_norm_``, which fails on DTensor gradients across meshes; route
-    the precision plugin's norm clipping to :func:`lightning_tp.clip_grad_norm_`, same arguments."""
+    the precision plugin's norm clipping to :func:`lightning_tp.clip_grad_norm_`, same arguments (the norm over every
+    stage of a pipeline: ``pp_group``)."""
 
     def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: int | float) -> None:
-        clip_grad_norm_(plugin_self.main_params(optimizer), clip_val)
+        clip_grad_norm_(plugin_self.main_params(optimizer), clip_val, pp_group=pp_group)
 
     plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
 

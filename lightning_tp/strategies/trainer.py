@@ -87,6 +87,11 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         cp_size: int = 1,
         ep_size: int = 1,
         parallelism_config: Any | None = None,
+        pp_size: int = 1,
+        pp_schedule: str | None = None,
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int = 1,
+        pp_split: list[int] | None = None,
         activation_checkpointing: bool = False,
         compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
@@ -117,11 +122,16 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
             ep_size=ep_size,
+            pp_size=pp_size,
             parallelism_config=parallelism_config,
             tp_plan=tp_plan,
             fsdp_blocks=fsdp_blocks,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
+            pp_schedule=pp_schedule,
+            pp_microbatches=pp_microbatches,
+            pp_stages_per_rank=pp_stages_per_rank,
+            pp_split=pp_split,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
             reshard_after_forward=reshard_after_forward,
@@ -183,7 +193,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self._add_callbacks(trainer)
         self.setup_precision_plugin()
-        clip_with_dtensor_support(self.precision_plugin)
+        clip_with_dtensor_support(self.precision_plugin, pp_group=self.pp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         # `generate` keeps the data-parallel ranks in step on FSDP2 models; validate, test and predict gather the

@@ -14,6 +14,7 @@ from tests.helpers.cases import (
     EP_2D_CASES,
     ERROR_CASES,
     FSDP_ONLY_CASES,
+    PP_2D_CASES,
     TP4_CASES,
     TP_PARITY_CASES,
     TWO_D_CASES,
@@ -52,7 +53,9 @@ def test_tp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
     [
         name
         for name in TWO_D_CASES
-        if name in CASES and name not in BF16_CASES | FSDP_ONLY_CASES | TP4_CASES | set(CP_2D_CASES) | set(EP_2D_CASES)
+        if name in CASES
+        and name
+        not in BF16_CASES | FSDP_ONLY_CASES | TP4_CASES | set(CP_2D_CASES) | set(EP_2D_CASES) | set(PP_2D_CASES)
     ],
 )
 @pytest.mark.scenarios("2d", "{name}")

@@ -222,6 +222,11 @@ def lm(kind: str, steps: int = 5, *, config: dict[str, Any] | None = None, **kwa
     return Case(partial(build_causal_lm, tiny_config(kind, **(config or {}))), partial(lm_batches, steps), **kwargs)
 
 
+#: Pipeline cases: 4 decoder layers (Qwen3's layer types follow), 2 pipeline ranks, no TP.
+_DEEP = {"num_hidden_layers": 4}
+_DEEP_QWEN3 = {**_DEEP, "layer_types": ["full_attention"] * 4}
+_PP2 = {"tp_size": 1, "pp_size": 2}
+
 CASES: dict[str, Case] = {
     "qwen3_sgd": lm("qwen3", 5),
     "llama_sgd": lm("llama", 5),
@@ -599,6 +604,27 @@ CASES: dict[str, Case] = {
         lr=1e-2,
         strategy_kwargs={"compile": {"backend": "aot_eager"}},
     ),
+    # Pipeline parallelism (4 decoder layers): pp 2 with 1F1B (one stage per rank), Interleaved1F1B (two per rank: 4
+    # stages of one layer), GPipe over 4 micro-batches with foreach AdamW, clipping (the norm over both stages) and
+    # gradient accumulation, LoRA; on 4 ranks pp 2 x tp 2 and pp 2 x dp 2 (FSDP2 on each stage).
+    "llama_pp2": lm("llama", 4, config=_DEEP, strategy_kwargs=_PP2),
+    "qwen3_pp2_interleaved": lm("qwen3", 4, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "pp_stages_per_rank": 2}),
+    "llama_pp2_gpipe_adamw_clip_accumulate": lm(
+        "llama",
+        4,
+        config=_DEEP,
+        optimizer="adamw",
+        lr=1e-3,
+        opt_kwargs={"foreach": True},
+        clip=0.5,
+        accumulate=2,
+        strategy_kwargs={**_PP2, "pp_schedule": "GPipe", "pp_microbatches": 4},
+    ),
+    "qwen3_pp2_lora": Case(
+        partial(_lora, "qwen3", _DEEP_QWEN3), partial(lm_batches, 3), optimizer="adamw", lr=1e-2, strategy_kwargs=_PP2
+    ),
+    "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
+    "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
     # data-parallel ranks (tp 1: the experts' FSDP2 has one rank each; the router's load-balancing loss over the whole
     # batch), ep 2 over the TP group (the ranks share one batch and each sends half of it), LoRA on the attention.
@@ -760,6 +786,9 @@ TWO_D_CASES = [
     "qwen3_cp2_dp2",
     # torch.compile in 2-D.
     "qwen3_compile_activation_checkpointing",
+    # Pipeline parallelism with TP and with data parallelism.
+    "llama_pp2_tp2",
+    "qwen3_pp2_dp2",
     # Expert parallelism with TP and data parallelism.
     "qwen3_moe_ep2_tp2",
     "mixtral_ep4_tp2",
@@ -787,11 +816,16 @@ CP_2D_CASES = [name for name in CASES if "_cp2" in name and name in TWO_D_CASES]
 #: Expert parallelism on 2 processes and on 4: checked in test_expert_parallel.py.
 EP_CASES = [name for name in CASES if "_ep" in name and name not in TWO_D_CASES]
 EP_2D_CASES = [name for name in CASES if "_ep" in name and name in TWO_D_CASES]
+#: Pipeline parallelism on 2 processes and on 4: checked in test_pipeline.py.
+PP_CASES = [name for name in CASES if "_pp2" in name and name not in TWO_D_CASES]
+PP_2D_CASES = [name for name in CASES if "_pp2" in name and name in TWO_D_CASES]
 TP_PARITY_CASES = [
     name
     for name in CASES
     if name
     not in DP_ONLY_CASES
+    | set(PP_CASES)
+    | set(PP_2D_CASES)
     | FSDP_ONLY_CASES
     | TP4_CASES
     | set(CP_CASES)
@@ -801,6 +835,7 @@ TP_PARITY_CASES = [
 ]
 TP_CASES = [
     *TP_PARITY_CASES,
+    *PP_CASES,
     *CP_CASES,
     *EP_CASES,
     *FSDP_ONLY_CASES,

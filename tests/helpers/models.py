@@ -421,7 +421,10 @@ def tied_embeddings(model: nn.Module) -> bool | None:
     """Whether the output embedding is the input embedding (one parameter); None for a model without embeddings."""
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         return None
-    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or embedding is None:  # a rank of a pipeline holds one of them at most
+        return False
+    return output.weight is embedding.weight
 
 
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
@@ -611,7 +614,8 @@ class ParityModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.grad_norms.append(grad_norm(self.parameters()).item())
+        pp_group = getattr(self._trainer.strategy, "pp_group", None) if self._trainer is not None else None
+        self.grad_norms.append(grad_norm(self.parameters(), pp_group=pp_group).item())
         from torch.distributed.tensor import DTensor
 
         # Each gradient is laid out as its parameter (a replicated gradient of a sharded weight wastes memory).
@@ -642,6 +646,17 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from lightning_tp.parallel.gather import whole_tensor
 
     return {k: whole_tensor(v, keep=True).clone() for k, v in model.state_dict().items()}
+
+
+def pipeline_state(model: nn.Module, pp_group: Any | None) -> dict[str, torch.Tensor]:
+    """:func:`full_state` of a model whose stages are spread over ``pp_group`` (each rank holds its own): every
+    stage's tensors, on every rank. ``None``: the model's own."""
+    state = full_state(model)
+    if pp_group is None:
+        return state
+    states: list[Any] = [None] * torch.distributed.get_world_size(pp_group)
+    torch.distributed.all_gather_object(states, state, group=pp_group)
+    return {key: value for part in states for key, value in part.items()}
 
 
 def reference_run(

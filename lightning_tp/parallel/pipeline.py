@@ -1,0 +1,593 @@
+"""Pipeline parallelism: a Transformers causal LM cut into stages along its ``base_model_pp_plan``, run by torch's
+schedules (``torch.distributed.pipelining``) inside the model's own ``forward``.
+
+The split: the first stage holds the input embedding, the last the final norm and the causal LM's head, and the
+decoder layers are shared between the stages in order, balanced by parameters with the embedding and the head each
+counted as one average layer (so the first and last stages get fewer layers, as torchtitan weighs them); or as the
+user gives them (``pp_split``). Each rank keeps only its stages' modules, in place and under their own names: the
+others are set to ``None`` in their parents, so state dicts, checkpoints (DCP reshards them across pipeline sizes) and
+exports hold the original keys.
+
+A stage runs the model's own forward, so that what its layers need from the whole model (rotary embeddings, causal
+masks, position ids) is computed on the stage, the way the model computes it: the layers the stage does not hold are
+stood in for by :class:`_StandIn` modules for the call (the one before the stage's first layer hands it the
+activation received from the previous stage; the one after its last layer stops the forward and returns that layer's
+output), and a stage without the embedding passes zeros as ``inputs_embeds`` of the right shape.
+
+``model(**batch)`` on the pipelined model runs the whole schedule, forward and backward, over the batch's
+micro-batches and returns the step's loss on every rank of the pipeline: the micro-batches' summed token losses
+divided by the batch's labelled tokens, which is one process's loss of the whole batch, so a ``training_step``
+returning ``model(**batch).loss`` is unchanged. In eval mode or under ``torch.no_grad()`` a forward-only schedule
+runs.
+
+The loss's ``backward()`` does one thing: Lightning zeroes the gradients between ``training_step`` and the backward
+of its loss, so the gradients the schedule computed are taken off the parameters when it ends and given back (added to
+``.grad``) by that backward.
+
+May import: ``compat``, ``layout``, ``plans``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: The attribute that holds a pipelined model's :class:`PipelineRunner`.
+RUNNER_ATTR = "_lightning_tp_pipeline"
+
+#: The default schedule by stages per rank: 1F1B for one (the least activation memory of torch's single-stage
+#: schedules), its interleaved form for more (a bubble ``V`` times smaller).
+DEFAULT_SCHEDULES = {1: "1F1B", 2: "Interleaved1F1B"}
+
+#: Schedules whose rank ``r`` of ``p`` holds stages ``r`` and ``2p - 1 - r`` (a "V"), not ``r, r + p, ...``.
+_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+#: Keyword arguments of ``model(...)`` a pipelined model takes: split by micro-batch and given to every stage.
+_BATCH_KWARGS = ("attention_mask", "position_ids")
+
+
+def schedule_class(name: str) -> type:
+    """torch's schedule class of ``name`` (case-insensitive: ``"1F1B"``, ``"Interleaved1F1B"``, ``"GPipe"``,
+    ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        return get_schedule_class(name)
+    except ValueError as error:
+        raise ValueError(f"`pp_schedule={name!r}`: {error}.") from None
+
+
+def is_single_stage_schedule(cls: type) -> bool:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return issubclass(cls, PipelineScheduleSingle)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a model is cut: ``layers[s]`` are the decoder-layer indices of stage ``s``; the paths name the embedding,
+    the layer list and the final norm inside the model (from ``base_model_pp_plan``) and the head's modules (the
+    causal LM's own children that hold parameters, e.g. ``lm_head``)."""
+
+    layers: tuple[range, ...]
+    embedding: str
+    layer_list: str
+    norm: str
+    head: tuple[str, ...]
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    def stages_of(self, pp_rank: int, pp_size: int) -> tuple[int, ...]:
+        """The stage indices rank ``pp_rank`` holds, in order."""
+        if self.schedule.lower() in (name.lower() for name in _V_SCHEDULES):
+            return (pp_rank, 2 * pp_size - 1 - pp_rank)
+        return tuple(pp_rank + k * pp_size for k in range(self.stages_per_rank))
+
+    def modules_of(self, stage: int) -> list[str]:
+        """The paths of the modules stage ``stage`` holds."""
+        names = [f"{self.layer_list}.{i}" for i in self.layers[stage]]
+        if stage == 0:
+            names.insert(0, self.embedding)
+        if stage == self.num_stages - 1:
+            names += [self.norm, *self.head]
+        return names
+
+
+def pipeline_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be pipelined (the end of a sentence), or ``None``."""
+    config = getattr(model, "config", None)
+    base_name = getattr(model, "base_model_prefix", None)
+    base = getattr(model, base_name, None) if base_name else None
+    pp_plan = getattr(config, "base_model_pp_plan", None)
+    if base is None or not pp_plan:
+        return (
+            f"{type(model).__name__} has no `config.base_model_pp_plan` (Transformers' split of a causal LM into "
+            "embeddings, decoder layers and norm), so there are no stages to cut it into. Use pp_size=1"
+        )
+    names = list(pp_plan)
+    if len(names) != 3 or not isinstance(getattr(base, names[1], None), nn.ModuleList):
+        return (
+            f"{type(model).__name__}'s `base_model_pp_plan` names {names}; pipeline parallelism cuts plans of an "
+            "embedding, a list of decoder layers and a final norm only. Use pp_size=1"
+        )
+    held = set(names)
+    others = [
+        name for name, child in base.named_children() if name not in held and any(True for _ in child.parameters())
+    ]
+    if others:
+        return (
+            f"{type(model).__name__}.{base_name} holds parameters outside its `base_model_pp_plan` ({others}), which "
+            "no stage would compute. Use pp_size=1"
+        )
+    if getattr(config, "tie_word_embeddings", False) and _head_shares_embedding(model, base, names[0]):
+        return (
+            f"{type(model).__name__} ties its output head to its input embedding (`tie_word_embeddings=True`), which "
+            "the first and last stages would both need. Untie them (`config.tie_word_embeddings=False` before "
+            "building, which gives the head its own copy) or use pp_size=1"
+        )
+    if getattr(config, "output_router_logits", False):
+        return (
+            f"{type(model).__name__} adds its routers' load-balancing loss (`output_router_logits=True`), which "
+            "would have to be gathered from every stage. Set `config.output_router_logits=False` or use pp_size=1"
+        )
+    return None
+
+
+def _head_shares_embedding(model: nn.Module, base: nn.Module, embedding: str) -> bool:
+    weight = getattr(getattr(base, embedding, None), "weight", None)
+    return any(
+        p is weight
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not name.startswith(f"{model.base_model_prefix}.")
+    )
+
+
+def resolve_pipeline_plan(
+    model: nn.Module,
+    *,
+    pp_size: int,
+    schedule: str | None,
+    microbatches: int | None,
+    stages_per_rank: int,
+    split: Sequence[int] | None,
+) -> PipelinePlan:
+    """The stages of ``model`` (which passed :func:`pipeline_problem`), checked before anything moves."""
+    base_name = model.base_model_prefix
+    base = getattr(model, base_name)
+    embedding, layer_list, norm = list(model.config.base_model_pp_plan)
+    layers: nn.ModuleList = getattr(base, layer_list)
+    name = schedule or DEFAULT_SCHEDULES.get(stages_per_rank, "Interleaved1F1B")
+    cls = schedule_class(name)
+    single = is_single_stage_schedule(cls)
+    if single and stages_per_rank != 1:
+        raise ValueError(
+            f"`pp_schedule={name!r}` runs one stage per rank, but pp_stages_per_rank={stages_per_rank}. Use an "
+            "interleaved schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) or "
+            "pp_stages_per_rank=1."
+        )
+    if name.lower() in (n.lower() for n in _V_SCHEDULES) and stages_per_rank != 2:
+        raise ValueError(
+            f"`pp_schedule={name!r}` places two stages on each rank (a V); use pp_stages_per_rank=2 with it."
+        )
+    if not single and stages_per_rank == 1 and name.lower() not in ("loopedbfs", "interleaved1f1b"):
+        raise ValueError(f"`pp_schedule={name!r}` needs several stages per rank; use pp_stages_per_rank=2 with it.")
+    num_stages = pp_size * stages_per_rank
+    microbatches = num_stages if microbatches is None else microbatches
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"`pp_microbatches` must be a positive integer or None, got {microbatches!r}.")
+    if not single and microbatches % pp_size:
+        raise ValueError(
+            f"`pp_schedule={name!r}` with {stages_per_rank} stages per rank needs a number of micro-batches divisible "
+            f"by pp_size={pp_size}, got pp_microbatches={microbatches}."
+        )
+    count = len(layers)
+    if count < num_stages:
+        raise ValueError(
+            f"{type(model).__name__} has {count} decoder layers, fewer than its {num_stages} pipeline stages "
+            f"(pp_size={pp_size} x pp_stages_per_rank={stages_per_rank}). Use fewer stages."
+        )
+    if split is not None:
+        split = list(split)
+        if len(split) != num_stages or sum(split) != count or min(split) < 1:
+            raise ValueError(
+                f"`pp_split={split}` must give each of the {num_stages} stages at least one decoder layer and add up "
+                f"to the model's {count} layers."
+            )
+        sizes = split
+    else:
+        per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        sizes = balanced_split(per_layer, num_stages)
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    head = tuple(
+        name for name, child in model.named_children() if name != base_name and any(True for _ in child.parameters())
+    )
+    return PipelinePlan(
+        layers=tuple(range(start, start + size) for start, size in zip(starts, sizes, strict=True)),
+        embedding=f"{base_name}.{embedding}",
+        layer_list=f"{base_name}.{layer_list}",
+        norm=f"{base_name}.{norm}",
+        head=head,
+        schedule=cls.__name__.removeprefix("Schedule"),
+        microbatches=microbatches,
+        stages_per_rank=stages_per_rank,
+    )
+
+
+def balanced_split(per_layer: Sequence[int], num_stages: int) -> list[int]:
+    """Layers per stage, contiguous, at least one each, minimising the heaviest stage, where the first and the last
+    stage also carry one average layer's weight (the embedding, and the norm and head): torchtitan's default weights.
+    Ties go to the earlier cut."""
+    count = len(per_layer)
+    average = sum(per_layer) / count
+    prefix = [0.0]
+    for value in per_layer:
+        prefix.append(prefix[-1] + value)
+
+    def load(stage: int, start: int, end: int) -> float:
+        extra = (average if stage == 0 else 0.0) + (average if stage == num_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[s][i]: the least possible heaviest load of stages s.. over layers i..
+    inf = math.inf
+    best = [[inf] * (count + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (count + 1) for _ in range(num_stages + 1)]
+    best[num_stages][count] = 0.0
+    for stage in range(num_stages - 1, -1, -1):
+        for start in range(count - 1, -1, -1):
+            for end in range(start + 1, count - (num_stages - stage - 1) + 1):
+                value = max(load(stage, start, end), best[stage + 1][end])
+                if value < best[stage][start] - 1e-9:
+                    best[stage][start], cut[stage][start] = value, end
+    sizes, start = [], 0
+    for stage in range(num_stages):
+        end = cut[stage][start]
+        sizes.append(end - start)
+        start = end
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Keeping a rank's stages
+
+
+def keep_stages(model: nn.Module, plan: PipelinePlan, stages: Sequence[int]) -> None:
+    """Set every module that none of ``stages`` holds to ``None`` in its parent, so this rank keeps (and later
+    shards, materialises and saves) only its stages' modules, under their own names."""
+    held = {name for stage in stages for name in plan.modules_of(stage)}
+    everything = set(plan.modules_of(0)) | {n for s in range(plan.num_stages) for n in plan.modules_of(s)}
+    for name in sorted(everything - held):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        parent._modules[child] = None  # keeps the slot (and the other layers' indices), unlike `del`
+
+
+class _StageDone(Exception):  # noqa: N818 (control flow, not an error)
+    """Raised by the stand-in after a stage's last layer: carries that layer's output out of the model's forward."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+class _StandIn(nn.Module):
+    """A layer this stage does not hold, for one call: ``pass`` returns its input, ``inject`` the activation received
+    from the previous stage (it stands just before the stage's first layer), ``stop`` ends the forward with its input
+    (just after the stage's last layer)."""
+
+    def __init__(self, role: str, received: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.role, self.received = role, received
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if self.role == "inject":
+            return self.received
+        if self.role == "stop":
+            raise _StageDone(hidden)
+        return hidden
+
+
+class PipelineStageModule(nn.Module):
+    """One stage of a pipelined model, the module torch's ``PipelineStage`` runs: ``forward(x, **batch_kwargs)``
+    takes the stage's input (the micro-batch's ``input_ids`` on the first stage, the previous stage's activation on the
+    others) and returns the next stage's input, or the logits on the last stage. Its parameters are the stage's own
+    (registered here too, for FSDP2 and the zero-bubble schedules' weight gradients); the model keeps them under their
+    own names."""
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, stage: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a child: the model's names stay its own
+        self.stage, self.plan = stage, plan
+        self.is_first, self.is_last = stage == 0, stage == plan.num_stages - 1
+        self.parts = nn.ModuleDict(
+            {name.replace(".", "__"): model.get_submodule(name) for name in plan.modules_of(stage)}
+        )
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        model, plan = self.model, self.plan
+        layers = model.get_submodule(plan.layer_list)
+        held = plan.layers[self.stage]
+        saved = dict(layers._modules)
+        for index in range(len(saved)):
+            if index in held:
+                continue
+            role = "pass"
+            if index == held.start - 1:
+                role = "inject"
+            elif index == held.stop and not self.is_last:
+                role = "stop"
+            layers._modules[str(index)] = _StandIn(role, x if role == "inject" else None)
+        if self.is_first:
+            inputs = {"input_ids": x}
+        else:
+            inputs = {"inputs_embeds": torch.zeros(x.shape, dtype=x.dtype, device=x.device)}
+        try:
+            if self.is_last:
+                # The causal LM's own forward (its class's: the instance's runs the pipeline) gives the logits as one
+                # process computes them (scaling, soft-capping).
+                return type(model).forward(model, **inputs, **kwargs).logits
+            base = model.get_submodule(plan.layer_list.rpartition(".")[0])
+            base(**inputs, **kwargs)
+        except _StageDone as done:
+            return done.hidden
+        finally:
+            layers._modules.clear()
+            layers._modules.update(saved)
+        raise AssertionError(f"stage {self.stage} ran past its last layer")  # the stand-in after it stops the call
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running the schedule inside `model(...)`
+
+
+class PipelineOutput:
+    """What a pipelined model returns: ``loss``, the same on every rank. The logits and other outputs exist only on
+    the last stage, inside the schedule: reading them raises."""
+
+    def __init__(self, loss: torch.Tensor | None) -> None:
+        self.loss = loss
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"A pipelined model's output has no `{name}`: with pp_size > 1 the logits exist only on the last stage, "
+            "inside the schedule, and `model(...)` returns the step's `loss` only. Compute what needs them in a "
+            "pipeline loss (`lightning_tp.set_pipeline_loss(model, fn)`: fn(logits, labels, num_items) on the last "
+            "stage), or export the model and run it with pp_size=1."
+        )
+
+
+#: ``fn(logits, labels, *, num_items_in_batch)`` -> the micro-batch's share of the step's loss.
+PipelineLoss = Callable[..., torch.Tensor]
+
+
+def set_pipeline_loss(model: nn.Module, loss: PipelineLoss | None) -> None:
+    """Replace the loss a pipelined ``model`` computes on its last stage: ``loss(logits, labels, *,
+    num_items_in_batch)`` for one micro-batch, where ``num_items_in_batch`` is the number of labelled tokens in the
+    whole batch (the micro-batches' results are summed, so return a sum divided by it for a mean over the batch).
+    ``None`` restores the model's own loss (``model.loss_function``)."""
+    runner = getattr(model, RUNNER_ATTR, None)
+    if runner is None:
+        raise ValueError(
+            f"{type(model).__name__} is not pipelined: `set_pipeline_loss` applies to models parallelised with "
+            "pp_size > 1 (call it after the strategy's setup, e.g. in `on_fit_start`)."
+        )
+    runner.custom_loss = loss
+
+
+class PipelineRunner:
+    """Builds the stages and schedules of one pipelined model (once per micro-batch shape and mode: torch's stages
+    fix their buffers' shapes at the first step) and runs them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: PipelinePlan,
+        *,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        stages: list[nn.Module],
+    ) -> None:
+        self.model, self.plan, self.pp_mesh, self.device = model, plan, pp_mesh, device
+        self.stage_modules = stages
+        self.custom_loss: PipelineLoss | None = None
+        self._num_items: torch.Tensor | None = None
+        self._schedules: dict[tuple, Any] = {}
+        self._to_stash: dict[nn.Parameter, torch.Tensor] | None = None
+        self._held: dict[nn.Parameter, torch.Tensor] = {}
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.custom_loss is not None:
+            return self.custom_loss(logits, labels, num_items_in_batch=self._num_items)
+        return self.model.loss_function(
+            logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=self._num_items
+        )
+
+    def _schedule(self, key: tuple, training: bool) -> Any:
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            cls = schedule_class(self.plan.schedule)
+            group = self.pp_mesh.get_group()
+            stages = [
+                PipelineStage(module, module.stage, self.plan.num_stages, self.device, group=group)
+                for module in self.stage_modules
+            ]
+            # The loss is a sum over micro-batches, each divided by the batch's labelled tokens: no scaling after.
+            kwargs = dict(n_microbatches=self.plan.microbatches, loss_fn=self._loss, scale_grads=False)
+            schedule = cls(stages[0], **kwargs) if is_single_stage_schedule(cls) else cls(stages, **kwargs)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None, **kwargs: Any) -> PipelineOutput:
+        rows = input_ids.shape[0]
+        if rows % self.plan.microbatches:
+            raise ValueError(
+                f"The batch has {rows} rows, not divisible by pp_microbatches={self.plan.microbatches}: each "
+                "micro-batch of the pipeline takes the same number of rows. Use a batch size divisible by it."
+            )
+        training = self.model.training and torch.is_grad_enabled()
+        if labels is None:
+            raise ValueError(
+                "A pipelined model computes its loss on the last stage and returns only that: pass `labels`. For "
+                "predictions, export the model (`lightning_tp.export`) and run it with pp_size=1."
+            )
+        self._num_items = labelled_tokens(labels).to(self.device)
+        key = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())), training)
+        schedule = self._schedule(key, training)
+        losses: list[torch.Tensor] = []
+        first = any(m.is_first for m in self.stage_modules)
+        args = (input_ids.to(self.device),) if first else ()
+        kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
+        target = labels.to(self.device)
+        if training:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        else:
+            with torch.no_grad():
+                schedule.eval(*args, target=target, losses=losses, **kwargs)
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else None
+        value = torch.zeros((), device=self.device) if total is None else total.to(self.device)
+        # The loss lives on the last stage: every rank of the pipeline gets it (a sum, the others adding zeros).
+        dist.all_reduce(value, group=self.pp_mesh.get_group())
+        if not training:
+            return PipelineOutput(value)
+        self._to_stash = stash = {}
+        return PipelineOutput(_StashedGradients.apply(value.requires_grad_(True), stash))
+
+    def _stage_parameters(self) -> list[nn.Parameter]:
+        return [param for module in self.stage_modules for param in module.parameters()]
+
+    def hold_gradients(self) -> None:
+        """Take the gradients the parameters hold already (an earlier micro-batch's of an accumulation, or a step's
+        that Lightning has not zeroed yet) off them before the schedule runs, so that it computes this call's alone.
+        A forward pre-hook of the model, before this package's other hooks (see :meth:`stash_gradients`)."""
+        self._held = {}
+        for param in self._stage_parameters():
+            if param.grad is not None:
+                self._held[param], param.grad = param.grad, None
+
+    def stash_gradients(self) -> None:
+        """Move the gradients the schedule computed into the stash of the loss it returned, and give the parameters
+        back those :meth:`hold_gradients` took: Lightning zeroes the gradients between ``training_step`` and the
+        backward of its loss, and that backward adds the stash to them. A forward hook of the model, run once its
+        call has ended: during it, hooks of this package may show the layers views of their parameters (see
+        ``run_on_parameter_views``), not the parameters."""
+        stash, self._to_stash = self._to_stash, None
+        held, self._held = self._held, {}
+        for param in self._stage_parameters():
+            if stash is not None and param.grad is not None:
+                stash[param] = param.grad
+            param.grad = held.get(param, param.grad if stash is None else None)
+
+
+class _StashedGradients(torch.autograd.Function):
+    """The step's loss; its backward adds the gradients the schedule computed (and stashed), times the loss's
+    incoming gradient, to the parameters' (``.grad``, as a backward would accumulate them), so that ``loss.backward()`` behaves as without a pipeline:
+    after Lightning's ``zero_grad``, under gradient accumulation, in ``manual_backward``."""
+
+    @staticmethod
+    def forward(ctx, loss, stash):  # type: ignore[override]
+        ctx.stash = stash
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        stash, ctx.stash = ctx.stash, {}
+        with torch.no_grad():
+            for param, value in stash.items():
+                # The loss may have been scaled on its way (Lightning divides it by `accumulate_grad_batches`).
+                scaled = value if bool(grad == 1) else value * grad.to(value.dtype)
+                param.grad = scaled if param.grad is None else param.grad + scaled
+        return None, None
+
+
+def labelled_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The tokens a causal LM's loss counts in ``labels``: those whose next-token label is not ``ignore_index``
+    (Transformers' ``ForCausalLMLoss`` shifts the labels by one)."""
+    return (labels[..., 1:] != ignore_index).sum()
+
+
+def pipelined_forward(runner: PipelineRunner) -> Callable[..., PipelineOutput]:
+    """The forward a pipelined model gets: ``model(input_ids=..., labels=..., attention_mask=..., position_ids=...)``
+    runs the schedule."""
+
+    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        other = sorted(k for k, v in kwargs.items() if k not in _BATCH_KWARGS and v is not None)
+        if input_ids is None or other:
+            given = other if input_ids is not None else ["input_ids (missing)", *other]
+            raise ValueError(
+                f"A pipelined model takes `input_ids`, `labels` and {', '.join(_BATCH_KWARGS)}; got {given}. Pass "
+                "those only, or use pp_size=1."
+            )
+        batch = {k: v for k, v in kwargs.items() if v is not None}
+        return runner.run(input_ids, labels, **batch)
+
+    return forward
+
+
+def install_pipeline(
+    model: nn.Module, plan: PipelinePlan, *, pp_mesh: DeviceMesh, device: torch.device
+) -> list[PipelineStageModule]:
+    """Keep this rank's stages of ``model`` and make ``model(...)`` run the schedule; returns the stage modules
+    (FSDP2 roots of their own under data parallelism)."""
+    stages = plan.stages_of(pp_mesh.get_local_rank(), pp_mesh.size())
+    keep_stages(model, plan, stages)
+    modules = [PipelineStageModule(model, plan, stage) for stage in stages]
+    runner = PipelineRunner(model, plan, pp_mesh=pp_mesh, device=device, stages=modules)
+    setattr(model, RUNNER_ATTR, runner)
+    # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's.
+    model.forward = pipelined_forward(runner)
+    # Before and after the hooks the later stages register (their parameter views): see `hold_gradients`.
+    model.register_forward_pre_hook(lambda *_: runner.hold_gradients())
+    model.register_forward_hook(lambda *_: runner.stash_gradients(), always_call=True)
+    refuse_generate(model)
+    return modules
+
+
+def stage_modules_of(model: nn.Module) -> list[PipelineStageModule]:
+    runner = getattr(model, RUNNER_ATTR, None)
+    return list(runner.stage_modules) if runner is not None else []
+
+
+def refuse_generate(model: nn.Module) -> None:
+    """``generate`` on a pipelined model raises, saying what to do instead."""
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"`generate` is not supported on a pipelined {type(model).__name__} (pp_size > 1): each rank holds only "
+            "its stages. Export the model (`lightning_tp.export` or `save_pretrained`) and generate with pp_size=1."
+        )
+
+    model.generate = generate
+
+
+__all__ = [
+    "PipelineOutput",
+    "PipelinePlan",
+    "PipelineStageModule",
+    "balanced_split",
+    "install_pipeline",
+    "labelled_tokens",
+    "pipeline_problem",
+    "resolve_pipeline_plan",
+    "set_pipeline_loss",
+    "stage_modules_of",
+]
