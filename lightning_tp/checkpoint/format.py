@@ -31,3 +31,11 @@ CHECKPOINT_FILE = re.compile(rf"(__\d+)?{re.escape(DCP_INDEX)}(\.tmp)?|{re.escap
 #: Written last into a checkpoint directory at a URL (``lightning_tp.checkpoint.remote``); without it the directory
 #: is not a checkpoint.
 COMMIT_MARKER = ".lightning_tp_complete"
+
+
+def flat_optimizer_state(pp_size: int) -> bool:
+    """Whether a checkpoint's optimizer state is written flat (``StateDictOptions(flatten_optimizer_state_dict=True)``:
+    each parameter's hyperparameters under its own key): under pipeline parallelism, where the ranks hold different
+    parameters and DCP keeps a non-tensor entry (the nested ``param_groups``) from one rank only. A checkpoint records
+    its ``pp`` size in its layout (``layout_sizes``), so a load reads either form."""
+    return pp_size > 1

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_tp.checkpoint import remote
 from lightning_tp.checkpoint.dcp_layouts import dcp_layouts, misplaced_by_dcp, restore_layouts
-from lightning_tp.checkpoint.format import META_FILENAME, MODELS_KEY, RNG_KEY
+from lightning_tp.checkpoint.format import META_FILENAME, MODELS_KEY, RNG_KEY, flat_optimizer_state
 from lightning_tp.checkpoint.publish import (
     clear_partial,
     is_main,
@@ -50,6 +50,7 @@ from lightning_tp.checkpoint.validation import (
 )
 from lightning_tp.compat import cut_strided_shards_when_distributing, distributed_is_initialized
 from lightning_tp.layout import ParallelLayout
+from lightning_tp.parallel.pipeline import other_stages_modules
 from lightning_tp.plans.discovery import describe_models
 
 T = TypeVar("T")
@@ -87,13 +88,15 @@ def decide_on_main(decide: Callable[[], T], *, what: str | Path) -> T:
 
 
 def layout_sizes(layout: ParallelLayout) -> dict[str, int]:
-    """The sizes a checkpoint records (``cp`` and ``ep`` only when above 1: checkpoints written before they existed
-    compare equal)."""
+    """The sizes a checkpoint records (``cp``, ``ep`` and ``pp`` only when above 1: checkpoints written before they
+    existed compare equal)."""
     sizes = {"tp": layout.tp_size, "dp_shard": layout.dp_shard_size, "dp_replicate": layout.dp_replicate_size}
     if layout.cp_size > 1:
         sizes["cp"] = layout.cp_size
     if layout.ep_size > 1:
         sizes["ep"] = layout.ep_size
+    if layout.pp_size > 1:
+        sizes["pp"] = layout.pp_size
     return sizes
 
 
@@ -271,6 +274,12 @@ def _load_file(
 ) -> dict[str, Any]:
     from lightning_tp.compat import load_checkpoint as load_full_checkpoint
 
+    if any(other_stages_modules(module) for module in modules.values()):
+        raise ValueError(
+            f"{shown} is a single-file checkpoint, which rank 0 broadcasts tensor by tensor; the ranks of a pipeline "
+            "(pp_size > 1) hold different stages and cannot follow one broadcast. Resume it with pp_size=1 and save a "
+            "distributed checkpoint (`save_distributed_checkpoint=True`, the default), which loads on any pp size."
+        )
     # torch's full-state loader misplaces what DCP misplaces (see `dcp_layouts`); those tensors are cut right.
     cut_strided_shards_when_distributing(misplaced_by_dcp)
     # Refused objects raise the same error on every rank, before any collective.
@@ -328,20 +337,23 @@ def _load_distributed(
             strict=strict,
             path=path,
             prefix=f"{key}.",
+            elsewhere=other_stages_modules(module),
         )
         wanted = {name: template[name] for name in names}
         state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)
         module.load_state_dict(restore_layouts(state[key], wanted), strict=False)  # completeness was checked above
+    saved_pp = metadata.get(RNG_KEY, {}).get("layout", {}).get("pp", 1)
+    flat = flat_optimizer_state(saved_pp)
     for key, optimizer in optimizers.items():
-        wanted = get_optimizer_state_dict(model, optimizer)
+        wanted = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
         state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)
         set_optimizer_state_dict(
             model,
             optimizer,
             optim_state_dict=restore_layouts(state[key], wanted),
-            options=StateDictOptions(cpu_offload=True),
+            options=StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=flat),
         )
     return metadata
 

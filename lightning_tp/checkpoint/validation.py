@@ -111,10 +111,12 @@ def match_model_state(
     strict: bool,
     path: Path,
     prefix: str = f"{MODEL_KEY}.",
+    elsewhere: tuple[str, ...] = (),
 ) -> list[str]:
     """The model keys to load from ``stored``. Frozen parameters the checkpoint left out (``save_frozen_weights=False``)
     are skipped: they come from where the model was loaded. A missing trainable key, a key the model lacks (with
-    ``strict``) or a shape that differs raises, naming the keys."""
+    ``strict``; except those of the modules in ``elsewhere``, which other stages of a pipeline hold) or a shape that
+    differs raises, naming the keys."""
     missing = [k for k in template if prefix + k not in stored and k not in frozen]
     if missing:
         raise ValueError(
@@ -123,7 +125,12 @@ def match_model_state(
         )
     if strict:
         model_keys = {prefix + k for k in template}
-        extra = [k[len(prefix) :] for k in stored if k.startswith(prefix) and k not in model_keys]
+        other_stages = tuple(f"{prefix}{module}." for module in elsewhere)
+        extra = [
+            k[len(prefix) :]
+            for k in stored
+            if k.startswith(prefix) and k not in model_keys and not k.startswith(other_stages)
+        ]
         if extra:
             raise ValueError(
                 f"The checkpoint {path} holds {len(extra)} weight(s) this model does not have, e.g. {extra[:3]}. Load "

@@ -500,8 +500,9 @@ class PipelineRunner:
 
 class _StashedGradients(torch.autograd.Function):
     """The step's loss; its backward adds the gradients the schedule computed (and stashed), times the loss's
-    incoming gradient, to the parameters' (``.grad``, as a backward would accumulate them), so that ``loss.backward()`` behaves as without a pipeline:
-    after Lightning's ``zero_grad``, under gradient accumulation, in ``manual_backward``."""
+    incoming gradient, to the parameters' (``.grad``, as a backward would accumulate them), so that
+    ``loss.backward()`` behaves as without a pipeline: after Lightning's ``zero_grad``, under gradient accumulation,
+    in ``manual_backward``."""
 
     @staticmethod
     def forward(ctx, loss, stash):  # type: ignore[override]
@@ -562,6 +563,20 @@ def install_pipeline(
     return modules
 
 
+def other_stages_modules(root: nn.Module) -> tuple[str, ...]:
+    """The paths (in ``root``) of the modules that other ranks of this rank's pipelines hold: a checkpoint of the whole
+    model holds their weights, which this rank neither has nor loads."""
+    paths = []
+    for path, module in root.named_modules():
+        runner = getattr(module, RUNNER_ATTR, None)
+        if runner is None:
+            continue
+        held = {name for stage in runner.stage_modules for name in runner.plan.modules_of(stage.stage)}
+        every = {name for stage in range(runner.plan.num_stages) for name in runner.plan.modules_of(stage)}
+        paths += [f"{path}.{name}" if path else name for name in sorted(every - held)]
+    return tuple(paths)
+
+
 def stage_modules_of(model: nn.Module) -> list[PipelineStageModule]:
     runner = getattr(model, RUNNER_ATTR, None)
     return list(runner.stage_modules) if runner is not None else []
@@ -586,6 +601,7 @@ __all__ = [
     "balanced_split",
     "install_pipeline",
     "labelled_tokens",
+    "other_stages_modules",
     "pipeline_problem",
     "resolve_pipeline_plan",
     "set_pipeline_loss",

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tp.checkpoint import state as checkpoint_io
-from lightning_tp.checkpoint.format import MODEL_KEY
+from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
 from lightning_tp.compat import (
     BackwardSyncControl,
     all_gather_ddp_if_available,
@@ -292,6 +292,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             full_state_dict=not self._save_distributed_checkpoint,
             cpu_offload=True,
             ignore_frozen_params=not self.options.save_frozen_weights,
+            flatten_optimizer_state_dict=flat_optimizer_state(self.layout.pp_size),
         )
         checkpoint: dict[str, Any] = {
             key: (value.state_dict() if _is_stateful(value) else value)

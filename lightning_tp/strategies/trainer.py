@@ -17,10 +17,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tp.checkpoint import state as checkpoint_io
-from lightning_tp.checkpoint.format import MODEL_KEY
+from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
 from lightning_tp.checkpoint.rng_state import set_rng_state
 from lightning_tp.compat import (
     all_gather_ddp_if_available,
@@ -300,6 +301,19 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         )
         assert self.model is not None
         return get_model_state_dict(self.model, options=options)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Lightning's, flat under pipeline parallelism (see
+        :func:`lightning_tp.checkpoint.format.flat_optimizer_state`)."""
+        if not flat_optimizer_state(self.layout.pp_size):
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.model is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        options = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     @override
     def save_checkpoint(

@@ -7,7 +7,7 @@ Usage: checkpoint_worker.py OUT_DIR --label LABEL [--from CHECKPOINT] [--truncat
 Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout`` (exact resume mid-epoch, URLs
 on disk), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
 ``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves), ``vlm`` (LLaVA: resume,
-export), ``cp`` (cp 2 -> TP 2, 1 -> cp 2) and ``mixers:KIND`` (a family whose mixers TP 2 splits by heads: exact
+export), ``cp`` (cp 2 -> TP 2, 1 -> cp 2), ``pp`` (pp 2 -> pp 2, TP 2; 1 -> pp 2) and ``mixers:KIND`` (a family whose mixers TP 2 splits by heads: exact
 resume, save_pretrained); ``crash`` (2 processes: a save killed midway; the launch fails on purpose); ``one`` (1
 process: TP 2 -> 1, cp 2 -> 1; ``one:KIND``: TP 2 -> 1 for those families); ``2d`` (4 processes: TP 2 -> 2-D, and a
 truncated checkpoint), ``tp4`` and ``cp_2d`` (TP 2 -> cp 2 x tp 2).
@@ -201,6 +201,30 @@ def context_parallel(ctx: Context) -> dict[str, Any]:
         "cp_logits": probe_logits(module.model),  # a forward without labels: the whole sequence's logits
         "cp_to_tp2": resumed_losses(out / "cp2_epoch0", stateful_data=False),
         "single_to_cp": resumed_losses(ctx.source, cp_size=2, tp_size=1, stateful_data=False),
+    }
+
+
+@SCENARIOS.register("pp")
+def pipeline_parallel(ctx: Context) -> dict[str, Any]:
+    """Pipeline parallelism across layouts: pp 2 (one decoder layer per stage) trains and checkpoints at the end of
+    epoch 0, which resumes on pp 2, on TP 2 (pp 1) and on one process (``one@``); a TP 2 run's epoch-0 checkpoint
+    resumes on pp 2. A single-file checkpoint (``--from``) is refused on pp 2 by name, on every rank."""
+    assert ctx.source is not None, "pp needs --from (a single-file checkpoint)"
+    out = ctx.out
+    module = ResumeModule(stateful_data=False)
+    fit(module, pp_size=2, tp_size=1, callbacks=[SaveAt(epochs={0: out / "pp2_epoch0"})])
+    fit(ResumeModule(stateful_data=False), callbacks=[SaveAt(epochs={0: out / "tp2_epoch0"})])
+    try:
+        resumed_losses(ctx.source, pp_size=2, tp_size=1, stateful_data=False)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "pp_uninterrupted": module.losses,
+        "pp_to_pp": resumed_losses(out / "pp2_epoch0", pp_size=2, tp_size=1, stateful_data=False),
+        "pp_to_tp2": resumed_losses(out / "pp2_epoch0", stateful_data=False),
+        "tp2_to_pp": resumed_losses(out / "tp2_epoch0", pp_size=2, tp_size=1, stateful_data=False),
+        "single_file_refused": refused,
     }
 
 

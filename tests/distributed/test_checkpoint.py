@@ -27,7 +27,7 @@ from tests.helpers.selection import selected_scenarios
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 #: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
 TP2_SCENARIOS = [
-    *["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "ep", "compiled"],
+    *["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "pp", "ep", "compiled"],
     *[f"mixers:{kind}" for kind in MIXER_KINDS],
 ]
 EXACT = 1e-6  # the same layout: the same operations, in the same order
@@ -85,7 +85,7 @@ def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("ckpt_tp2")
     scenarios = selected_scenarios(request.session.items, launch="ckpt_tp2", fixture="tp2", default=TP2_SCENARIOS)
     source = []
-    if {"from_single", "cp", "compiled"} & set(scenarios):  # the one-process checkpoint they resume from
+    if {"from_single", "cp", "pp", "compiled"} & set(scenarios):  # the one-process checkpoint they resume from
         source = ["--from", str(request.getfixturevalue("single")["checkpoint"])]
     if "ep" in scenarios:
         source += ["--from-moe", str(request.getfixturevalue("single_moe")["checkpoint"])]
@@ -159,6 +159,22 @@ def test_context_parallel_checkpoints_resume_across_cp_sizes(
     _assert_close(one_process["from_cp2"]["resumed"], single["resumed"], ACROSS)
     # Both ranks' logits of a forward without labels are the whole sequence's, and they agree.
     torch.testing.assert_close(tp2["ranks"][0]["cp_logits"], tp2["ranks"][1]["cp_logits"], atol=0, rtol=0)
+
+
+@pytest.mark.scenarios("ckpt_tp2", "pp")
+@pytest.mark.scenarios("ckpt_one", "from_pp2")
+def test_pipeline_checkpoints_resume_across_pp_sizes(
+    tp2: dict[str, Any], single: dict[str, Any], one_process: dict[str, Any]
+) -> None:
+    """pp 2 trains as one process does; its epoch-0 checkpoint resumes on pp 2, on TP 2 (pp 1) and on one process,
+    and a TP 2 checkpoint resumes on pp 2, each as one process resuming its own: each stage loads its own keys of a
+    checkpoint of any layout. A single-file checkpoint is refused on pp 2, naming what to do."""
+    for result in tp2["ranks"]:
+        _assert_close(result["pp_uninterrupted"], single["uninterrupted"], ACROSS)
+        for resumed in ("pp_to_pp", "pp_to_tp2", "tp2_to_pp"):
+            _assert_close(result[resumed], single["resumed"], ACROSS)
+        assert "single-file checkpoint" in result["single_file_refused"], result["single_file_refused"]
+    _assert_close(one_process["from_pp2"]["resumed"], single["resumed"], ACROSS)
 
 
 @pytest.mark.scenarios("ckpt_tp2", "compiled")
@@ -269,6 +285,7 @@ def four(crashed: Path, truncated: Path) -> list[dict[str, Any]]:
 ONE_PROCESS = {
     "from_tp2": "one",  # the killed TP 2 run's last whole checkpoint
     "from_cp2": "one",
+    "from_pp2": "one",
     "from_ep2": "one_moe",
     "from_tp4": "one",
     # The head-split mixers' mid-epoch TP 2 checkpoints (the `mixers:KIND` scenarios).
@@ -284,7 +301,10 @@ def _one_process_source(label: str, request: pytest.FixtureRequest) -> Path:
         return request.getfixturevalue("crashed") / "tp4_epoch0"
     if label.startswith("from_tp2:"):
         return request.getfixturevalue("tp2")["out"] / f"{label.split(':', 1)[1]}_mid"
-    return request.getfixturevalue("tp2")["out"] / {"from_cp2": "cp2_epoch0", "from_ep2": "ep2_epoch0"}[label]
+    return (
+        request.getfixturevalue("tp2")["out"]
+        / {"from_cp2": "cp2_epoch0", "from_pp2": "pp2_epoch0", "from_ep2": "ep2_epoch0"}[label]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from lightning_tp import TensorParallelStrategy
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
 from tests.helpers.launch import SCENARIO_SECONDS
 from tests.helpers.models import (
+    PP_PROBE,
     PROBE,
     ParityModule,
     full_state,
@@ -144,7 +145,9 @@ def run_case(ctx: Context, name: str) -> dict:
         rank_zero_log.removeHandler(handler)
     model = module.model
     adapter = {}
-    if "lora" in name and "_pp" not in name:  # saved the PEFT way on every rank; logits of the sharded model to compare a reload with
+    if (
+        "lora" in name and "_pp" not in name
+    ):  # saved the PEFT way on every rank; logits of the sharded model to compare a reload with
         model.save_pretrained(out / f"{name}_adapter")
         lightning_tp.save_merged(model, out / f"{name}_merged")
         model.eval()
@@ -188,6 +191,16 @@ def run_case(ctx: Context, name: str) -> dict:
         split["throughput"] = {
             k: float(v) for k, v in t.callback_metrics.items() if k.startswith(("tokens_per_sec", "step_time"))
         }
+    if "_pp2" in name:  # the stages each rank holds, its parameters, and a forward-only loss of the trained model
+        from lightning_tp.parallel.pipeline import stage_modules_of
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        split["stages"] = [stage.stage for stage in stage_modules_of(base)]
+        split["held"] = sorted(n for n, _ in model.named_parameters())
+        model.eval()
+        with torch.no_grad():
+            split["eval_loss"] = model(input_ids=PP_PROBE, labels=PP_PROBE).loss.item()
+        model.train()
     if "_ep" in name:  # what each rank holds of the experts, their last load, the model exported on every rank
         split["expert_numel"] = sum(
             p.to_local().numel() for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n

@@ -17,6 +17,8 @@ VOCAB = 96
 SEQ = 16
 #: A fixed batch of token ids for comparing logits (a sharded model against a reload on one process).
 PROBE = torch.arange(12).reshape(2, 6) % 90
+#: A labelled probe batch for pipelined models: 4 rows, for up to 4 micro-batches.
+PP_PROBE = (torch.arange(24).reshape(4, 6) * 7) % 90
 
 
 def tiny_config(kind: str, **overrides: Any):
@@ -419,12 +421,13 @@ def vlm_prompt(kind: str) -> dict[str, torch.Tensor]:
 
 def tied_embeddings(model: nn.Module) -> bool | None:
     """Whether the output embedding is the input embedding (one parameter); None for a model without embeddings."""
-    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+    if not hasattr(model, "get_output_embeddings"):
         return None
-    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if output is None or embedding is None:  # a rank of a pipeline holds one of them at most
+    if getattr(model, "_lightning_tp_pipeline", None) is not None:  # a rank of a pipeline holds one of them at most
         return False
-    return output.weight is embedding.weight
+    if model.get_output_embeddings() is None:
+        return None
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
 def quiet_trainer(**kwargs: Any) -> L.Trainer:

@@ -1,0 +1,65 @@
+"""Pipeline parallelism for real: tiny Llama and Qwen3 models of 4 decoder layers cut into stages over 2 gloo processes
+(1F1B, Interleaved1F1B with 2 stages per rank, GPipe with accumulation and clipping, LoRA) and over 4 (pp 2 x tp 2,
+pp 2 x dp 2 with FSDP2 on each stage), against one process training the whole model on the whole batch. The cases live
+in tests/helpers/cases.py (``PP_CASES``, ``PP_2D_CASES``) and run in the folded launches of
+tests/distributed/conftest.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.cases import CASES, PP_2D_CASES, PP_CASES
+from tests.helpers.models import PP_PROBE
+from tests.helpers.parity import assert_parity, reference_of
+from tests.helpers.selection import scenario_result as _result
+
+
+def _reference_eval_loss(name: str) -> float:
+    """The loss of the reference's trained weights on the probe batch, on one process."""
+    module = CASES[name].module(reference=True)
+    module.configure_model()
+    module.model.load_state_dict(reference_of(name)["state"])
+    module.model.eval()
+    with torch.no_grad():
+        return module.model(input_ids=PP_PROBE, labels=PP_PROBE).loss.item()
+
+
+def _check(results: list[dict], name: str, *, world_size: int) -> None:
+    case = CASES[name]
+    assert_parity(_result(results, name), reference_of(name), name)
+    kwargs = case.strategy_kwargs
+    pp, tp = kwargs["pp_size"], kwargs.get("tp_size", 2)
+    stages_per_rank = kwargs.get("pp_stages_per_rank", 1)
+    dp = world_size // pp // tp
+    everything = set(reference_of(name)["state"])
+    held: dict[int, set[str]] = {}
+    for rank, r in enumerate(results):
+        split = r[name]["split"]
+        pp_rank = rank // (world_size // pp)  # `pp` is the outermost axis
+        # Each rank holds its stages (interleaved: pp_rank, pp_rank + pp, ...) and their parameters only.
+        assert split["stages"] == [pp_rank + k * pp for k in range(stages_per_rank)], split["stages"]
+        held.setdefault(pp_rank, set(split["held"]))
+        assert set(split["held"]) == held[pp_rank]
+        assert set(split["held"]) < everything
+        # Every rank of the pipeline reports the same loss (the last stage's), a data-parallel rank its own rows'.
+        assert r[name]["losses"] == results[rank % (world_size // pp)][name]["losses"]
+        assert r[name]["sampler"] == {"num_replicas": dp, "rank": rank % (world_size // pp) // tp}
+    # The stages together hold every parameter, each once.
+    assert set.union(*held.values()) == everything
+    assert not set.intersection(*held.values())
+    # A forward-only schedule (eval mode, no grad) gives one process's loss of the trained model.
+    if dp == 1:
+        assert results[0][name]["split"]["eval_loss"] == pytest.approx(_reference_eval_loss(name), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", PP_CASES)
+@pytest.mark.scenarios("tp2", "{name}")
+def test_pp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
+    _check(tp2_results, name, world_size=2)
+
+
+@pytest.mark.parametrize("name", PP_2D_CASES)
+@pytest.mark.scenarios("2d", "{name}")
+def test_pp2_on_4_ranks_matches_single_process(two_d_results: list[dict], name: str) -> None:
+    _check(two_d_results, name, world_size=4)
