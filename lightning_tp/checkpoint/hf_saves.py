@@ -14,6 +14,7 @@ from torch import nn
 from lightning_tp.checkpoint.publish import is_main, publish_directory, run_on_main_and_share_failure
 from lightning_tp.parallel.gather import whole_tensor
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, merged_weight
+from lightning_tp.parallel.pipeline import gather_stages, pipeline_runner
 
 
 def install_distributed_save_pretrained(model: nn.Module) -> None:
@@ -28,14 +29,16 @@ def install_distributed_save_pretrained(model: nn.Module) -> None:
     def gather(is_main: bool) -> dict[str, Any]:
         state = {}
         gathered: dict[int, torch.Tensor | None] = {}
+        # Under pipeline parallelism each rank gathers its own stages' tensors, and rank 0 all of them after.
+        keep = is_main or pipeline_runner(model) is not None
         # `keep_vars`: tied weights (`lm_head.weight` of a tied model) come as one object under two names. Gathered
         # once and kept as one tensor, so that Transformers sees the shared storage and writes only its own keys.
         for name, tensor in model.state_dict(keep_vars=True).items():
             if id(tensor) not in gathered:
-                gathered[id(tensor)] = whole_tensor(tensor, keep=is_main)  # a collective, on every rank
-            if is_main:
+                gathered[id(tensor)] = whole_tensor(tensor, keep=keep)  # a collective, on every rank
+            if keep:
                 state[name] = gathered[id(tensor)]
-        return state
+        return gather_stages(model, state)
 
     # A given `state_dict`: the caller gathered the tensors already and may call from one rank only (`save_merged`
     # does), so no collective.
@@ -100,12 +103,50 @@ def install_distributed_save(peft_model: nn.Module) -> None:
     tensors, ``adapter_config.json``) from rank 0, into a temporary directory renamed into place once complete.
 
     PEFT's own ``save_pretrained`` would write each rank's DTensor shards (or fail on them)."""
+    if pipeline_runner(peft_model) is not None:
+        install_pipelined_adapter_save(peft_model)
+        return
     install_publishing_save_pretrained(
         peft_model,
-        lambda is_main: gather_adapter_state_dict(peft_model),  # every rank keeps them: small
+        lambda is_main: gather_stages(peft_model, gather_adapter_state_dict(peft_model)),  # every rank keeps them
         given_state="publish",
         defaults={"save_embedding_layers": False},  # "auto" may ask the hub about the base model
     )
+
+
+def install_pipelined_adapter_save(peft_model: nn.Module) -> None:
+    """:func:`install_distributed_save` for a pipelined model: PEFT selects the adapter entries to write by the LoRA
+    layers the model holds, and each rank holds its stages' only. So each rank selects its own (PEFT's
+    ``get_peft_model_state_dict``, which also drops the adapter name), rank 0 gathers every stage's and writes them
+    with the adapter's config, under PEFT's file names."""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        unsupported = sorted(k for k, v in kwargs.items() if v is not None and k != "is_main_process") + (
+            ["positional arguments"] if args else []
+        )
+        if unsupported:
+            raise ValueError(
+                f"`save_pretrained` of a pipelined PEFT model takes the directory only; got {unsupported}. Save "
+                "without them, or with pp_size=1."
+            )
+        adapter = peft_model.active_adapter
+        own = get_peft_model_state_dict(
+            peft_model, state_dict=gather_adapter_state_dict(peft_model), adapter_name=adapter
+        )
+        state = gather_stages(peft_model, {k: v.contiguous() for k, v in own.items()})
+        main = is_main()
+
+        def write() -> None:
+            with publish_directory(save_directory) as tmp:
+                peft_model.peft_config[adapter].save_pretrained(tmp)
+                save_file(state, os.path.join(tmp, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+
+        run_on_main_and_share_failure(write, is_main=main)
+
+    peft_model.save_pretrained = save_pretrained
+    peft_model._lightning_tp_save = True
 
 
 def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, str]]:
@@ -153,6 +194,12 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     ``AutoModelForCausalLM.from_pretrained`` on one process, without changing the sharded model that keeps training.
     Call it on every rank: they gather one tensor at a time; rank 0 merges and writes, and a failure there raises on
     every rank."""
+    if pipeline_runner(peft_model) is not None:
+        raise ValueError(
+            "`save_merged` is not supported under pipeline parallelism (pp_size > 1) yet: each rank holds the LoRA "
+            "layers of its stages only. Save the adapter (`save_pretrained`, which gathers every stage's) and the "
+            "base model, and merge on one process, or export a checkpoint and merge there."
+        )
     layers, full, aliases = _gather_base_state(peft_model)
     main = is_main()
 

@@ -577,6 +577,29 @@ def other_stages_modules(root: nn.Module) -> tuple[str, ...]:
     return tuple(paths)
 
 
+def pipeline_runner(module: nn.Module) -> PipelineRunner | None:
+    """The runner of the pipelined Transformers model in ``module`` (the model itself, or a PEFT model around it)."""
+    for inner in module.modules():
+        runner = getattr(inner, RUNNER_ATTR, None)
+        if runner is not None:
+            return runner
+    return None
+
+
+def gather_stages(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """Under pipeline parallelism, every stage's entries of ``state`` (each rank's whole tensors of its own stages),
+    merged on the first rank of each pipeline (rank 0 among them), ``{}`` on the others; without it, ``state``. Every
+    rank must call it."""
+    runner = pipeline_runner(module)
+    if runner is None:
+        return state
+    group = runner.pp_mesh.get_group()
+    first = runner.pp_mesh.get_local_rank() == 0
+    parts: list[Any] | None = [None] * runner.pp_mesh.size() if first else None
+    dist.gather_object(state, parts, group=group, group_dst=0)
+    return {key: value for part in parts for key, value in part.items()} if parts is not None else {}
+
+
 def stage_modules_of(model: nn.Module) -> list[PipelineStageModule]:
     runner = getattr(model, RUNNER_ATTR, None)
     return list(runner.stage_modules) if runner is not None else []
@@ -600,8 +623,10 @@ __all__ = [
     "PipelineStageModule",
     "balanced_split",
     "install_pipeline",
+    "gather_stages",
     "labelled_tokens",
     "other_stages_modules",
+    "pipeline_runner",
     "pipeline_problem",
     "resolve_pipeline_plan",
     "set_pipeline_loss",

@@ -6,6 +6,8 @@ tests/distributed/conftest.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,26 @@ def _reference_eval_loss(name: str) -> float:
     module.model.eval()
     with torch.no_grad():
         return module.model(input_ids=PP_PROBE, labels=PP_PROBE).loss.item()
+
+
+def _check_pretrained(name: str, result: dict, *, world_size: int) -> None:
+    from safetensors.torch import load_file
+
+    directory = Path(result["split"]["pretrained"])
+    if "lora" in name:
+        saved = load_file(directory / "adapter_model.safetensors")
+        lora = {k.replace(".default.", "."): v for k, v in result["state"].items() if "lora_" in k}
+        assert saved.keys() == lora.keys(), (sorted(saved)[:2], sorted(lora)[:2])
+        for key, value in lora.items():
+            torch.testing.assert_close(saved[key], value, atol=0, rtol=0)
+        return
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+    trained = result["state"]
+    assert reloaded.keys() == trained.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(reloaded[key], value, atol=0, rtol=0)
 
 
 def _check(results: list[dict], name: str, *, world_size: int) -> None:
@@ -48,6 +70,8 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
     # The stages together hold every parameter, each once.
     assert set.union(*held.values()) == everything
     assert not set.intersection(*held.values())
+    # save_pretrained on every rank writes one standard directory with every stage's weights (a LoRA model's adapters).
+    _check_pretrained(name, results[0][name], world_size=world_size)
     # A forward-only schedule (eval mode, no grad) gives one process's loss of the trained model.
     if dp == 1:
         assert results[0][name]["split"]["eval_loss"] == pytest.approx(_reference_eval_loss(name), abs=1e-5)

@@ -197,6 +197,8 @@ def run_case(ctx: Context, name: str) -> dict:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         split["stages"] = [stage.stage for stage in stage_modules_of(base)]
         split["held"] = sorted(n for n, _ in model.named_parameters())
+        model.save_pretrained(out / f"{name}_pretrained")  # every stage's weights (a LoRA model's: its adapters)
+        split["pretrained"] = str(out / f"{name}_pretrained")
         model.eval()
         with torch.no_grad():
             split["eval_loss"] = model(input_ids=PP_PROBE, labels=PP_PROBE).loss.item()
