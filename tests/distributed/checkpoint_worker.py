@@ -8,8 +8,9 @@ Scenarios (registered in :data:`SCENARIOS`), by launch: on 2 processes ``dropout
 on disk), ``full`` (single-file checkpoints), ``final`` (a final save, a save into a run directory, save_pretrained),
 ``from_single`` (1 -> TP 2), ``lora`` (frozen weights left out), ``tied`` (tied saves), ``vlm`` (LLaVA: resume,
 export), ``cp`` (cp 2 -> TP 2, 1 -> cp 2), ``pp`` (pp 2 -> pp 2, TP 2; TP 2 -> pp 2) and ``mixers:KIND`` (a
-family whose mixers TP 2 splits by heads: exact resume, save_pretrained); ``crash`` (2 processes: a save killed midway; the launch fails on purpose); ``one`` (1
-process: TP 2 -> 1, cp 2 -> 1; ``one:KIND``: TP 2 -> 1 for those families); ``2d`` (4 processes: TP 2 -> 2-D, and a
+family whose mixers TP 2 splits by heads: exact resume, save_pretrained); ``crash`` (2 processes: a save killed
+midway; the launch fails on purpose); ``one`` (1 process: TP 2 -> 1, cp 2 -> 1, pp 2 -> 1; ``one:KIND``: TP 2 -> 1
+for those families); ``2d`` (4 processes: TP 2 -> 2-D, and a
 truncated checkpoint), ``tp4`` and ``cp_2d`` (TP 2 -> cp 2 x tp 2).
 """
 
