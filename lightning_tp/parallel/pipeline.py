@@ -1,7 +1,8 @@
 """Pipeline parallelism: a Transformers causal LM cut into stages along its ``base_model_pp_plan``, run by torch's
 schedules (``torch.distributed.pipelining``) inside the model's own ``forward``.
 
-The split: the first stage holds the input embedding, the last the final norm and the causal LM's head, and the
+The split (its parts named by ``base_model_pp_plan``, or read from the model's structure where the config has none):
+the first stage holds the input embedding, the last the final norm and the causal LM's head, and the
 decoder layers are shared between the stages in order, balanced by parameters with the embedding and the head each
 counted as one average layer (so the first and last stages get fewer layers, as torchtitan weighs them); or as the
 user gives them (``pp_split``). Each rank keeps only its stages' modules, in place and under their own names: the
@@ -9,10 +10,11 @@ others are set to ``None`` in their parents, so state dicts, checkpoints (DCP re
 exports hold the original keys.
 
 A stage runs the model's own forward, so that what its layers need from the whole model (rotary embeddings, causal
-masks, position ids) is computed on the stage, the way the model computes it: the layers the stage does not hold are
-stood in for by :class:`_StandIn` modules for the call (the one before the stage's first layer hands it the
-activation received from the previous stage; the one after its last layer stops the forward and returns that layer's
-output), and a stage without the embedding passes zeros as ``inputs_embeds`` of the right shape.
+masks, position ids, per-layer-type masks) is computed on the stage, the way the model computes it. For the call, the
+layers the stage does not hold are stood in for (:class:`_StandIn`: the layer's plain attributes, which the model's
+loop may read; the one after the stage's last layer ends the forward and returns that layer's output), the stage's
+first layer is given the activation received from the previous stage (:class:`_Receiver`), and a stage without the
+embedding passes zeros as ``inputs_embeds`` of the right shape.
 
 ``model(**batch)`` on the pipelined model runs the whole schedule, forward and backward, over the batch's
 micro-batches and returns the step's loss on every rank of the pipeline: the micro-batches' summed token losses
@@ -107,33 +109,70 @@ class PipelinePlan:
         return names
 
 
+def base_model_name(model: nn.Module) -> str | None:
+    """The name of the causal LM's child that is its decoder (``base_model_prefix``, or the child that
+    ``get_decoder()`` returns, or the one holding the input embedding: Llama 4's prefix names a composite model's
+    part), or ``None``."""
+    prefix = getattr(model, "base_model_prefix", None)
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    found = next((name for name, child in model.named_children() if child is decoder), None)
+    if found is None and hasattr(model, "get_input_embeddings"):  # the child holding the input embedding
+        embedding = model.get_input_embeddings()
+        found = next((n for n, c in model.named_children() if any(m is embedding for m in c.modules())), None)
+    return found
+
+
+def pipeline_parts(model: nn.Module) -> tuple[str, str, str] | None:
+    """The names, in the base model, of the input embedding, the list of decoder layers and the final norm: the keys
+    of ``config.base_model_pp_plan``, or where the config has none, read from the structure (the child that
+    ``get_input_embeddings`` returns, the one ``ModuleList``, and the one other child holding parameters: Llama 4 and
+    Nemotron-H ship no plan). ``None`` when neither gives them."""
+    base_name = base_model_name(model)
+    if base_name is None:
+        return None
+    base = getattr(model, base_name)
+    pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    if pp_plan:
+        names = tuple(pp_plan)
+        return names if len(names) == 3 else None  # type: ignore[return-value]
+    children = {name: child for name, child in base.named_children() if any(True for _ in child.parameters())}
+    lists = [name for name, child in children.items() if isinstance(child, nn.ModuleList)]
+    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    embeddings = [name for name, child in children.items() if child is embedding]
+    rest = [name for name in children if name not in lists and name not in embeddings]
+    if len(lists) != 1 or len(embeddings) != 1 or len(rest) != 1:
+        return None
+    return embeddings[0], lists[0], rest[0]
+
+
 def pipeline_problem(model: nn.Module) -> str | None:
     """Why ``model`` cannot be pipelined (the end of a sentence), or ``None``."""
     config = getattr(model, "config", None)
-    base_name = getattr(model, "base_model_prefix", None)
-    base = getattr(model, base_name, None) if base_name else None
-    pp_plan = getattr(config, "base_model_pp_plan", None)
-    if base is None or not pp_plan:
+    parts = pipeline_parts(model)
+    if parts is None:
         return (
             f"{type(model).__name__} has no `config.base_model_pp_plan` (Transformers' split of a causal LM into "
-            "embeddings, decoder layers and norm), so there are no stages to cut it into. Use pp_size=1"
+            "embeddings, decoder layers and norm) and its base model is not one embedding, one list of decoder layers "
+            "and one final norm, so there are no stages to cut it into. Use pp_size=1"
         )
-    names = list(pp_plan)
-    if len(names) != 3 or not isinstance(getattr(base, names[1], None), nn.ModuleList):
+    base_name = base_model_name(model)
+    base = getattr(model, base_name)
+    if not isinstance(getattr(base, parts[1], None), nn.ModuleList):
         return (
-            f"{type(model).__name__}'s `base_model_pp_plan` names {names}; pipeline parallelism cuts plans of an "
-            "embedding, a list of decoder layers and a final norm only. Use pp_size=1"
+            f"{type(model).__name__}'s pipeline plan names {list(parts)}, whose second entry is not a list of decoder "
+            "layers. Use pp_size=1"
         )
-    held = set(names)
     others = [
-        name for name, child in base.named_children() if name not in held and any(True for _ in child.parameters())
+        name for name, child in base.named_children() if name not in parts and any(True for _ in child.parameters())
     ]
     if others:
         return (
-            f"{type(model).__name__}.{base_name} holds parameters outside its `base_model_pp_plan` ({others}), which "
-            "no stage would compute. Use pp_size=1"
+            f"{type(model).__name__}.{base_name} holds parameters outside its pipeline plan ({others}), which no "
+            "stage would compute. Use pp_size=1"
         )
-    if getattr(config, "tie_word_embeddings", False) and _head_shares_embedding(model, base, names[0]):
+    if getattr(config, "tie_word_embeddings", False) and _head_shares_embedding(model, base, parts[0]):
         return (
             f"{type(model).__name__} ties its output head to its input embedding (`tie_word_embeddings=True`), which "
             "the first and last stages would both need. Untie them (`config.tie_word_embeddings=False` before "
@@ -152,7 +191,7 @@ def _head_shares_embedding(model: nn.Module, base: nn.Module, embedding: str) ->
     return any(
         p is weight
         for name, p in model.named_parameters(remove_duplicate=False)
-        if not name.startswith(f"{model.base_model_prefix}.")
+        if not name.startswith(f"{base_model_name(model)}.")
     )
 
 
@@ -166,9 +205,11 @@ def resolve_pipeline_plan(
     split: Sequence[int] | None,
 ) -> PipelinePlan:
     """The stages of ``model`` (which passed :func:`pipeline_problem`), checked before anything moves."""
-    base_name = model.base_model_prefix
+    base_name = base_model_name(model)
     base = getattr(model, base_name)
-    embedding, layer_list, norm = list(model.config.base_model_pp_plan)
+    parts = pipeline_parts(model)
+    assert parts is not None, "resolve_pipeline_plan of a model pipeline_problem refuses"
+    embedding, layer_list, norm = parts
     layers: nn.ModuleList = getattr(base, layer_list)
     name = schedule or DEFAULT_SCHEDULES.get(stages_per_rank, "Interleaved1F1B")
     cls = schedule_class(name)
@@ -283,22 +324,60 @@ class _StageDone(Exception):  # noqa: N818 (control flow, not an error)
         self.hidden = hidden
 
 
-class _StandIn(nn.Module):
-    """A layer this stage does not hold, for one call: ``pass`` returns its input, ``inject`` the activation received
-    from the previous stage (it stands just before the stage's first layer), ``stop`` ends the forward with its input
-    (just after the stage's last layer)."""
+def plain_attributes(layer: nn.Module) -> dict[str, Any]:
+    """What the model's forward may read of a decoder layer besides calling it (Nemotron-H's loop reads
+    ``layer.block_type``): its public attributes of plain types, kept for the layers a rank does not hold."""
+    plain = (str, int, float, bool, type(None))
+    return {k: v for k, v in vars(layer).items() if not k.startswith("_") and isinstance(v, plain)}
 
-    def __init__(self, role: str, received: torch.Tensor | None = None) -> None:
+
+class _Placeholder:
+    """What a layer before the stage's first one returns: the loop around the layers may take it as the hidden states,
+    index it (``outputs[0]``) or unpack it (``hidden, weights = layer(...)``); it reaches no computation, since the
+    stage's first layer takes the received activation instead (see :class:`_Receiver`)."""
+
+    def __getitem__(self, index: int) -> Any:
+        return self if index == 0 else None
+
+    def __iter__(self) -> Any:
+        return iter((self, None))
+
+
+class _StandIn(nn.Module):
+    """A layer this stage does not hold, for one call, with its plain attributes: before the stage's layers it returns
+    a :class:`_Placeholder`; after them (``stop``) it ends the forward with its input, the stage's output."""
+
+    def __init__(self, attributes: dict[str, Any], *, stop: bool) -> None:
         super().__init__()
-        self.role, self.received = role, received
+        self.__dict__.update(attributes)
+        self.stop = stop
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if self.role == "inject":
-            return self.received
-        if self.role == "stop":
-            raise _StageDone(hidden)
-        return hidden
+        if self.stop:
+            raise _StageDone(args[0] if args else kwargs["hidden_states"])
+        return _Placeholder()
+
+
+class _Receiver(nn.Module):
+    """The stage's first layer, for one call, given the activation received from the previous stage as its hidden
+    states; it returns what the layer returns, to the model's own loop (whatever form that takes)."""
+
+    def __init__(self, layer: nn.Module, received: torch.Tensor) -> None:
+        super().__init__()
+        self.layer, self.received = layer, received
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.layer, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (self.received, *args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": self.received}
+        return self.layer(*args, **kwargs)
 
 
 class PipelineStageModule(nn.Module):
@@ -316,6 +395,8 @@ class PipelineStageModule(nn.Module):
         self.parts = nn.ModuleDict(
             {name.replace(".", "__"): model.get_submodule(name) for name in plan.modules_of(stage)}
         )
+        # Read while the model holds every layer (before `keep_stages`): the stand-ins of the others carry them.
+        self.layer_attributes = [plain_attributes(layer) for layer in model.get_submodule(plan.layer_list)]
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         model, plan = self.model, self.plan
@@ -325,12 +406,10 @@ class PipelineStageModule(nn.Module):
         for index in range(len(saved)):
             if index in held:
                 continue
-            role = "pass"
-            if index == held.start - 1:
-                role = "inject"
-            elif index == held.stop and not self.is_last:
-                role = "stop"
-            layers._modules[str(index)] = _StandIn(role, x if role == "inject" else None)
+            stop = index == held.stop and not self.is_last
+            layers._modules[str(index)] = _StandIn(self.layer_attributes[index], stop=stop)
+        if not self.is_first:
+            layers._modules[str(held.start)] = _Receiver(saved[str(held.start)], x)
         if self.is_first:
             inputs = {"input_ids": x}
         else:
@@ -550,8 +629,8 @@ def install_pipeline(
     """Keep this rank's stages of ``model`` and make ``model(...)`` run the schedule; returns the stage modules
     (FSDP2 roots of their own under data parallelism)."""
     stages = plan.stages_of(pp_mesh.get_local_rank(), pp_mesh.size())
-    keep_stages(model, plan, stages)
     modules = [PipelineStageModule(model, plan, stage) for stage in stages]
+    keep_stages(model, plan, stages)
     runner = PipelineRunner(model, plan, pp_mesh=pp_mesh, device=device, stages=modules)
     setattr(model, RUNNER_ATTR, runner)
     # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's.
