@@ -24,6 +24,7 @@ from lightning_tp.parallel.loss_parallel import (
     token_logprobs,
     vocab_parallel_cross_entropy,
 )
+from lightning_tp.parallel.pipeline import set_pipeline_loss
 from lightning_tp.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_tp.parallelize import ParallelOptions, parallelize
 from lightning_tp.plans.resolve import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
@@ -47,6 +48,7 @@ __all__ = [
     "UntrustedCheckpointError",
     "apply_tensor_parallel",
     "clip_grad_norm_",
+    "set_pipeline_loss",
     "expert_load",
     "from_pretrained",
     "grad_norm",

@@ -113,9 +113,9 @@ OPTIONS: tuple[Option, ...] = (
         "pp_schedule",
         "str | None",
         None,
-        "torch's pipeline schedule by name (``1F1B``, ``GPipe``, ``Interleaved1F1B``, ``LoopedBFS``, "
-        "``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``). ``None``: ``1F1B`` with one stage per rank, "
-        "``Interleaved1F1B`` with more.",
+        "torch's pipeline schedule by name (``1F1B``, ``GPipe``, ``Interleaved1F1B``, ``LoopedBFS``; the zero-bubble "
+        "schedules are refused: their separate weight-gradient pass misses this package's parameters). ``None``: "
+        "``1F1B`` with one stage per rank, ``Interleaved1F1B`` with more.",
     ),
     Option(
         "pp_microbatches",
@@ -128,8 +128,7 @@ OPTIONS: tuple[Option, ...] = (
         "pp_stages_per_rank",
         "int",
         1,
-        "Stages each pipeline rank holds (``V``): 2 or more for the interleaved schedules, exactly 2 for "
-        "``ZBVZeroBubble`` and ``DualPipeV``.",
+        "Stages each pipeline rank holds (``V``): 2 or more for the interleaved schedules.",
     ),
     Option(
         "pp_split",

@@ -1,8 +1,8 @@
 """The parallelisms, each applied to a module by one stage of :func:`lightning_tp.parallelize`.
 
 - ``tensor_parallel``, ``blocks`` (head-parallel mixers' packed parameters), ``kv_heads``, ``sequence_parallel``,
-  ``loss_parallel``, ``context_parallel``, ``expert_parallel``, ``fsdp`` (FSDP2 / HSDP on the data-parallel axes),
-  ``lora`` (adapters sharded with their base);
+  ``loss_parallel``, ``context_parallel``, ``expert_parallel``, ``pipeline`` (stages on the ``pp`` axis), ``fsdp``
+  (FSDP2 / HSDP on the data-parallel axes), ``lora`` (adapters sharded with their base);
 - what they share: ``collectives`` (autograd functions), ``hooks``, ``gather`` (whole tensors from shards), ``grad``
   (norms and clipping across meshes), ``rng`` and ``random_init`` (random numbers of sharded tensors),
   ``router_loss`` (the MoE load-balancing loss over the whole batch).
@@ -22,6 +22,7 @@ __all__ = [
     "kv_heads",
     "lora",
     "loss_parallel",
+    "pipeline",
     "random_init",
     "rng",
     "router_loss",

@@ -50,8 +50,10 @@ RUNNER_ATTR = "_lightning_tp_pipeline"
 #: schedules), its interleaved form for more (a bubble ``V`` times smaller).
 DEFAULT_SCHEDULES = {1: "1F1B", 2: "Interleaved1F1B"}
 
-#: Schedules whose rank ``r`` of ``p`` holds stages ``r`` and ``2p - 1 - r`` (a "V"), not ``r, r + p, ...``.
-_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+#: Schedules that split the backward into an input-gradient and a later weight-gradient pass. torch 2.13's weight pass
+#: looks each parameter up in the autograd graph, where this package's layers read DTensor parameters through local
+#: views: it finds none and leaves their gradients empty (measured: None gradients, or wrong ones with DualPipeV).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 #: Keyword arguments of ``model(...)`` a pipelined model takes: split by micro-batch and given to every stage.
 _BATCH_KWARGS = ("attention_mask", "position_ids")
@@ -59,7 +61,8 @@ _BATCH_KWARGS = ("attention_mask", "position_ids")
 
 def schedule_class(name: str) -> type:
     """torch's schedule class of ``name`` (case-insensitive: ``"1F1B"``, ``"Interleaved1F1B"``, ``"GPipe"``,
-    ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``)."""
+    ``"LoopedBFS"``; ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` and ``"DualPipeV"`` are refused when a plan is
+    resolved, see :data:`SPLIT_BACKWARD_SCHEDULES`)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     try:
@@ -95,8 +98,6 @@ class PipelinePlan:
 
     def stages_of(self, pp_rank: int, pp_size: int) -> tuple[int, ...]:
         """The stage indices rank ``pp_rank`` holds, in order."""
-        if self.schedule.lower() in (name.lower() for name in _V_SCHEDULES):
-            return (pp_rank, 2 * pp_size - 1 - pp_rank)
         return tuple(pp_rank + k * pp_size for k in range(self.stages_per_rank))
 
     def modules_of(self, stage: int) -> list[str]:
@@ -213,19 +214,18 @@ def resolve_pipeline_plan(
     layers: nn.ModuleList = getattr(base, layer_list)
     name = schedule or DEFAULT_SCHEDULES.get(stages_per_rank, "Interleaved1F1B")
     cls = schedule_class(name)
+    if name.lower() in (n.lower() for n in SPLIT_BACKWARD_SCHEDULES):
+        raise ValueError(
+            f"`pp_schedule={name!r}` computes the weight gradients in a pass of their own, which does not find "
+            "parameters that this package's layers read through DTensor views (torch 2.13): their gradients would "
+            "be missing. Use 1F1B, GPipe, Interleaved1F1B or LoopedBFS."
+        )
     single = is_single_stage_schedule(cls)
     if single and stages_per_rank != 1:
         raise ValueError(
             f"`pp_schedule={name!r}` runs one stage per rank, but pp_stages_per_rank={stages_per_rank}. Use an "
-            "interleaved schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) or "
-            "pp_stages_per_rank=1."
+            "interleaved schedule (Interleaved1F1B, LoopedBFS) or pp_stages_per_rank=1."
         )
-    if name.lower() in (n.lower() for n in _V_SCHEDULES) and stages_per_rank != 2:
-        raise ValueError(
-            f"`pp_schedule={name!r}` places two stages on each rank (a V); use pp_stages_per_rank=2 with it."
-        )
-    if not single and stages_per_rank == 1 and name.lower() not in ("loopedbfs", "interleaved1f1b"):
-        raise ValueError(f"`pp_schedule={name!r}` needs several stages per rank; use pp_stages_per_rank=2 with it.")
     num_stages = pp_size * stages_per_rank
     microbatches = num_stages if microbatches is None else microbatches
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:

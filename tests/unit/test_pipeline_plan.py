@@ -64,7 +64,7 @@ def test_plan_names_the_stages_modules_and_schedules():
     assert plan.modules_of(1) == ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]
     interleaved = _plan(model, stages_per_rank=2)
     assert interleaved.schedule == "Interleaved1F1B" and interleaved.stages_of(0, 2) == (0, 2)
-    assert _plan(model, schedule="ZBVZeroBubble", stages_per_rank=2).stages_of(0, 2) == (0, 3)
+    assert _plan(model, schedule="LoopedBFS", stages_per_rank=2).stages_of(1, 2) == (1, 3)
     assert [len(r) for r in _plan(model, split=[1, 3]).layers] == [1, 3]
 
 
@@ -73,7 +73,8 @@ def test_plan_names_the_stages_modules_and_schedules():
     [
         ({"schedule": "Zigzag"}, "pp_schedule='Zigzag'.*Unknown schedule name"),
         ({"schedule": "1F1B", "stages_per_rank": 2}, "runs one stage per rank"),
-        ({"schedule": "ZBVZeroBubble"}, "places two stages on each rank"),
+        ({"schedule": "ZBVZeroBubble", "stages_per_rank": 2}, "weight gradients in a pass of their own"),
+        ({"schedule": "DualPipeV", "stages_per_rank": 2}, "weight gradients in a pass of their own"),
         ({"stages_per_rank": 2, "microbatches": 3}, "divisible by pp_size=2"),
         ({"split": [2, 1]}, r"pp_split=\[2, 1\].*add up to the model's 4 layers"),
         ({"stages_per_rank": 4}, "has 4 decoder layers, fewer than its 8 pipeline stages"),
