@@ -139,10 +139,10 @@ def plot(report: dict, path: Path) -> None:
             if points:
                 axes[0].plot(*zip(*points, strict=True), marker=marker, label=f"{size}, {schedule}, measured")
         names = list(rows)
-        axes[1].bar(
-            [f"{size}\n{n}" for n in names], [one / rows[n]["step_s"] for n in names], label=size, alpha=0.7
-        )
-    ms = sorted({r["microbatches"] for rows in report["results"].values() for r in rows.values() if "microbatches" in r})
+        axes[1].bar([f"{size}\n{n}" for n in names], [one / rows[n]["step_s"] for n in names], label=size, alpha=0.7)
+    ms = sorted(
+        {r["microbatches"] for rows in report["results"].values() for r in rows.values() if "microbatches" in r}
+    )
     axes[0].plot(ms, [1 / (m + 1) for m in ms], "k--", label="theory, 1F1B: (p-1)/(m+p-1)")
     axes[0].plot(ms, [1 / (2 * m + 1) for m in ms], "k:", label="theory, interleaved v=2")
     axes[0].set_xlabel("micro-batches m")

@@ -332,7 +332,8 @@ def compiled(ctx: Context) -> dict[str, Any]:
     out = ctx.out
     module = ResumeModule(stateful_data=False)
     # `aot_eager`: the checkpoint's names and a resume across compiled and not are the same with any backend, and a
-    # cold inductor compile of another model's layers would cost the suite 20 s (qwen3_compile checks inductor).
+    # cold inductor compile of another model's layers would cost the suite 20 s (the 2-D compile case checks
+    # inductor).
     compile_args = {"backend": "aot_eager"}
     fit(module, compile=compile_args, callbacks=[SaveAt(epochs={0: out / "compiled_epoch0"})])
     names = list(FileSystemReader(str(out / "compiled_epoch0")).read_metadata().state_dict_metadata)

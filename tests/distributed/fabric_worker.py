@@ -195,6 +195,46 @@ def adamw_clip(out: Path, checkpoints: Path) -> dict[str, Any]:
     }
 
 
+def _deep_llama() -> torch.nn.Module:
+    config = tiny_config("llama")
+    config.num_hidden_layers = 4
+    return build_causal_lm(config)
+
+
+def _deep_llama_adamw_clip(batches: list) -> dict[str, Any]:
+    fabric = one_process()
+    model = _deep_llama()
+    model, optimizer = fabric.setup(model, adamw(model))
+    return train(fabric, model, optimizer, batches, clip=0.5)
+
+
+@case
+def pipeline(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """pp 2: ``fabric.setup(model, optimizer)`` with the optimizer built on the whole model (each rank keeps its
+    stages' parameters), AdamW, clipping over both stages; ``fabric.save`` and ``fabric.load`` on pp 2 go on exactly
+    (the last step again after loading the state saved before it)."""
+    batches = lm_batches(STEPS)
+    reference = shared_reference(out, "deep_llama_adamw_clip", lambda: _deep_llama_adamw_clip(batches))
+    fabric = sharded(tp_size=1, pp_size=2)
+    model = _deep_llama()
+    model, optimizer = fabric.setup(model, adamw(model))
+    result = train(fabric, model, optimizer, batches[:-1], clip=0.5)
+    path = out / "pp2_fabric"
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    last = train(fabric, model, optimizer, batches[-1:], clip=0.5)
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+    again = train(fabric, model, optimizer, batches[-1:], clip=0.5)
+    return {
+        "reference": reference,
+        "losses": result["losses"] + last["losses"],
+        "norms": result["norms"] + last["norms"],
+        "again": again,
+        "held": sorted(n for n, _ in model.named_parameters()),
+        "optimizer_params_are_model_params": {id(p) for g in optimizer.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
+    }
+
+
 @case
 def dataloader(out: Path, checkpoints: Path) -> dict[str, Any]:
     """``fabric.setup_dataloaders`` samples over the data-parallel ranks only: the ranks of a TP group see the same

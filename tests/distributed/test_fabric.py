@@ -26,6 +26,7 @@ TP2_CASES = [
     "resume_at_url",
     "resume_cp_to_tp",
     "resume_ep_to_tp",
+    "pipeline",
     "bad_input",
 ]
 TWO_D_CASES = ["adamw_clip", "dataloader", "bf16_mixed", "accumulate", "resume_2d_to_hsdp", "context_parallel_2d"]
@@ -74,6 +75,18 @@ def test_tp2_setup_model_and_optimizer_clip_and_collectives(tp2: list[dict]) -> 
         assert result["sharded"] > 0
         assert result["decisions"] == [True, False, True]
         assert result["dp_size"] == 1 and result["dp_sum"] == 1.0  # TP ranks are one data-parallel replica
+
+
+def test_pipeline_setup_clip_save_and_load(tp2: list[dict]) -> None:
+    """pp 2 in a Fabric loop: one process's losses and clipped norms (over both stages); each rank's optimizer holds
+    its stages' parameters only; a save and load on pp 2 repeats the last step exactly."""
+    held = [set(r["pipeline"]["held"]) for r in tp2]
+    assert held[0] and held[1] and not held[0] & held[1]
+    for result in (r["pipeline"] for r in tp2):
+        _assert_parity(result)
+        assert result["optimizer_params_are_model_params"]
+        assert result["again"]["losses"] == result["losses"][-1:]
+        assert result["again"]["norms"] == result["norms"][-1:]
 
 
 def test_2d_setup_model_and_optimizer_clip_collectives_and_activation_checkpointing(two_d: list[dict]) -> None:
