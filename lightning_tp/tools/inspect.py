@@ -89,6 +89,8 @@ class Report:
     failing_tp_sizes: dict[int, str] = field(default_factory=dict)
     #: Of the working TP sizes, those at which sequence mixers stay whole: size -> their names.
     whole_mixer_sizes: dict[int, list[str]] = field(default_factory=dict)
+    #: Pipeline parallelism: each pipeline rank's stages, what they hold and the elements per rank.
+    pipeline: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -124,10 +126,13 @@ def inspect_model(
     dp_shard_size: int = 1,
     cp_size: int = 1,
     ep_size: int = 1,
+    pp_size: int = 1,
+    pp_stages_per_rank: int = 1,
     tp_plan: str | dict[str, Any] = "auto",
 ) -> Report:
     """The report for a (meta) model: no process group needed. FSDP2 shards over ``dp_shard_size x cp_size``; with
-    ``ep_size > 1`` the experts go whole to the EP ranks, FSDP2 shards them over ``dp_shard x cp x tp / ep``."""
+    ``ep_size > 1`` the experts go whole to the EP ranks, FSDP2 shards them over ``dp_shard x cp x tp / ep``; with
+    ``pp_size > 1`` each pipeline rank holds its stages (the memory shown is the heaviest rank's)."""
     report = Report()
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
@@ -184,6 +189,7 @@ def inspect_model(
     # Every style name, this package's own (GPT-2's Conv1D styles) too: the table knows what each splits.
     styles = {name: style for name, style in plan.styles.items() if isinstance(style, str)}
     counts = {"params": 0, "trainable": 0}
+    per_param: dict[str, tuple[int, int]] = {}  # name -> (elements per rank, of them trainable)
     sharded_shapes: dict[str, tuple[int, ...]] = {}  # per rank under TP alone
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -195,6 +201,7 @@ def inspect_model(
             report.rows.append((name, style, shape, local))
             counts["params"] += math.prod(local)
             counts["trainable"] += math.prod(local) if param.requires_grad else 0
+            per_param[name] = (math.prod(local), math.prod(local) if param.requires_grad else 0)
             continue
         dim = plan.block_dims.get(name)
         tp_local = local_shape(shape, style, tp_size, is_bias=is_bias, dim=dim) if style else shape
@@ -207,6 +214,10 @@ def inspect_model(
         numel = math.prod(local)
         counts["params"] += numel
         counts["trainable"] += numel if param.requires_grad else 0
+        per_param[name] = (numel, numel if param.requires_grad else 0)
+    if pp_size > 1:
+        report.pipeline, heaviest = _pipeline(model, per_param, pp_size, pp_stages_per_rank, report.problems)
+        counts = heaviest or counts
     report.parts = _parts(model, sharded_shapes)
     if cp_size > 1:
         report.context_parallel, problem = _context_parallel(model, tp_size=tp_size, cp_size=cp_size)
@@ -224,6 +235,44 @@ def inspect_model(
             "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
         }
     return report
+
+
+def _pipeline(
+    model: nn.Module, per_param: dict[str, tuple[int, int]], pp_size: int, stages_per_rank: int, problems: list[str]
+) -> tuple[list[str], dict[str, int] | None]:
+    """Each pipeline rank's stages (their layers and what else they hold) and elements per rank, and the heaviest
+    rank's counts; a model that cannot be pipelined adds its problem instead."""
+    from lightning_tp.parallel.pipeline import pipeline_problem, resolve_pipeline_plan
+
+    if (problem := pipeline_problem(model)) is not None:
+        problems.append(f"pp_size={pp_size}: {problem}.")
+        return [], None
+    try:
+        plan = resolve_pipeline_plan(
+            model, pp_size=pp_size, schedule=None, microbatches=None, stages_per_rank=stages_per_rank, split=None
+        )
+    except ValueError as err:
+        problems.append(str(err))
+        return [], None
+    base_names = {plan.embedding: "embedding", plan.norm: "norm", **{name: name for name in plan.head}}
+    total = sum(numel for numel, _ in per_param.values())
+    lines = [f"schedule {plan.schedule}, {plan.microbatches} micro-batches by default, {plan.num_stages} stages"]
+    heaviest: dict[str, int] | None = None
+    for rank in range(pp_size):
+        stages = plan.stages_of(rank, pp_size)
+        held = tuple(f"{name}." for stage in stages for name in plan.modules_of(stage))
+        numel = sum(n for name, (n, _) in per_param.items() if name.startswith(held))
+        trainable = sum(t for name, (_, t) in per_param.items() if name.startswith(held))
+        parts = []
+        for stage in stages:
+            layers = plan.layers[stage]
+            extra = [base_names[name] for name in plan.modules_of(stage) if name in base_names]
+            parts.append(f"stage {stage}: layers {layers.start}-{layers.stop - 1}" + "".join(f" + {e}" for e in extra))
+        share = f"{numel / total:.0%}" if total else "-"
+        lines.append(f"pp rank {rank}: {'; '.join(parts)}: {numel:,} elements per rank ({share} of this layout's)")
+        if heaviest is None or numel > heaviest["params"]:
+            heaviest = {"params": numel, "trainable": trainable}
+    return lines, heaviest
 
 
 def tp_sizes(
@@ -552,7 +601,9 @@ def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targe
     return model
 
 
-def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: int = 1, ep_size: int = 1) -> str:
+def format_report(
+    report: Report, *, tp_size: int, dp_shard_size: int, cp_size: int = 1, ep_size: int = 1, pp_size: int = 1
+) -> str:
     sources = {
         "model": "the model's own (its config's `base_model_tp_plan`)",
         "derived": "derived from the module structure (its config has no `base_model_tp_plan`; "
@@ -561,7 +612,9 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
     }
     base, _, extra = report.source.partition(" + ")
     lines = [
-        f"Layout: tp={tp_size}"
+        "Layout: "
+        + (f"pp={pp_size} x " if pp_size > 1 else "")
+        + f"tp={tp_size}"
         + (f" x cp={cp_size}" if cp_size > 1 else "")
         + f" x dp_shard={dp_shard_size}"
         + (f", ep={ep_size} for the experts" if ep_size > 1 else ""),
@@ -594,6 +647,8 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
         lines += ["", f"Context parallelism (cp={cp_size}):", *(f"  {line}" for line in report.context_parallel)]
     if report.expert_parallel:
         lines += ["", f"Expert parallelism (ep={ep_size}):", *(f"  {line}" for line in report.expert_parallel)]
+    if report.pipeline:
+        lines += ["", f"Pipeline parallelism (pp={pp_size}):", *(f"  {line}" for line in report.pipeline)]
     if report.working_tp_sizes or report.failing_tp_sizes:
         top = max([*report.working_tp_sizes, *report.failing_tp_sizes])
         lines += [
@@ -621,6 +676,7 @@ def format_report(report: Report, *, tp_size: int, dp_shard_size: int, cp_size: 
     if report.unmatched:
         lines += ["", "Rules of the model's plan that match nothing:"] + [f"  {key}" for key in report.unmatched]
     shards = f", FSDP2 over dp_shard x cp = {dp_shard_size * cp_size}" if cp_size > 1 else ""
+    shards += ", the heaviest pipeline rank" if report.pipeline else ""
     lines += [
         "",
         f"Per-rank memory (MiB{shards}):",
@@ -675,13 +731,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp-shard-size", type=int, default=1)
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks splitting each sequence")
     parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks splitting the experts")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline ranks, each holding some of the stages")
+    parser.add_argument("--pp-stages-per-rank", type=int, default=1, help="stages per pipeline rank")
     parser.add_argument("--lora-r", type=int, default=None, help="add LoRA adapters of this rank")
     parser.add_argument("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     args = parser.parse_args(argv)
     model = build_meta_model(args.model, lora_r=args.lora_r, lora_targets=args.lora_targets)
     sizes = dict(tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size, ep_size=args.ep_size)
-    report = inspect_model(model, **sizes)
-    print(format_report(report, **sizes))
+    report = inspect_model(model, **sizes, pp_size=args.pp_size, pp_stages_per_rank=args.pp_stages_per_rank)
+    print(format_report(report, **sizes, pp_size=args.pp_size))
     return 0 if not [p for p in report.problems if not p.startswith("warning:")] else 1
 
 

@@ -287,3 +287,28 @@ def test_uneven_replicated_kv_projections_under_fsdp_are_a_problem():
     problems = inspect_model(model, tp_size=4, dp_shard_size=2).problems
     assert len(problems) == 1 and "model.layers.0.self_attn.k_proj are replicated over tp_size=4" in problems[0]
     assert "width (6: KV heads x head_dim)" in problems[0]
+
+
+def test_pipeline_stages_per_rank_are_shown_and_memory_is_the_heaviest_ranks(tmp_path, capsys):
+    """pp 2 over a 4-layer model: each pipeline rank's stages (layers, embedding, norm and head) and its share of the
+    parameters; the memory table is the heaviest rank's. A model a pipeline cannot cut is a problem, named."""
+    config = tiny_config("llama")
+    config.num_hidden_layers = 4
+    build_causal_lm(config).save_pretrained(tmp_path / "deep")
+    assert main([str(tmp_path / "deep"), "--tp-size", "1", "--pp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Layout: pp=2 x tp=1" in out and "Pipeline parallelism (pp=2):" in out
+    assert (
+        "pp rank 0: stage 0: layers 0-1 + embedding" in out and "pp rank 1: stage 1: layers 2-3 + norm + lm_head" in out
+    )
+    model = build_meta_model(str(tmp_path / "deep"))
+    whole = inspect_model(model, tp_size=1).memory["fp32"]["parameters"]
+    staged = inspect_model(model, tp_size=1, pp_size=2).memory["fp32"]["parameters"]
+    assert whole / 2 <= staged < whole
+    tied = build_meta_model_from(tiny_config("tied"), tmp_path / "tied")
+    assert "tie_word_embeddings=True" in " ".join(inspect_model(tied, tp_size=1, pp_size=2).problems)
+
+
+def build_meta_model_from(config, path):
+    build_causal_lm(config).save_pretrained(path)
+    return build_meta_model(str(path))
