@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -311,7 +312,8 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         assert self.model is not None
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
         options = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
