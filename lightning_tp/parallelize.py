@@ -144,7 +144,11 @@ class ParallelOptions:
             object.__setattr__(self, "pp_split", tuple(self.pp_split))
         if self.pp_schedule is not None:
             schedule_class(self.pp_schedule)  # an unknown name fails here, naming torch's
-        if not isinstance(self.pp_stages_per_rank, int) or self.pp_stages_per_rank < 1:
+        if (
+            not isinstance(self.pp_stages_per_rank, int)
+            or isinstance(self.pp_stages_per_rank, bool)
+            or self.pp_stages_per_rank < 1
+        ):
             raise ValueError(f"`pp_stages_per_rank` must be a positive integer, got {self.pp_stages_per_rank!r}.")
         if self.fsdp_param_dtype is not None and self.fsdp_param_dtype not in BF16_NAMES:
             raise ValueError(

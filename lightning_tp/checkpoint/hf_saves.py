@@ -4,6 +4,7 @@ ranks gather one tensor at a time; rank 0 writes, published by renames once comp
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -133,14 +134,21 @@ def install_pipelined_adapter_save(peft_model: nn.Module) -> None:
             )
         adapter = peft_model.active_adapter
         own = get_peft_model_state_dict(
-            peft_model, state_dict=gather_adapter_state_dict(peft_model), adapter_name=adapter
+            peft_model,
+            state_dict=gather_adapter_state_dict(peft_model),
+            adapter_name=adapter,
+            save_embedding_layers=False,  # "auto" may ask the hub about the base model, on some ranks only
         )
         state = gather_stages(peft_model, {k: v.contiguous() for k, v in own.items()})
         main = is_main()
 
         def write() -> None:
             with publish_directory(save_directory) as tmp:
-                peft_model.peft_config[adapter].save_pretrained(tmp)
+                config = copy.deepcopy(peft_model.peft_config[adapter])
+                config.inference_mode = True  # as PEFT's own save writes it
+                if config.base_model_name_or_path is None:
+                    config.base_model_name_or_path = getattr(peft_model.get_base_model().config, "name_or_path", None)
+                config.save_pretrained(tmp)
                 save_file(state, os.path.join(tmp, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
         run_on_main_and_share_failure(write, is_main=main)

@@ -330,15 +330,28 @@ def _load_distributed(
         )
     for key, module in modules.items():
         template = get_model_state_dict(module)
-        names = match_model_state(
-            template,
-            stored,
-            frozen=frozen_parameter_names(list(template), module),
-            strict=strict,
-            path=path,
-            prefix=f"{key}.",
-            elsewhere=other_stages_modules(module),
-        )
+        elsewhere = other_stages_modules(module)
+        try:
+            names = match_model_state(
+                template,
+                stored,
+                frozen=frozen_parameter_names(list(template), module),
+                strict=strict,
+                path=path,
+                prefix=f"{key}.",
+                elsewhere=elsewhere,
+            )
+        except ValueError as error:
+            problem: str | None = str(error)
+        else:
+            problem = None
+        if elsewhere:
+            # Each stage checks its own keys: one rank's problem is raised on every rank, before DCP's collectives.
+            problems: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            raise ValueError(problem)
         wanted = {name: template[name] for name in names}
         state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)

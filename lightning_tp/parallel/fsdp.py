@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_tp.compat import no_split_modules
+from lightning_tp.parallel.pipeline import modules_and_stages
 
 
 def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[type[nn.Module]]:
@@ -73,7 +74,7 @@ def micro_batch_grads(module: nn.Module, *, accumulate_grads: Literal["sharded",
     """Inside the block, the backward of a micro-batch that does not end an optimizer step: FSDP2's units of
     ``module`` hold their gradients as ``accumulate_grads`` says (see :data:`ACCUMULATE_GRADS`)."""
     assert accumulate_grads in ACCUMULATE_GRADS, accumulate_grads  # checked when the strategy is built
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in modules_and_stages(module) if isinstance(m, FSDPModule)]  # a pipeline's stage roots too
 
     def switch(on: bool) -> None:
         for unit in units:

@@ -24,7 +24,9 @@ runs.
 
 The loss's ``backward()`` does one thing: Lightning zeroes the gradients between ``training_step`` and the backward
 of its loss, so the gradients the schedule computed are taken off the parameters when it ends and given back (added to
-``.grad``) by that backward.
+``.grad``, times the loss's incoming gradient) by that backward; gradients the parameters held before the call are
+set aside during it and put back after. ``model(...)`` takes ``input_ids``, ``labels``, ``attention_mask`` and
+``position_ids`` only.
 
 May import: ``compat``, ``layout``, ``plans``.
 """
@@ -54,6 +56,8 @@ DEFAULT_SCHEDULES = {1: "1F1B", 2: "Interleaved1F1B"}
 #: looks each parameter up in the autograd graph, where this package's layers read DTensor parameters through local
 #: views: it finds none and leaves their gradients empty (measured: None gradients, or wrong ones with DualPipeV).
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: The schedules ``pp_schedule`` may name (torch's others are its abstract bases or split the backward, above).
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")
 
 #: Keyword arguments of ``model(...)`` a pipelined model takes: split by micro-batch and given to every stage.
 _BATCH_KWARGS = ("attention_mask", "position_ids")
@@ -65,10 +69,10 @@ def schedule_class(name: str) -> type:
     resolved, see :data:`SPLIT_BACKWARD_SCHEDULES`)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    try:
-        return get_schedule_class(name)
-    except ValueError as error:
-        raise ValueError(f"`pp_schedule={name!r}`: {error}.") from None
+    known = [*SCHEDULES, *SPLIT_BACKWARD_SCHEDULES]
+    if not isinstance(name, str) or name.lower() not in (n.lower() for n in known):
+        raise ValueError(f"`pp_schedule={name!r}` is not one of {list(SCHEDULES)}: unknown schedule name.")
+    return get_schedule_class(name)
 
 
 def is_single_stage_schedule(cls: type) -> bool:
@@ -218,7 +222,7 @@ def resolve_pipeline_plan(
         raise ValueError(
             f"`pp_schedule={name!r}` computes the weight gradients in a pass of their own, which does not find "
             "parameters that this package's layers read through DTensor views (torch 2.13): their gradients would "
-            "be missing. Use 1F1B, GPipe, Interleaved1F1B or LoopedBFS."
+            f"be missing. Use one of {list(SCHEDULES)}."
         )
     single = is_single_stage_schedule(cls)
     if single and stages_per_rank != 1:
@@ -230,6 +234,11 @@ def resolve_pipeline_plan(
     microbatches = num_stages if microbatches is None else microbatches
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"`pp_microbatches` must be a positive integer or None, got {microbatches!r}.")
+    if cls.__name__ == "Schedule1F1B" and microbatches < num_stages:
+        raise ValueError(
+            f"`pp_schedule='1F1B'` needs at least as many micro-batches as stages ({num_stages}), got "
+            f"pp_microbatches={microbatches}. Use more micro-batches, or GPipe."
+        )
     if not single and microbatches % pp_size:
         raise ValueError(
             f"`pp_schedule={name!r}` with {stages_per_rank} stages per rank needs a number of micro-batches divisible "
@@ -309,7 +318,7 @@ def keep_stages(model: nn.Module, plan: PipelinePlan, stages: Sequence[int]) -> 
     """Set every module that none of ``stages`` holds to ``None`` in its parent, so this rank keeps (and later
     shards, materialises and saves) only its stages' modules, under their own names."""
     held = {name for stage in stages for name in plan.modules_of(stage)}
-    everything = set(plan.modules_of(0)) | {n for s in range(plan.num_stages) for n in plan.modules_of(s)}
+    everything = {n for s in range(plan.num_stages) for n in plan.modules_of(s)}
     for name in sorted(everything - held):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -384,7 +393,7 @@ class PipelineStageModule(nn.Module):
     """One stage of a pipelined model, the module torch's ``PipelineStage`` runs: ``forward(x, **batch_kwargs)``
     takes the stage's input (the micro-batch's ``input_ids`` on the first stage, the previous stage's activation on the
     others) and returns the next stage's input, or the logits on the last stage. Its parameters are the stage's own
-    (registered here too, for FSDP2 and the zero-bubble schedules' weight gradients); the model keeps them under their
+    (registered here too, for FSDP2 and torch's stage); the model keeps them under their
     own names."""
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, stage: int) -> None:
@@ -500,7 +509,7 @@ class PipelineRunner:
             logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=self._num_items
         )
 
-    def _schedule(self, key: tuple, training: bool) -> Any:
+    def _schedule(self, key: tuple) -> Any:
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
@@ -530,8 +539,9 @@ class PipelineRunner:
                 "predictions, export the model (`lightning_tp.export`) and run it with pp_size=1."
             )
         self._num_items = labelled_tokens(labels).to(self.device)
-        key = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())), training)
-        schedule = self._schedule(key, training)
+        shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
+        key = (*shapes, training, torch.is_inference_mode_enabled())
+        schedule = self._schedule(key)
         losses: list[torch.Tensor] = []
         first = any(m.is_first for m in self.stage_modules)
         args = (input_ids.to(self.device),) if first else ()
@@ -635,7 +645,8 @@ def install_pipeline(
     setattr(model, RUNNER_ATTR, runner)
     # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's.
     model.forward = pipelined_forward(runner)
-    # Before and after the hooks the later stages register (their parameter views): see `hold_gradients`.
+    # The pre-hook runs before the parameter-view hooks later stages register; the hook after the call runs once their
+    # restore has run, since `run_on_parameter_views` prepends it (see `hold_gradients`, `stash_gradients`).
     model.register_forward_pre_hook(lambda *_: runner.hold_gradients())
     model.register_forward_hook(lambda *_: runner.stash_gradients(), always_call=True)
     refuse_generate(model)
@@ -679,6 +690,19 @@ def gather_stages(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     return {key: value for part in parts for key, value in part.items()} if parts is not None else {}
 
 
+def modules_and_stages(module: nn.Module) -> list[nn.Module]:
+    """``module.modules()`` and the pipeline stage modules of the models in it: the stages (FSDP2 roots under data
+    parallelism) are not children of the model they run."""
+    found = list(module.modules())
+    seen = {id(m) for m in found}
+    for inner in list(found):
+        runner = getattr(inner, RUNNER_ATTR, None)
+        for stage in runner.stage_modules if runner is not None else ():
+            found += [m for m in stage.modules() if id(m) not in seen]
+            seen |= {id(m) for m in stage.modules()}
+    return found
+
+
 def stage_modules_of(model: nn.Module) -> list[PipelineStageModule]:
     runner = getattr(model, RUNNER_ATTR, None)
     return list(runner.stage_modules) if runner is not None else []
@@ -704,6 +728,7 @@ __all__ = [
     "install_pipeline",
     "gather_stages",
     "labelled_tokens",
+    "modules_and_stages",
     "other_stages_modules",
     "pipeline_runner",
     "pipeline_problem",

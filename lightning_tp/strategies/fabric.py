@@ -193,7 +193,12 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         replacements = {_unwrapped_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                group["params"] = [replacements[names[id(p)]] for p in group["params"] if names[id(p)] in replacements]
+                # Under pipeline parallelism a rank keeps its stages' parameters only; elsewhere a missing one raises.
+                group["params"] = [
+                    replacements[names[id(p)]]
+                    for p in group["params"]
+                    if self.layout.pp_size == 1 or names[id(p)] in replacements
+                ]
         return module, optimizers, scheduler
 
     @override

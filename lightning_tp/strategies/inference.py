@@ -23,10 +23,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_tp.compat import FSDP_MANAGED_ATTR
+from lightning_tp.parallel.pipeline import modules_and_stages
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    """The FSDP2 modules of ``model``, its pipeline stages' roots included."""
+    return [m for m in modules_and_stages(model) if isinstance(m, FSDPModule)]
 
 
 def mark_synced_generate(model: nn.Module, synced: bool) -> None:

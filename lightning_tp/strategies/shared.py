@@ -128,7 +128,12 @@ class StrategyOptions:
             ep_size=self.ep_size,
             pp_size=self.pp_size,
         )
-        if self.accumulate_grads != "sharded" and layout.fsdp_size == 1:
+        if self.accumulate_grads != "sharded" and layout.pp_size > 1:
+            rank_zero_warn(
+                f"`accumulate_grads={self.accumulate_grads!r}` is ignored under pp_size={layout.pp_size}: torch's "
+                "pipeline stage reduces each stage's gradients at the end of every schedule step, as 'sharded' does."
+            )
+        elif self.accumulate_grads != "sharded" and layout.fsdp_size == 1:
             rank_zero_warn(
                 f"`accumulate_grads={self.accumulate_grads!r}` is ignored: the layout ({layout}) has no data or "
                 "context parallelism, so there are no gradients to reduce between micro-batches."

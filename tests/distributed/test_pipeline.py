@@ -27,7 +27,7 @@ def _reference_eval_loss(name: str) -> float:
         return module.model(input_ids=PP_PROBE, labels=PP_PROBE).loss.item()
 
 
-def _check_pretrained(name: str, result: dict, *, world_size: int) -> None:
+def _check_pretrained(name: str, result: dict) -> None:
     from safetensors.torch import load_file
 
     directory = Path(result["split"]["pretrained"])
@@ -71,7 +71,7 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
     assert set.union(*held.values()) == everything
     assert not set.intersection(*held.values())
     # save_pretrained on every rank writes one standard directory with every stage's weights (a LoRA model's adapters).
-    _check_pretrained(name, results[0][name], world_size=world_size)
+    _check_pretrained(name, results[0][name])
     # A forward-only schedule (eval mode, no grad) gives one process's loss of the trained model.
     if dp == 1:
         assert results[0][name]["split"]["eval_loss"] == pytest.approx(_reference_eval_loss(name), abs=1e-5)

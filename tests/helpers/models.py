@@ -423,7 +423,9 @@ def tied_embeddings(model: nn.Module) -> bool | None:
     """Whether the output embedding is the input embedding (one parameter); None for a model without embeddings."""
     if not hasattr(model, "get_output_embeddings"):
         return None
-    if getattr(model, "_lightning_tp_pipeline", None) is not None:  # a rank of a pipeline holds one of them at most
+    from lightning_tp.parallel.pipeline import RUNNER_ATTR
+
+    if getattr(model, RUNNER_ATTR, None) is not None:  # a rank of a pipeline holds one of them at most
         return False
     if model.get_output_embeddings() is None:
         return None

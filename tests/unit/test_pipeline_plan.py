@@ -71,7 +71,9 @@ def test_plan_names_the_stages_modules_and_schedules():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"schedule": "Zigzag"}, "pp_schedule='Zigzag'.*Unknown schedule name"),
+        ({"schedule": "Zigzag"}, "pp_schedule='Zigzag'.*unknown schedule name"),
+        ({"schedule": "PipelineScheduleSingle"}, "unknown schedule name"),
+        ({"schedule": "1F1B", "microbatches": 1}, "at least as many micro-batches as stages"),
         ({"schedule": "1F1B", "stages_per_rank": 2}, "runs one stage per rank"),
         ({"schedule": "ZBVZeroBubble", "stages_per_rank": 2}, "weight gradients in a pass of their own"),
         ({"schedule": "DualPipeV", "stages_per_rank": 2}, "weight gradients in a pass of their own"),
@@ -111,7 +113,7 @@ def test_options_that_pp_does_not_support_yet_are_refused_before_processes():
         )
     with pytest.warns(UserWarning, match="pp_size=1 runs no pipeline"):
         ParallelOptions(pp_microbatches=4).check_layout(ParallelLayout(tp_size=2), device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="Unknown schedule name"):
+    with pytest.raises(ValueError, match="unknown schedule name"):
         ParallelOptions(pp_schedule="nope")
 
 
