@@ -71,15 +71,19 @@ class StrategyOptions:
                 dp_replicate_size=dp_replicate_size,
                 cp_size=cp_size,
             )
+        pipelines = pp_size if isinstance(pp_size, int) and pp_size >= 1 else 1  # `resolve` refuses a bad one
         ParallelLayout.resolve(
-            (tp_size or 1) * (dp_shard_size or 1) * dp_replicate_size * (cp_size if isinstance(cp_size, int) else 1),
+            (tp_size or 1)
+            * (dp_shard_size or 1)
+            * dp_replicate_size
+            * (cp_size if isinstance(cp_size, int) else 1)
+            * pipelines,
             tp_size=tp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
             cp_size=cp_size,
+            pp_size=pp_size,
         )
-        if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
-            raise ValueError(f"`pp_size` must be a positive integer, got {pp_size!r}.")
         if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
             raise ValueError(f"`ep_size` must be a positive integer, got {ep_size!r}.")
         if tp_size is not None and ep_size > 1 and ep_size % tp_size:
