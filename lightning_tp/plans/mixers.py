@@ -16,6 +16,10 @@ takes the rank's rows of each block (see :mod:`lightning_tp.parallel.blocks`).
 
 A block size is written as attribute names of the mixer joined by ``*`` (``"n_groups*ssm_state_size"``), read from
 the module before its attributes are divided.
+
+The last kinds describe modules a model's plan usually covers, applied only where it leaves them whole
+(``complete_only``): plain attention, gated MLPs, and a mixture-of-experts layer's stacked experts (split on each
+expert's intermediate features, as Transformers 5.24's plans split them).
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ class MixerKind:
     """One kind of head-structured sequence mixer.
 
     ``holds``: parameter names (relative to the mixer) it must all have to be recognised as this kind; ``lacks``:
-    names it must not have (to tell similar kinds apart). ``styles``: relative module or parameter path -> style;
-    a path the mixer lacks is skipped (a bias, an optional projection). ``blocks``: relative parameter path -> block
-    sizes of its dim 0. ``attributes``: the size attributes divided by the TP size. ``heads``: the attributes whose
-    counts the TP size must divide (key heads or groups first; dotted: a child's, ``"config.num_key_value_heads"``),
-    named in the refusal.
+    names it must not have (to tell similar kinds apart). ``styles``: relative module or parameter path -> style
+    (``""``: the mixer module itself); a path the mixer lacks is skipped (a bias, an optional projection).
+    ``blocks``: relative parameter path -> block sizes of its dim 0. ``attributes``: the size attributes divided by
+    the TP size. ``heads``: the attributes whose counts the TP size must divide (key heads or groups first; dotted: a
+    child's, ``"config.num_key_value_heads"``), named in the refusal.
     """
 
     name: str
@@ -78,6 +82,10 @@ class MixerKind:
     #: ``local_blocks`` parameters (relative path) that hold their heads on another dim than 0 (Kimi-Linear's
     #: ``A_log`` of shape [1, 1, heads, 1]): split on that dim (one block).
     dims: Mapping[str, int] = field(default_factory=dict)
+    #: Stacked expert weights (relative path) -> the size each of their dims holds, by name (``"2*intermediate"``: two
+    #: packed halves of that size): the layout the styles assume, checked against the shapes before anything is split
+    #: (:func:`stacked_sizes`).
+    stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 _GDN_ATTRIBUTES = ("num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim")
@@ -437,6 +445,58 @@ MIXER_KINDS += (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT, MIXER_KIND_MLP, 
 #: The kinds whose split is checked as attention's (head counts from the config).
 ATTENTION_KINDS = (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT)
 
+# A mixture-of-experts layer's experts that the model's plan leaves whole (Transformers 5.25's plans dropped the
+# expert rules its 5.24 plans had): Transformers' stacked expert weights, each rank holding its slice of every
+# expert's intermediate features, as those rules split them; `moe_tp_experts` sums the partial outputs over the TP
+# group, and the gradients of the hidden states and routing weights it is given. Recognised by the flags
+# `@use_experts_implementation` sets (how the weights are stored, and its calling convention: hidden states, expert
+# ids, routing weights), the shapes checked against `stacked`; experts without those flags (Llama 4's) are left to
+# the model's plan. Interleaved gate/up halves (gpt-oss), biases and a norm after each expert are not described:
+# those experts stay whole.
+_EXPERTS_FLAGS = {"is_concatenated": True, "has_bias": False, "has_post_expert_norm": False}
+MIXER_KIND_EXPERTS = MixerKind(
+    name="experts",
+    description="stacked experts, gate|up [experts, 2 x intermediate, hidden] and down [experts, hidden, intermediate]",
+    holds=("gate_up_proj", "down_proj"),
+    # Each packed half (gate, up) split on the intermediate features, down on the same features.
+    styles={"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "": "moe_tp_experts"},
+    blocks={},
+    attributes=(),
+    heads=(),
+    requires={"has_gate": True, "is_transposed": False, **_EXPERTS_FLAGS},
+    complete_only=True,
+    stacked={
+        "gate_up_proj": ("experts", "2*intermediate", "hidden"),
+        "down_proj": ("experts", "hidden", "intermediate"),
+    },
+)
+#: Stored transposed for ``x @ weight`` (Aria's), gate and up packed on the last dim.
+MIXER_KIND_EXPERTS_TRANSPOSED = replace(
+    MIXER_KIND_EXPERTS,
+    name="experts_transposed",
+    description="stacked experts, gate|up [experts, hidden, 2 x intermediate] and down [experts, intermediate, hidden]",
+    styles={"gate_up_proj": "packed_rowwise", "down_proj": "colwise", "": "moe_tp_experts"},
+    requires={"has_gate": True, "is_transposed": True, **_EXPERTS_FLAGS},
+    stacked={
+        "gate_up_proj": ("experts", "hidden", "2*intermediate"),
+        "down_proj": ("experts", "intermediate", "hidden"),
+    },
+)
+#: Without a gate (Nemotron-H's): up and down.
+MIXER_KIND_EXPERTS_UNGATED = replace(
+    MIXER_KIND_EXPERTS,
+    name="experts_ungated",
+    description="stacked experts without a gate, up [experts, intermediate, hidden] and down [experts, hidden, "
+    "intermediate]",
+    holds=("up_proj", "down_proj"),
+    styles={"up_proj": "colwise", "down_proj": "rowwise", "": "moe_tp_experts"},
+    requires={"has_gate": False, "is_transposed": False, **_EXPERTS_FLAGS},
+    stacked={"up_proj": ("experts", "intermediate", "hidden"), "down_proj": ("experts", "hidden", "intermediate")},
+)
+#: The kinds of stacked experts, whose split is checked on their shapes (:func:`stacked_sizes`).
+EXPERTS_KINDS = (MIXER_KIND_EXPERTS, MIXER_KIND_EXPERTS_TRANSPOSED, MIXER_KIND_EXPERTS_UNGATED)
+MIXER_KINDS += EXPERTS_KINDS
+
 
 def rotary_width(attention: nn.Module) -> int | None:
     """The rotary key width of a latent attention (``qk_rope_head_dim``): its own attribute (per layer), else its
@@ -554,11 +614,37 @@ def mixer_entries(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, str
     prefix = f"{name}." if name else ""
     entries = {}
     for path, style in kind.styles.items():
-        if _has(mixer, path):
+        if not path:
+            entries[name] = style
+        elif _has(mixer, path):
             entries[prefix + path] = style
     for norm in shared_norm_names(mixer, kind):
         entries[prefix + norm] = "replicated_with_grad_allreduce"
     return entries
+
+
+def stacked_sizes(mixer: nn.Module, kind: MixerKind) -> dict[str, int] | None:
+    """The sizes :attr:`MixerKind.stacked` names, read from the shapes of the mixer's stacked weights.
+
+    Args:
+        mixer: An experts module recognised as ``kind`` (it holds every weight ``kind.stacked`` names).
+        kind: One of :data:`EXPERTS_KINDS`.
+
+    Returns:
+        Size name -> size (``{"experts": 8, "intermediate": 32, "hidden": 64}``), or ``None`` when a shape does not
+        fit the layout (other dims, sizes that disagree between the weights, an odd packed pair).
+    """
+    sizes: dict[str, int] = {}
+    for path, dims in kind.stacked.items():
+        shape = tuple(getattr(mixer, path).shape)
+        if len(shape) != len(dims):
+            return None
+        for dim, size in zip(dims, shape, strict=True):
+            factor, _, size_name = dim.rpartition("*")
+            count, left = divmod(size, int(factor or 1))
+            if left or sizes.setdefault(size_name, count) != count:
+                return None
+    return sizes
 
 
 def shared_norm_names(mixer: nn.Module, kind: MixerKind) -> list[str]:

@@ -105,16 +105,24 @@ def test_the_inspector_shows_the_ep_layout(tmp_path) -> None:
     assert any("ep_size=4" in p for p in bad.problems)
 
 
-def test_the_tp_plans_expert_rules_do_not_matter_under_ep() -> None:
-    """Aria's TP plan splits its experts (`packed_rowwise`); with ep_size > 1 those rules are left out (expert
+@pytest.mark.parametrize("expert_rules", [True, False], ids=["rules in the plan", "rules derived"])
+def test_the_tp_plans_expert_rules_do_not_matter_under_ep(expert_rules: bool) -> None:
+    """Aria's experts are split over the TP ranks (`packed_rowwise`), by its plan's rules (Transformers 5.24's) or,
+    where its plan has none (5.25's), by the ones the package derives; with ep_size > 1 neither is made (expert
     parallelism places the experts), so the model trains with the rest of its plan."""
     from benchmarks.coverage import build_model
     from benchmarks.coverage import tiny_config as coverage_config
     from lightning_tp.parallel.expert_parallel import expert_modules_of
 
-    model = build_model(coverage_config("aria_text"))
-    assert "packed_rowwise" in resolve_plan(model, "auto", tp_size=2).styles.values()
+    config = coverage_config("aria_text")
+    key = "layers.*.mlp.experts"
+    plan = {k: v for k, v in (type(config).base_model_tp_plan or {}).items() if "experts" not in k}
+    rules = {f"{key}.gate_up_proj": "packed_rowwise", f"{key}.down_proj": "colwise", key: "moe_tp_experts"}
+    config.base_model_tp_plan = {**plan, **rules} if expert_rules else plan
+    model = build_model(config)
+    assert resolve_plan(model, "auto", tp_size=2).styles["model.layers.0.mlp.experts.gate_up_proj"] == "packed_rowwise"
     plan = resolve_plan(model, "auto", tp_size=2, leave=expert_modules_of(model))
+    assert not [k for k in plan.styles if ".experts" in k] and not [m for m in plan.mixers if ".experts" in m]
     plan = resolve_expert_plan(model, plan, ep_size=2)
     assert plan.expert_modules and not [k for k in plan.styles if ".experts" in k]
 

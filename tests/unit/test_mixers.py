@@ -7,8 +7,21 @@ import torch
 
 from lightning_tp.parallel.blocks import rank_rows
 from lightning_tp.plans.mixers import MIXER_KINDS, find_mixers
-from lightning_tp.plans.resolve import kept_whole, resolve_plan
+from lightning_tp.plans.resolve import kept_whole, key_regex, resolve_plan
 from tests.helpers.models import build_causal_lm, coverage_model, tiny_config
+
+
+def _with_plan(family: str, plan: dict[str, str] | None = None, *, without: tuple[str, ...] = ()):
+    """``family``'s coverage model built with its own ``base_model_tp_plan``: ``plan``, or the one its config class
+    ships less every rule whose key holds one of ``without`` (the rules Transformers 5.24 or 5.25 lack, whichever is
+    installed), so that a test does not depend on what a release ships."""
+    from benchmarks import coverage
+
+    config = coverage.tiny_config(family)
+    if plan is None:
+        plan = {k: v for k, v in (type(config).base_model_tp_plan or {}).items() if not any(w in k for w in without)}
+    config.base_model_tp_plan = plan
+    return build_causal_lm(config)
 
 
 def test_each_rank_takes_its_slice_of_every_block_and_the_whole_blocks():
@@ -85,15 +98,20 @@ def test_the_one_group_norm_matches_the_whole_norm_on_one_rank():
 
 
 def test_stacked_gate_up_weights_split_plainly_by_a_plan_are_split_per_half():
-    """Inkling 2's plan gives its experts' `gate_up_proj` (chunked into gate and up halves) plain `colwise`, which
-    would give one rank the gates and the other the ups (its coverage row was off parity): each half is split."""
-    from benchmarks.coverage import build_model
-    from benchmarks.coverage import tiny_config as coverage_config
-
-    model = build_model(coverage_config("inkling2_text"))
-    assert model.config.base_model_tp_plan["layers.*.mlp.experts.gate_up_proj"] == "colwise"
+    """Inkling 2's plan in Transformers 5.24 gives its experts' `gate_up_proj` (chunked into gate and up halves) plain
+    `colwise`, which would give one rank the gates and the other the ups (its coverage row was off parity): each half
+    is split. The plan is the model's own, as that release shipped it."""
+    experts = "layers.*.mlp.experts"
+    plain = {f"{experts}.gate_up_proj": "colwise", f"{experts}.down_proj": "rowwise", experts: "moe_tp_experts"}
+    model = _with_plan("inkling2_text", {"embed_tokens": "replicate", **plain})
     plan = resolve_plan(model, "auto", tp_size=2)
     assert plan.styles["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert plan.styles["model.layers.0.mlp.experts.down_proj"] == "rowwise"
+    assert "model.layers.0.mlp.experts" not in plan.mixers  # the plan's rules, fixed, not the package's own
+
+
+#: The rules of AFMoE's attention and MLPs (Transformers 5.25 ships them, 5.24 does not).
+_AFMOE_DENSE = ("self_attn.", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @pytest.mark.parametrize(
@@ -123,7 +141,8 @@ def test_stacked_gate_up_weights_split_plainly_by_a_plan_are_split_per_half():
     ],
 )
 def test_2026_mixer_kinds_are_recognised_and_split(family, mixer, name, styles):
-    model = coverage_model(family)
+    # AFMoE's attention is the package's to split where the model's plan leaves it whole (as 5.24's does).
+    model = _with_plan(family, without=_AFMOE_DENSE) if family == "afmoe" else coverage_model(family)
     assert find_mixers(model)[mixer].name == name
     plan = resolve_plan(model, "auto", tp_size=2)
     assert mixer in plan.mixers and not plan.whole_mixers
@@ -202,7 +221,7 @@ def test_modules_reading_the_input_embedding_weight_themselves_are_found():
 def test_an_attention_gate_of_another_width_keeps_the_attention_whole():
     from torch import nn
 
-    model = coverage_model("afmoe")
+    model = _with_plan("afmoe", without=_AFMOE_DENSE)  # a plan that leaves the attention whole
     model.model.layers[0].self_attn.gate_proj = nn.Linear(64, 8, bias=False)  # neither per head nor per q feature
     plan = resolve_plan(model, "auto", tp_size=2)
     assert "gate_proj has 8 features" in plan.whole_mixers["model.layers.0.self_attn"]
@@ -273,3 +292,161 @@ def test_a_module_reading_the_embedding_weight_sees_it_whole_and_the_embedding_i
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.tensor([1]))
         assert table.weight is sharded  # put back when the forward raises
+
+
+_GATED = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+_TRANSPOSED = {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "layer", "kind", "rules"),
+    [
+        # Most families: gate|up [experts, 2 x intermediate, hidden], down [experts, hidden, intermediate].
+        ("qwen3_moe", "layers.*.mlp.experts", 0, "experts", _GATED),
+        # Aria: stored transposed for `x @ weight`, gate|up packed on the last dim.
+        ("aria_text", "layers.*.mlp.experts", 0, "experts_transposed", _TRANSPOSED),
+        # Nemotron-H: no gate (its layer 1 is the mixture-of-experts one).
+        ("nemotron_h", "layers.*.mixer.experts", 1, "experts_ungated", {"up_proj": "colwise", "down_proj": "rowwise"}),
+    ],
+)
+def test_experts_a_plan_leaves_whole_are_split_as_the_expert_rules_split_them(family, key, layer, kind, rules):
+    """Transformers 5.25's plans dropped the expert rules of 5.24's: the package gives a mixture-of-experts layer's
+    stacked experts those rules itself, by their structure, so both plans split the same parameters the same way."""
+    experts = "model." + key.replace("*", str(layer))
+    stripped = _with_plan(family, without=("experts",))
+    assert find_mixers(stripped)[experts].name == kind
+    derived = resolve_plan(stripped, "auto", tp_size=2)
+    assert derived.styles[experts] == "moe_tp_experts" and experts in derived.mixers and not derived.whole_mixers
+    for weight, style in rules.items():
+        assert derived.styles[f"{experts}.{weight}"] == style
+    assert not [name for name in kept_whole(stripped, derived) if name.endswith("Experts")]
+    # The same model with 5.24's expert rules in its plan, which the package follows as they are.
+    own = {f"{key}.{weight}": style for weight, style in rules.items()} | {key: "moe_tp_experts"}
+    planned = resolve_plan(_with_plan(family, {**stripped.config.base_model_tp_plan, **own}), "auto", tp_size=2)
+    assert experts not in planned.mixers
+    assert planned.styles == derived.styles and planned.grad_allreduce == derived.grad_allreduce
+
+
+def test_experts_the_kinds_do_not_describe_stay_whole_and_say_why():
+    """gpt-oss interleaves gate and up and has biases: not a kind, left whole. An experts module holding anything
+    else, or whose shapes do not fit the layout its flags declare, stays whole with the reason."""
+    from torch import nn
+
+    from lightning_tp.plans.mixers import MIXER_KIND_EXPERTS, stacked_sizes
+
+    gpt_oss = _with_plan("gpt_oss", without=("experts",))
+    assert "model.layers.0.mlp.experts" not in find_mixers(gpt_oss)
+    assert "GptOssExperts" in kept_whole(gpt_oss, resolve_plan(gpt_oss, "auto", tp_size=2))
+
+    model = _with_plan("qwen3_moe", without=("experts",))
+    first, second = (layer.mlp.experts for layer in model.model.layers)
+    assert stacked_sizes(first, MIXER_KIND_EXPERTS) == {"experts": 4, "intermediate": 32, "hidden": 64}
+    first.scale = nn.Parameter(torch.ones(4))
+    # Declared [experts, hidden, 2 x intermediate] (Aria's), stored [experts, 2 x intermediate, hidden].
+    second.is_transposed = True
+    plan = resolve_plan(model, "auto", tp_size=2)
+    assert "also holds ['scale']" in plan.whole_mixers["model.layers.0.mlp.experts"]
+    why = plan.whole_mixers["model.layers.1.mlp.experts"]
+    assert "are not laid out as stacked experts, gate|up [experts, hidden, 2 x intermediate]" in why
+    assert plan.styles["model.layers.0.mlp.experts.gate_up_proj"] == "replicate"
+    assert "Qwen3MoeExperts" in kept_whole(model, plan)
+
+
+def test_experts_the_users_tp_plan_names_are_left_to_it():
+    model = _with_plan("qwen3_moe", without=("experts",))
+    plan = resolve_plan(model, {"model.layers.*.mlp.experts": "replicate"}, tp_size=2)
+    assert not [name for name in plan.mixers if name.endswith(".experts")]
+    assert plan.styles["model.layers.0.mlp.experts"] == "replicate"
+    assert plan.styles["model.layers.0.mlp.experts.gate_up_proj"] == "replicate"  # the module's style, inherited
+
+
+def test_a_tp_size_that_does_not_divide_the_experts_is_refused_as_the_expert_rules_are():
+    """Kept whole there, the experts (most of a mixture-of-experts model) would be on every rank: refused, naming the
+    sizes that work, with the expert rules in the plan (5.24's) or without (5.25's) alike."""
+    key = "layers.*.mlp.experts"
+    rules = {f"{key}.gate_up_proj": "packed_colwise", f"{key}.down_proj": "rowwise", key: "moe_tp_experts"}
+    plan = {k: v for k, v in tiny_config("qwen3_moe").base_model_tp_plan.items() if "experts" not in k}
+    errors = []
+    for own in (plan, {**plan, **rules}):
+        config = tiny_config("qwen3_moe", moe_intermediate_size=6, base_model_tp_plan=own)
+        with pytest.raises(ValueError, match=r"experts.down_proj': 6.*one of \[1, 2, 3, 6\]") as err:
+            resolve_plan(build_causal_lm(config), "auto", tp_size=4)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
+
+
+_QKV = dict.fromkeys(("q_proj", "k_proj", "v_proj"), "colwise")
+_ATTENTION = {**_QKV, "o_proj": "rowwise"}
+_MLP = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+_SUMMED = "replicated_with_grad_allreduce"
+
+
+def _rules(prefix: str, rules: dict[str, str]) -> dict[str, str]:
+    return {f"layers.*.{prefix}.{path}": style for path, style in rules.items()}
+
+
+@pytest.mark.parametrize(
+    ("family", "rules"),
+    [
+        # Transformers 5.25's rules for modules its 5.24 plans leave whole (and the package splits itself).
+        (
+            "afmoe",
+            _rules("self_attn", {**_ATTENTION, "gate_proj": "colwise", "q_norm": _SUMMED, "k_norm": _SUMMED})
+            | _rules("mlp", _MLP),
+        ),
+        ("phimoe", _rules("self_attn", _ATTENTION)),
+        ("granitemoe", _rules("self_attn", _ATTENTION)),
+        (
+            "hunyuan_v1_moe",
+            _rules("self_attn", {**_ATTENTION, "query_layernorm": _SUMMED, "key_layernorm": _SUMMED})
+            | _rules("mlp.shared_mlp", _MLP),
+        ),
+        ("nemotron_h", _rules("mixer", _ATTENTION)),
+        ("bamba", _rules("feed_forward", _MLP)),
+        ("deepseek_v4", _rules("mlp.shared_experts", _MLP)),
+        # Latent attention with a low-rank query (no `q_proj`).
+        (
+            "deepseek_v3",
+            _rules("self_attn", {"q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"})
+            | _rules("self_attn", {"kv_a_proj_with_mqa": "mla_kv_a_proj"}),
+        ),
+    ],
+)
+def test_attention_and_mlps_a_plan_names_are_split_as_the_package_splits_them_whole(family, rules):
+    """Transformers 5.25's plans name attention, MLPs and shared experts that 5.24's leave whole for the package to
+    split: both plans split the same parameters the same way, with the same gradient sums."""
+    whole = _with_plan(family, without=tuple(rules))
+    named = _with_plan(family, {**whole.config.base_model_tp_plan, **rules})
+    derived, planned = (resolve_plan(model, "auto", tp_size=2) for model in (whole, named))
+    for key, style in rules.items():  # each rule splits something, and the package splits its module itself
+        assert style in [s for name, s in planned.styles.items() if key_regex(f"model.{key}").fullmatch(name)], key
+        owner = key_regex(f"model.{key.rpartition('.')[0]}")
+        assert [name for name in derived.mixers if owner.fullmatch(name)], key
+    assert not derived.whole_mixers
+    # The decoder layers' (Transformers adds an embedding rule to a plan only where it has others).
+    layers = [{k: v for k, v in plan.styles.items() if ".layers." in k} for plan in (derived, planned)]
+    assert layers[0] == layers[1]
+    assert planned.grad_allreduce == derived.grad_allreduce and planned.kv_replicated == derived.kv_replicated
+
+
+def test_a_refused_shared_experts_rule_is_kept_whole_with_the_rules_under_it():
+    """Inkling's plan in Transformers 5.24 sums its shared experts with `all_reduce` (refused: it would not sum their
+    input's gradient) over column-/row-wise weights; 5.25's plan leaves them whole. The refusal's fix keeps the rules
+    under that module whole too, which gives the 5.25 plan's split."""
+    shared = "layers.*.mlp.shared_experts"
+    experts = "layers.*.mlp.experts"
+    rules = {f"{experts}.gate_up_proj": "colwise", f"{experts}.down_proj": "rowwise", experts: "moe_tp_experts"}
+    weights = {f"{shared}.gate_proj": "colwise", f"{shared}.up_proj": "colwise", f"{shared}.down_proj": "rowwise"}
+    # The embedding as 5.25's plan keeps it (5.24's Transformers adds `embedding_rowwise` to every plan, which would
+    # normalise Inkling's partial lookups: its embedding holds a norm).
+    dense = _rules("mlp", _MLP) | {"embed_tokens": "replicate"}
+    old = _with_plan("inkling_text", {**rules, **weights, shared: "all_reduce", **dense})
+    with pytest.raises(ValueError, match=r"'all_reduce'.*To keep those modules whole, pass tp_plan=") as err:
+        resolve_plan(old, "auto", tp_size=2)
+    fix = {f"model.{key}": "replicate" for key in (*weights, shared)}
+    assert str(err.value).endswith(f"pass tp_plan={fix}.")
+    fixed = resolve_plan(old, fix, tp_size=2)
+    new = resolve_plan(_with_plan("inkling_text", dense), "auto", tp_size=2)
+    split = [{k: v for k, v in plan.styles.items() if v != "replicate"} for plan in (fixed, new)]
+    assert split[0] == split[1] and split[0]["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert "InklingSharedExperts" in kept_whole(old, fixed) and "InklingSharedExperts" in kept_whole(old, new)
