@@ -41,3 +41,72 @@ class SumOverGroupBothWays(torch.autograd.Function):
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=ctx.group)
         return total, None
+
+
+class SumGradients(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group``. For a replicated tensor used on sharded work
+    (a column-wise layer's input; Qwen3's per-head q/k norms; norms under sequence parallelism): each rank's gradient
+    covers its own heads or tokens only. The sum is taken in fp32 where the gradient is 16-bit (FSDP2's bf16
+    all-gathers, the ``-true`` precisions), as one process sums those heads' or tokens' contributions in fp32 before
+    rounding."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        reduce_dtype = torch.float32 if grad.dtype in (torch.bfloat16, torch.float16) else grad.dtype
+        # A new tensor (autograd may share the incoming gradient), in fp32 for 16-bit gradients.
+        total = grad.to(reduce_dtype, memory_format=torch.contiguous_format, copy=True)
+        dist.all_reduce(total, group=ctx.group)
+        return total.to(grad.dtype), None
+
+
+class SumPartialOutputs(torch.autograd.Function):
+    """The sum over ``group`` of each rank's partial output (a row-wise layer's, a vocabulary-parallel lookup's),
+    written into the partial output itself: what comes out is a tensor of its own, not a view, so the model may change
+    it in place (Llama 4's ``out.add_(shared_expert(x))``). Backward: identity, every rank's output gradient is the
+    whole one already."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        if not partial.is_contiguous():
+            partial = partial.contiguous()
+        else:
+            ctx.mark_dirty(partial)
+        dist.all_reduce(partial, group=group)
+        return partial
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def chunk_sizes(total: int, parts: int) -> list[int]:
+    """The sizes of ``total`` split into ``parts`` as DTensor's ``Shard`` splits a dim (``torch.chunk``: the first
+    ranks hold ``ceil(total / parts)`` each, the last ones what is left, possibly nothing)."""
+    chunk = -(-total // parts)
+    return [max(0, min(chunk, total - i * chunk)) for i in range(parts)]
+
+
+class GatherLastDim(torch.autograd.Function):
+    """Each rank's slice of the last dim (sizes as :func:`chunk_sizes` gives them) gathered into the whole, a tensor
+    of its own on every rank. Backward: each rank keeps its slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, total: int) -> torch.Tensor:  # type: ignore[override]
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        sizes = chunk_sizes(total, size)
+        assert local.shape[-1] == sizes[rank], (local.shape, sizes, rank)
+        widest = sizes[0]
+        padded = local if local.shape[-1] == widest else torch.nn.functional.pad(local, (0, widest - local.shape[-1]))
+        parts = [torch.empty_like(padded, memory_format=torch.contiguous_format) for _ in range(size)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        ctx.start, ctx.width = sum(sizes[:rank]), sizes[rank]
+        return torch.cat([part[..., :width] for part, width in zip(parts, sizes, strict=True)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad[..., ctx.start : ctx.start + ctx.width].contiguous(), None, None

@@ -1,7 +1,7 @@
 """Applying a resolved plan to a module on the TP mesh axis.
 
-Transformers' style names are applied with Transformers' own TP layers (``apply_tensor_parallelism``); torch
-``ParallelStyle`` entries with ``parallelize_module``. Then every parameter the plan left whole becomes a replicated
+Style names are applied with this package's layers (:mod:`lightning_tp.parallel.layers`), torch ``ParallelStyle``
+entries as they are, both with ``parallelize_module``. Then every parameter the plan left whole becomes a replicated
 DTensor, so that the model holds DTensors only. Without that, a TP model mixes DTensors (sharded weights) with plain
 tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fail on the mix (torch 2.13).
 """
@@ -19,22 +19,18 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
-from lightning_tp.compat import (
-    distributed_is_initialized,
-    parameter_dict,
-    strided_shard,
-    transformers_apply_tensor_parallelism,
-)
+from lightning_tp.compat import distributed_is_initialized, parameter_dict, remove_transformers_grad_allreduce
 from lightning_tp.parallel.blocks import apply_blocks
+from lightning_tp.parallel.collectives import SumGradients
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
-from lightning_tp.parallel.kv_heads import ColwiseKVHeads, kv_head_layout, localize_kv_groups
+from lightning_tp.parallel.kv_heads import kv_head_layout, localize_kv_groups
+from lightning_tp.parallel.layers import APPLIED_ELSEWHERE, LAYERS, RowParallel, shard_parameter
 from lightning_tp.parallel.random_init import record_local_size
-from lightning_tp.plans.mixers import rotary_width
 from lightning_tp.plans.resolve import ResolvedPlan
-from lightning_tp.plans.styles import KV_HEAD_COUNT_ATTRIBUTES, style_names
+from lightning_tp.plans.styles import KV_HEAD_COUNT_ATTRIBUTES, STYLES, facts, style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"
@@ -51,23 +47,28 @@ def apply_tensor_parallel(
     module: nn.Module, tp_mesh: DeviceMesh, plan: ResolvedPlan, *, device: torch.device | None = None
 ) -> nn.Module:
     """Shard ``module`` in place following ``plan`` (from :func:`lightning_tp.plans.resolve.resolve_plan` on this
-    module).
+    module), with this package's layers (:mod:`lightning_tp.parallel.layers`) and the plan's torch styles.
 
     ``device``: where the parameters the plan leaves whole go (sharded ones land on the mesh's device while they are
     cut). Modules on the meta device stay there, to be materialised after sharding.
     """
     assert tp_mesh.ndim == 1, "apply_tensor_parallel takes the 1-D TP sub-mesh"
-    apply_tensor_parallelism = transformers_apply_tensor_parallelism()
-
-    # Transformers' layers install forward hooks on the modules and shard each listed parameter. Sharding slices the
-    # local copy (no communication), so the weights must be identical on every TP rank beforehand (same seed or file).
-    apply_tensor_parallelism(module, tp_mesh, plan.transformers_styles)
-    own = own_layer_styles(module, plan)
-    if plan.torch_styles or own:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(module, tp_mesh, {**plan.torch_styles, **own})
-    _own_row_outputs(module, plan)
+    # Sharding slices each rank's local copy (no communication), so the weights must be identical on every TP rank
+    # beforehand (same seed or file). Parameter entries first: a module's layer runs on what its parameters' own
+    # entries split (an experts module's stacked weights).
+    modules = dict(module.named_modules())
+    for name, style in plan.styles.items():
+        fact = facts(style)
+        if fact is not None and name not in modules and style not in APPLIED_ELSEWHERE:
+            owner, _, param = name.rpartition(".")
+            shard_parameter(modules[owner], param, fact, tp_mesh)
+    layers = {
+        name: style if isinstance(style, ParallelStyle) else LAYERS[style](name, plan, modules)
+        for name, style in plan.styles.items()
+        if name in modules
+    }
+    if layers := {name: layer for name, layer in layers.items() if layer is not None}:
+        parallelize_module(module, tp_mesh, layers)
     # Before the head counts change: the mixers' block sizes were read from them when the plan was resolved.
     apply_blocks(module, tp_mesh, plan)
     retie(module, plan.tied)
@@ -78,156 +79,8 @@ def apply_tensor_parallel(
     # The experts of expert parallelism stay plain: the EP stage splits them over the expert mesh next.
     replicate_unsharded_parameters(module, tp_mesh, grad_allreduce=plan.grad_allreduce, keep=plan.expert_modules)
     gather_embedding_for_direct_reads(module)
-    keep_gradient_layout(module, plan)
     setattr(module, SHARDED_MARKER, tp_mesh)
     return module
-
-
-#: Transformers' layers that sum partial outputs over the TP group: their output is a view made inside DTensor's
-#: ``to_local`` (an autograd Function).
-_SUMMED_OUTPUT_STYLES = (
-    *style_names(kind="row", registered=True),
-    *style_names(kind="embedding", registered=True),
-    "moe_tp_experts",
-)
-
-
-def _own_row_outputs(module: nn.Module, plan: ResolvedPlan) -> None:
-    """Give the summed output of each of Transformers' row-wise layers its own storage. Autograd refuses in-place
-    changes to a view a custom Function returned, and some models add to that output in place (Llama 4's
-    ``out.add_(shared_expert(x))``, Falcon's ``mlp_output += attention_output``, CTRL scaling its embeddings): one
-    copy of an activation-sized tensor per row-wise layer and embedding, against a crash."""
-    modules = dict(module.named_modules())
-    summed = [name for name, style in plan.transformers_styles.items() if style in _SUMMED_OUTPUT_STYLES]
-    # torch's row-wise style (the dense-layer and sequence-parallel rewrites) returns `to_local()` views as well.
-    summed += [name for name, style in plan.torch_styles.items() if isinstance(style, RowwiseParallel)]
-    summed += [name for name, style in plan.styles.items() if style == "rowwise_local_output"]
-    for name in summed:
-        if name in modules:
-            modules[name].register_forward_hook(_clone_output)
-
-
-def _clone_output(_module: nn.Module, _args: Any, output: Any) -> Any:
-    return output.clone() if isinstance(output, torch.Tensor) else None
-
-
-class Conv1DParallel(ParallelStyle):
-    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight stored [in, out]) split column-wise (output features: weight
-    dim 1 and bias; ``split_factor`` > 1: packed blocks such as [q | k | v], each rank holding its slice of every block)
-    or row-wise (input features: weight dim 0, bias replicated and added once after the partial outputs are summed).
-    The forward runs on the local shards with plain tensors in and out, as Transformers' column-/row-wise layers do:
-    a column-wise input's gradient is summed over the TP group, a row-wise output is all-reduced."""
-
-    #: The weight's output-feature dim: 1 for Conv1D ([in, out]); 0 for nn.Linear ([out, in], :class:`PackedLinear`).
-    out_dim = 1
-
-    def __init__(self, *, column: bool, split_factor: int = 1):
-        super().__init__()
-        self.column = column
-        self.split_factor = split_factor
-
-    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x @ weight
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.column:
-            packed = self.split_factor > 1
-            placements = {
-                "weight": strided_shard(self.out_dim, self.split_factor) if packed else Shard(self.out_dim),
-                "bias": strided_shard(0, self.split_factor) if packed else Shard(0),
-            }
-        else:
-            placements = {"weight": Shard(0), "bias": Replicate()}
-        for name, placement in placements.items():
-            param = parameter_dict(module).get(name)
-            if param is not None and not isinstance(param, DTensor):
-                parameter_dict(module)[name] = nn.Parameter(
-                    distribute_tensor(param, device_mesh, [placement], src_data_rank=None),
-                    requires_grad=param.requires_grad,
-                )
-        column, matmul, out_dim = self.column, self._matmul, self.out_dim
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            weight = module.weight.to_local()
-            bias = module.bias.to_local() if module.bias is not None else None
-            shape = (*x.shape[:-1], weight.shape[out_dim])
-            x = x.reshape(-1, x.shape[-1])
-            if column:
-                # The input is replicated; its gradient is this rank's part of the sum over the output slices.
-                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
-                    grad_placements=[Partial()]
-                )
-                out = matmul(x, weight)
-                return (out if bias is None else out + bias).view(shape)
-            partial = DTensor.from_local(matmul(x, weight), device_mesh, [Partial()], run_check=False)
-            out = partial.redistribute(placements=[Replicate()]).to_local()
-            return (out if bias is None else out + bias).view(shape)
-
-        module.forward = forward
-        return module
-
-
-class PackedLinear(Conv1DParallel):
-    """An ``nn.Linear`` (weight [out, in]) whose output packs q, k and v as [q | k | v] blocks, split column-wise block
-    by block (MPT's ``Wqkv``)."""
-
-    out_dim = 0
-
-    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x @ weight.t()
-
-
-class MlaKvAProj(ParallelStyle):
-    """``mla_kv_a_proj``: a latent attention's KV down-projection ([latent | rotary key]) stays whole, and the
-    gradient of its rotary-key slice, which reaches the rank's heads unprojected, is summed over the TP group.
-    Transformers' layer reads ``qk_rope_head_dim`` from the global config, which a config with per-layer values
-    refuses (Dots 3); the width here is the attention module's own."""
-
-    def __init__(self, rope_dim: int):
-        super().__init__()
-        self.rope_dim = rope_dim
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group, rope_dim = device_mesh.get_group(), self.rope_dim
-
-        def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
-            latent, rope = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
-            return torch.cat([latent, _AllReduceGrad.apply(rope, group)], dim=-1)
-
-        module.register_forward_hook(hook)
-        return module
-
-
-def _rope_dim(name: str, modules: Mapping[str, nn.Module]) -> int:
-    """The rotary key width of the latent attention holding the projection ``name`` (checked when the plan was
-    resolved)."""
-    width = rotary_width(modules[name.rpartition(".")[0]])
-    assert width is not None, name
-    return width
-
-
-#: The package's own layer styles (``registered=False`` in the style table, or ``own_layer``), as torch
-#: ``ParallelStyle``s, each built from its module's name, the plan and the model's modules by name.
-OWN_LAYER_STYLES: dict[str, Callable[[str, ResolvedPlan, Mapping[str, nn.Module]], ParallelStyle]] = {
-    "conv1d_colwise": lambda name, plan, modules: Conv1DParallel(column=True),
-    "conv1d_colwise_qkv": lambda name, plan, modules: Conv1DParallel(column=True, split_factor=3),
-    "conv1d_rowwise": lambda name, plan, modules: Conv1DParallel(column=False),
-    "packed_colwise_qkv": lambda name, plan, modules: PackedLinear(column=True, split_factor=3),
-    "colwise_kv_heads": lambda name, plan, modules: ColwiseKVHeads(plan.kv_heads_of(name)),
-    # Partial outputs reduce-scattered on the features: DTensor's Partial -> Shard(-1).
-    "rowwise_local_output": lambda name, plan, modules: RowwiseParallel(output_layouts=Shard(-1)),
-    "mla_kv_a_proj": lambda name, plan, modules: MlaKvAProj(_rope_dim(name, modules)),
-}
-
-
-def own_layer_styles(module: nn.Module, plan: ResolvedPlan) -> dict[str, ParallelStyle]:
-    """The plan's module entries that name one of :data:`OWN_LAYER_STYLES`, as torch styles."""
-    modules = dict(module.named_modules())
-    return {
-        name: OWN_LAYER_STYLES[style](name, plan, modules)
-        for name, style in plan.styles.items()
-        if isinstance(style, str) and style in OWN_LAYER_STYLES and name in modules
-    }
 
 
 def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank: int) -> None:
@@ -301,10 +154,13 @@ def adopt_transformers_sharding(model: nn.Module, tp_mesh: DeviceMesh, plan: Res
     clipping see DTensors only.
 
     Transformers' ``replicated_with_grad_allreduce`` layer hooks plain parameters in their first forward; it is
-    removed (it lives in the instance's ``forward``) and replaced by the same gradient sum on the local view.
+    removed (from the instance's ``forward`` or its forward pre-hooks, by release) and replaced by the same gradient
+    sum on the local view.
     """
-    for name in plan.grad_allreduce:
-        model.get_submodule(name).__dict__.pop("forward", None)
+    modules = dict(model.named_modules())
+    summed = {name for name, style in plan.styles.items() if facts(style) is not None and facts(style).sums_gradients}
+    for name in sorted((summed | set(plan.grad_allreduce)) & set(modules)):
+        remove_transformers_grad_allreduce(modules[name])
     replicate_unsharded_parameters(model, tp_mesh, grad_allreduce=plan.grad_allreduce)
     gather_embedding_for_direct_reads(model)
     keep_gradient_layout(model, plan)
@@ -398,26 +254,6 @@ def retie(module: nn.Module, tied: dict[str, str]) -> None:
         owner_name, _, param_name = alias.rpartition(".")
         owner = module.get_submodule(owner_name)
         parameter_dict(owner)[param_name] = module.get_parameter(source)
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ``group``. For a replicated parameter used on sharded
-    activations (Qwen3's per-head q/k norms; norms under sequence parallelism): each rank's gradient covers its own
-    heads or tokens only. The sum is taken in fp32 where the gradient is 16-bit (FSDP2's bf16 all-gathers, the
-    ``-true`` precisions), as one process sums those heads' or tokens' contributions in fp32 before rounding."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        reduce_dtype = torch.float32 if grad.dtype in (torch.bfloat16, torch.float16) else grad.dtype
-        # A new tensor (autograd may share the incoming gradient), in fp32 for 16-bit gradients.
-        total = grad.to(reduce_dtype, memory_format=torch.contiguous_format, copy=True)
-        dist.all_reduce(total, group=ctx.group)
-        return total.to(grad.dtype), None
 
 
 def replicate_unsharded_parameters(
@@ -663,7 +499,7 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
             return param
         local = param.to_local()
         if grad_group is not None and local.requires_grad and torch.is_grad_enabled():
-            local = _AllReduceGrad.apply(local, grad_group)
+            local = SumGradients.apply(local, grad_group)
         return local
 
     return view
@@ -763,7 +599,9 @@ def rewrite_dense_layers(model: nn.Module, plan: ResolvedPlan, *, blocks: set[ty
         if any(region_problem(styles, layer) for layer in stack):
             continue
         for layer in stack:
-            rewrite_layer_styles(styles, layer, rowwise=RowwiseParallel, region=ReplicateRegionInput)
+            rewrite_layer_styles(
+                styles, layer, rowwise=lambda: RowParallel(STYLES["rowwise"]), region=ReplicateRegionInput
+            )
         rewritten = True
     if not rewritten:
         return plan

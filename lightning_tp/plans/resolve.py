@@ -24,6 +24,7 @@ from lightning_tp.compat import config_value, layer_configs
 from lightning_tp.plans.derived import derive_plan, vocabulary_plan
 from lightning_tp.plans.mixers import (
     ATTENTION_KINDS,
+    EXPERTS_KINDS,
     OUTPUT_GATES,
     MixerKind,
     config_heads,
@@ -38,6 +39,7 @@ from lightning_tp.plans.mixers import (
     per_head_norms,
     rotary_width,
     shared_norm_names,
+    stacked_sizes,
 )
 from lightning_tp.plans.styles import (
     HEAD_COUNT_ATTRIBUTES,
@@ -45,16 +47,15 @@ from lightning_tp.plans.styles import (
     KV_HEAD_COUNT_ATTRIBUTES,
     REFUSED_STYLES,
     SUPPORTED_STYLES,
+    canonical,
     facts,
     style_names,
 )
 
 Style = str | ParallelStyle
 
-#: Styles whose gradient sum over the TP group this package applies itself (not Transformers' hook layer).
+#: Styles whose gradient sum over the TP group comes with the whole parameters (``replicated_with_grad_allreduce``).
 _SUMMED_HERE = style_names(sums_gradients=True)
-#: The styles this package applies with its own layers (Transformers registers none of them, or its layer is broken).
-_OWN_STYLES = (*style_names(registered=False), *style_names(own_layer=True))
 #: Styles that give an attention module its rank's head counts.
 _HEAD_STYLES = style_names(kind="heads")
 
@@ -73,8 +74,7 @@ _COLUMN_STYLES = style_names(output_sharded=True)
 class ResolvedPlan:
     """A plan with concrete names, checked against one module.
 
-    ``styles`` maps each module or parameter path (relative to the module the plan was resolved on) to its style,
-    parameters listed before their module as Transformers' ``apply_tensor_parallelism`` expects.
+    ``styles`` maps each module or parameter path (relative to the module the plan was resolved on) to its style.
     ``grad_allreduce`` lists modules whose replicated parameters get their gradient summed over the TP group.
     ``tied`` maps each tied parameter alias to the name that holds the parameter.
     ``head_styles`` maps each attention module given a ``heads`` style (``local_heads``...) to it: kept apart from
@@ -142,15 +142,6 @@ class ResolvedPlan:
         return self.kv_replicated[max(owners, key=len)]
 
     @property
-    def transformers_styles(self) -> dict[str, str]:
-        """The entries applied with Transformers' layers."""
-        return {
-            name: style
-            for name, style in self.styles.items()
-            if isinstance(style, str) and style not in _SUMMED_HERE and style not in _OWN_STYLES
-        }
-
-    @property
     def alibi_heads(self) -> list[str]:
         """Attention modules whose ALiBi input is sliced to the rank's heads (``local_heads_alibi``)."""
         return [name for name, style in self.head_styles.items() if style == "local_heads_alibi"]
@@ -191,8 +182,10 @@ def check_style(key: str, style: Any) -> None:
         raise ValueError(f"tp_plan[{key!r}] = {style!r} is not supported: {REFUSED_STYLES[style]}.")
     if style not in SUPPORTED_STYLES:
         raise ValueError(
-            f"tp_plan[{key!r}] = {style!r} is not a known style. Use one of {sorted(SUPPORTED_STYLES)} or a torch "
-            "`ParallelStyle` instance."
+            f"tp_plan[{key!r}] = {style!r} is not a style this strategy knows (a newer Transformers "
+            "may have added it). "
+            f"Override the entry: tp_plan={{{key!r}: 'replicate'}} keeps that module whole; or use one of "
+            f"{sorted(SUPPORTED_STYLES)} or a torch `ParallelStyle` instance."
         )
 
 
@@ -335,6 +328,8 @@ def resolve_plan(
     else:
         raise ValueError(f'`tp_plan` must be "auto" or a dict of module path to style, got {type(tp_plan).__name__}.')
 
+    # Another name for the same split is read as that name (Transformers 5.25's `unit_colwise` is `colwise`).
+    plan = {key: canonical(style) for key, style in plan.items()}
     if leave:
         under = tuple(f"{k}." for k in leave)
         left = [key for key in plan if key in leave or key.startswith(under)]
@@ -362,9 +357,12 @@ def resolve_plan(
             check_style(key, style)
     if refused:
         reasons = "; ".join(f"{key!r}: {style!r} ({REFUSED_STYLES[style]})" for key, style in refused.items())
+        # The rules under a refused module go too: they would split the weights whose partial outputs its style was to
+        # sum (Inkling's shared experts under `all_reduce`, as Transformers 5.24 ships them).
+        whole = {key: "replicate" for key in plan if any(key == r or key.startswith(f"{r}.") for r in refused)}
         raise ValueError(
             f"{model_name}'s plan uses styles this strategy does not support: {reasons}. To keep those modules whole, "
-            f"pass tp_plan={ {key: 'replicate' for key in refused} }."
+            f"pass tp_plan={whole}."
         )
 
     if not plan:
@@ -381,7 +379,7 @@ def resolve_plan(
             "`tp_plan={'<module path>': 'colwise' | 'rowwise' | <ParallelStyle>, ...}` to TensorParallelStrategy."
         )
 
-    mixers, whole_mixers = _head_parallel_mixers(module, overrides, plan, tp_size=tp_size)
+    mixers, whole_mixers = _head_parallel_mixers(module, overrides, plan, tp_size=tp_size, leave=leave)
     mixer_styles = {
         key: style for name, (mixer, kind) in mixers.items() for key, style in mixer_entries(name, mixer, kind).items()
     }
@@ -491,12 +489,18 @@ def resolve_plan(
 
 
 def _head_parallel_mixers(
-    module: nn.Module, overrides: Mapping[str, Style], plan: Mapping[str, Style], *, tp_size: int
+    module: nn.Module,
+    overrides: Mapping[str, Style],
+    plan: Mapping[str, Style],
+    *,
+    tp_size: int,
+    leave: tuple[str, ...] = (),
 ) -> tuple[dict[str, tuple[nn.Module, MixerKind]], dict[str, str]]:
     """The sequence mixers split by heads: every one :mod:`lightning_tp.plans.mixers` knows, but those the user's
-    ``tp_plan`` places itself (a key naming the mixer or something inside it), and attention that the model's plan
-    already covers. Also the mixers whose heads ``tp_size`` does not divide: kept whole (their derived or gathered
-    rules would not fit), said in one info line."""
+    ``tp_plan`` places itself (a key naming the mixer or something inside it), those at or under a ``leave`` key
+    (another parallelism places them: expert parallelism's experts), and attention, MLPs and experts that the model's
+    plan already covers. Also the mixers whose heads ``tp_size`` does not divide: kept whole (their derived or
+    gathered rules would not fit), said in one info line."""
     already_sharded = any(isinstance(p, DTensor) for p in module.parameters())
     if tp_size == 1 or not is_transformers_model(module) or already_sharded:
         # A model Transformers sharded at load time keeps its plan's placements (gathered mixers included).
@@ -509,12 +513,18 @@ def _head_parallel_mixers(
         paths += [f"{name}.{inner}" for inner, _ in mixer.named_parameters()]
         if any(key_regex(key).fullmatch(path) for key in overrides for path in paths):
             continue
+        owners = [name.rsplit(".", k)[0] for k in range(name.count(".") + 1)]
+        if any(key_regex(key).fullmatch(owner) for key in leave for owner in owners):
+            continue
         if kind.complete_only:
             # Only the text decoder's: a vision or audio tower that the plan leaves whole stays whole.
             if not _in_decoder(module, name) or any(key_regex(key).fullmatch(p) for key in plan for p in paths):
                 continue
-            check = _attention_problem if kind in ATTENTION_KINDS else _mlp_problem
-            problem = check(module, mixer, kind, tp_size)
+            if kind in EXPERTS_KINDS:
+                problem = _experts_problem(mixer, kind)
+            else:
+                check = _attention_problem if kind in ATTENTION_KINDS else _mlp_problem
+                problem = check(module, mixer, kind, tp_size)
         else:
             problem = heads_problem(name, mixer, kind, tp_size)
             if problem is None and kind.fused_kernel and importlib.util.find_spec(kind.fused_kernel) is not None:
@@ -559,6 +569,22 @@ def _mlp_problem(model: nn.Module, mlp: nn.Module, kind: MixerKind, tp_size: int
     unknown += [name for name, _ in mlp.named_parameters(recurse=False)]
     if unknown:
         return f"{type(mlp).__name__} also holds {unknown}, which no rule of a gated MLP splits"
+    return None
+
+
+def _experts_problem(experts: nn.Module, kind: MixerKind) -> str | None:
+    """Why a mixture-of-experts experts module the model's plan leaves whole cannot be split as its kind says
+    (:data:`lightning_tp.plans.mixers.EXPERTS_KINDS`), or ``None``: its stacked weights must have the kind's layout
+    and be all it holds. Whatever the TP size: one that does not divide the experts' intermediate features is refused
+    by the even-split check, naming the sizes that work, as the expert rules of a model's plan are (kept whole, the
+    experts, most of the model, would be on every rank)."""
+    name = type(experts).__name__
+    if stacked_sizes(experts, kind) is None:
+        shapes = {path: list(getattr(experts, path).shape) for path in kind.stacked}
+        return f"{name}'s stacked weights {shapes} are not laid out as {kind.description}"
+    unknown = [path for path, _ in experts.named_parameters() if path not in kind.stacked]
+    if unknown:
+        return f"{name} also holds {unknown}, which no rule of stacked experts splits"
     return None
 
 

@@ -1,17 +1,19 @@
-"""The one table of Transformers' TP style names: what each does to the parameters and outputs of the module it is
-given, and whether this package applies or refuses it. Every other fact about styles in the package (the supported
-and refused lists, the layout of a tied weight, the per-rank shapes of ``inspect``, which LoRA half follows the base,
-which styles sequence parallelism can rewrite, which embeddings keep their gradient's layout) is derived from
-:data:`STYLES`, so a new style is one entry here.
+"""The one table of TP style names: what each does to the parameters and outputs of the module it is given, and
+whether this package applies or refuses it. Every other fact about styles in the package (the supported and refused
+lists, the layout of a tied weight, the per-rank shapes of ``inspect``, which LoRA half follows the base, which styles
+sequence parallelism can rewrite, which embeddings keep their gradient's layout, the layer that applies each one in
+:mod:`lightning_tp.parallel.layers`) is derived from :data:`STYLES`, so a new style is one entry here.
 
-The facts follow Transformers 5.24's layers (``transformers/distributed/tensor_parallel.py``: each class's
-``shard_param`` and forward), checked by ``tests/unit/test_styles.py`` against the registry ``ALL_PARALLEL_STYLES``
-and against what each style does to a real ``nn.Linear``/``nn.Embedding`` on a one-rank process group.
+The names are the ones models' plans use (``base_model_tp_plan``, read as data) and this package's own. Every one is
+applied with this package's layers, written on torch's ``ParallelStyle`` and DTensor; Transformers' layers are not
+used. ``tests/unit/test_styles.py`` checks that every name in the plans of the installed Transformers is in the table,
+and the table's layouts against what each layer does to a real ``nn.Linear``/``nn.Embedding`` on a one-rank process
+group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 #: ``column``: output features split (the weight's rows); ``row``: input features split (the weight's columns), partial
@@ -32,8 +34,9 @@ class StyleFacts:
     ``bias_split``: whether a parameter named ``bias`` is split too (on its only dim); ``False``: it is replicated (a
     row-wise bias is added once, after the partial outputs are summed).
     ``vector_split``: whether a 1-D parameter (a bias where ``bias_split``) is split (on its only dim).
-    ``strided``: each rank holds a slice of each packed half of a weight (fused gate/up: ``_StridedShard``), a layout of
-    its own; a 1-D parameter is split plainly.
+    ``blocks``: how many blocks a parameter packs on its split dim (fused gate|up: 2; q|k|v: 3); above 1 the style is
+    ``strided``: each rank holds a slice of each block (``_StridedShard``), a layout of its own; a 1-D parameter (the
+    fused bias) too, so that it matches its weight's blocks.
     ``output_sharded``: each rank's output holds its own slice of the features (heads), so what follows runs on shards.
     ``input_sharded``: a row-wise layer that takes its input as the rank's slice of the features (from an
     ``output_sharded`` layer); the row-wise styles that take a replicated input and split it locally do not.
@@ -50,9 +53,11 @@ class StyleFacts:
     ``output_hook``: a style that changes its module's output gradient (a sum over TP of part of it): on a LoRA
     wrapper it stays on the wrapper, so that it covers the adapters' output too, and the adapters stay whole.
     ``refused``: why this package refuses the style in a ``tp_plan``, and the fix; ``None``: applied.
-    ``registered``: a style name Transformers registers; ``False``: this package's own style, applied by it.
-    ``own_layer``: a style Transformers registers that this package applies with its own layer (Transformers' is
-    broken for some models: the reason is at the layer).
+    ``registered``: a style name models' plans use (Transformers' names); ``False``: this package's own name, given by
+    its derived plans and checks.
+    ``same_as``: another name for the same split (Transformers 5.25's ``unit_colwise`` is ``colwise`` where the TP
+    size divides the heads, and replicates KV heads where it does not, as this package's KV-head replication does):
+    read as that name when a plan is resolved.
     """
 
     description: str
@@ -60,7 +65,7 @@ class StyleFacts:
     weight_dim: int | None = None
     bias_split: bool = False
     vector_split: bool = True
-    strided: bool = False
+    blocks: int = 1
     output_sharded: bool = False
     input_sharded: bool = False
     lora_half: Literal["lora_A", "lora_B"] | None = None
@@ -70,7 +75,11 @@ class StyleFacts:
     output_hook: bool = False
     refused: str | None = None
     registered: bool = True
-    own_layer: bool = False
+    same_as: str | None = None
+
+    @property
+    def strided(self) -> bool:
+        return self.blocks > 1
 
     @property
     def supported(self) -> bool:
@@ -94,7 +103,7 @@ class StyleFacts:
         dim = self.split_dim(ndim, is_bias=is_bias)
         if dim is None:
             return "replicated"
-        return f"strided shard({dim})" if self.strided and ndim > 1 else f"shard({dim})"
+        return f"strided shard({dim})" if self.strided else f"shard({dim})"
 
 
 _MOE = (
@@ -183,7 +192,7 @@ STYLES: dict[str, StyleFacts] = {
         kind="column",
         weight_dim=-2,
         bias_split=True,
-        strided=True,
+        blocks=2,
         output_sharded=True,
     ),
     # This package's own: the head layout of an attention module whose code reshapes by its global head counts.
@@ -227,7 +236,7 @@ STYLES: dict[str, StyleFacts] = {
         kind="column",
         weight_dim=-1,
         bias_split=True,
-        strided=True,
+        blocks=3,
         output_sharded=True,
         registered=False,
     ),
@@ -237,7 +246,7 @@ STYLES: dict[str, StyleFacts] = {
         kind="column",
         weight_dim=-2,
         bias_split=True,
-        strided=True,
+        blocks=3,
         output_sharded=True,
         registered=False,
     ),
@@ -307,7 +316,7 @@ STYLES: dict[str, StyleFacts] = {
         kind="column",
         weight_dim=-1,
         vector_split=False,
-        strided=True,
+        blocks=2,
         output_sharded=True,
     ),
     "mla_kv_a_proj": StyleFacts(
@@ -316,9 +325,18 @@ STYLES: dict[str, StyleFacts] = {
         "column-wise up-projection it feeds)",
         kind="replicated",
         output_hook=True,
-        own_layer=True,
     ),
 }
+# Transformers 5.25's per-head column and row styles: the same splits as `colwise` and `rowwise` here (where the TP size
+# does not divide the KV heads, the plan check gives the K/V projections `colwise_kv_heads`).
+STYLES["unit_colwise"] = replace(STYLES["colwise"], description="colwise split by whole heads", same_as="colwise")
+STYLES["unit_rowwise"] = replace(STYLES["rowwise"], description="rowwise split by whole heads", same_as="rowwise")
+
+
+def canonical(style: object) -> object:
+    """The name a style is applied as (:attr:`StyleFacts.same_as`); anything else as it is."""
+    fact = facts(style)
+    return fact.same_as if fact is not None and fact.same_as else style
 
 
 def facts(style: object) -> StyleFacts | None:
@@ -334,8 +352,7 @@ def style_names(**where: object) -> tuple[str, ...]:
     )
 
 
-#: Style names applied with Transformers' own TP layers (or, for gradient sums and ``registered=False`` styles, by this
-#: package).
+#: Style names this package applies (each with its layer in :mod:`lightning_tp.parallel.layers`).
 SUPPORTED_STYLES: dict[str, str] = {name: fact.description for name, fact in STYLES.items() if fact.supported}
 
 #: Transformers style names this package refuses, with the reason and the fix.

@@ -577,7 +577,7 @@ def _uneven_splits(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[s
     """Vocabulary (embedding, lm_head) sizes the TP size does not divide: they work, with uneven shards, but pad."""
     notes = []
     params = dict(model.named_parameters())
-    for name, style in plan.transformers_styles.items():
+    for name, style in plan.styles.items():
         if style in _VOCABULARY_STYLES and name in params and params[name].shape[0] % tp_size:
             vocab = params[name].shape[0]
             notes.append(

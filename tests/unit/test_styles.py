@@ -2,6 +2,7 @@
 is known, and each table fact is what the style really does to real parameters (sharded on a one-rank gloo group, in
 this process)."""
 
+import copy
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_tp import REFUSED_STYLES, SUPPORTED_STYLES, resolve_plan
+from lightning_tp.parallel.layers import LAYERS, ColumnParallel, EmbeddingParallel, RowParallel, shard_parameter
 from lightning_tp.parallel.lora import extend_plan_to_adapters
 from lightning_tp.plans.styles import STYLES
 from lightning_tp.tools.inspect import inspect_model, local_shape
@@ -19,24 +21,40 @@ from tests.helpers.models import build_causal_lm, tiny_config
 from tests.helpers.process_group import one_rank_mesh as one_rank_mesh_of_gloo
 
 
-def registered_styles() -> dict:
-    """Transformers' registry, filled: its modules register their styles when imported, so an import of
-    `parallel_utils` alone sees an empty registry (a check against it would pass on nothing)."""
-    import transformers.distributed.expert_parallel  # noqa: F401
-    import transformers.distributed.tensor_parallel  # noqa: F401
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+def shipped_styles() -> dict[str, set[str]]:
+    """Every style name the installed Transformers' configs use in their plans (``base_model_tp_plan``,
+    ``base_model_ep_plan``), with the configs using each: data this package must know, whatever the release."""
+    from transformers import CONFIG_MAPPING
 
-    styles = dict(ALL_PARALLEL_STYLES.items())
-    assert len(styles) >= 20, sorted(styles)
-    return styles
+    used: dict[str, set[str]] = {}
+    for config_class in CONFIG_MAPPING.values():
+        classes = [config_class, *getattr(config_class, "sub_configs", {}).values()]
+        for cls in classes:
+            for attribute in ("base_model_tp_plan", "base_model_ep_plan"):
+                for style in (getattr(cls, attribute, None) or {}).values():
+                    if isinstance(style, str):
+                        used.setdefault(style, set()).add(cls.__name__)
+    assert len(used) >= 10, sorted(used)  # a check over nothing would pass
+    return used
 
 
-def test_every_registered_style_is_in_the_table_and_every_entry_is_registered():
-    registered = set(registered_styles())
-    table = {name for name, fact in STYLES.items() if fact.registered}
-    assert registered - table == set(), "Transformers registers styles the table does not know"
-    assert table - registered == set(), "the table names styles Transformers no longer registers"
-    assert not {name for name in STYLES if name not in table} & registered, "an own style shadows a registered one"
+def test_every_style_the_installed_transformers_plans_use_is_in_the_table():
+    unknown = {style: sorted(users)[:3] for style, users in shipped_styles().items() if style not in STYLES}
+    assert not unknown, "Transformers' plans use styles the table does not know (add them to plans/styles.py)"
+
+
+def test_every_applied_style_has_a_layer_and_every_own_name_is_no_transformers_name():
+    assert set(LAYERS) == set(SUPPORTED_STYLES)
+    own = {name for name, fact in STYLES.items() if not fact.registered}
+    assert not own & set(shipped_styles()), "an own style shadows a name Transformers' plans use"
+    for name, fact in STYLES.items():
+        if fact.same_as:
+            target = STYLES[fact.same_as]
+            assert (target.kind, target.weight_dim, target.output_sharded) == (
+                fact.kind,
+                fact.weight_dim,
+                fact.output_sharded,
+            ), name
 
 
 def test_supported_and_refused_are_views_of_the_table():
@@ -79,30 +97,36 @@ def _real_layout(param: torch.Tensor) -> str:
     return "replicated"
 
 
-@pytest.mark.parametrize("style", sorted(n for n, f in STYLES.items() if f.registered))
-def test_table_layout_is_what_the_style_does_to_real_parameters(one_rank_mesh, style):
-    transformers_style = registered_styles()[style]
+def _lay_out(module: nn.Module, param_name: str, fact, mesh) -> bool:
+    """Lay out one parameter as a plan's parameter entry does; ``False`` where the style cannot split it."""
+    try:
+        shard_parameter(module, param_name, fact, mesh)
+    except ValueError as error:
+        assert "cannot split" in str(error)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("style", sorted(SUPPORTED_STYLES))
+def test_table_layout_is_what_the_layer_does_to_real_parameters(one_rank_mesh, style):
     fact = STYLES[style]
     for label, module, param_name in _params():
         ndim = module._parameters[param_name].ndim
-        try:
-            transformers_style.shard_param(module, param_name, one_rank_mesh)
-        except IndexError:  # the style cannot split this parameter (embedding_colwise on a vector): nor can the table
+        if not _lay_out(module, param_name, fact, one_rank_mesh):
             with pytest.raises(ValueError, match="cannot split"):
                 fact.split_dim(ndim, is_bias=param_name == "bias")
             continue
         real = _real_layout(module._parameters[param_name])
         assert fact.layout(ndim, is_bias=param_name == "bias") == real, f"{style} on {label}"
+        if fact.strided and real != "replicated":
+            assert module._parameters[param_name].placements[0].split_factor == fact.blocks, style
 
 
-@pytest.mark.parametrize("style", sorted(n for n in SUPPORTED_STYLES if STYLES[n].registered))
+@pytest.mark.parametrize("style", sorted(SUPPORTED_STYLES))
 def test_inspect_local_shapes_follow_the_real_split(one_rank_mesh, style):
-    transformers_style = registered_styles()[style]
     for label, module, param_name in _params():
         shape = tuple(module._parameters[param_name].shape)
-        try:
-            transformers_style.shard_param(module, param_name, one_rank_mesh)
-        except IndexError:
+        if not _lay_out(module, param_name, STYLES[style], one_rank_mesh):
             continue
         param = module._parameters[param_name]
         expected = list(shape)
@@ -112,36 +136,56 @@ def test_inspect_local_shapes_follow_the_real_split(one_rank_mesh, style):
         assert local_shape(shape, style, 4, is_bias=param_name == "bias") == tuple(expected), f"{style} on {label}"
 
 
-def test_layer_facts_follow_the_style_classes():
-    """Output layout, LoRA half and what sequence parallelism may rewrite, from each registered style's attributes."""
-    from transformers.distributed.tensor_parallel import (
-        ColwiseParallel,
-        PackedColwiseParallel,
-        PackedRowwiseParallel,
-        RowwiseParallel,
-    )
+_LAYER_CASES = {
+    # style: (module, input, what its forward must give on one rank: the unsharded module's output)
+    "colwise": lambda: (nn.Linear(8, 12), torch.randn(2, 3, 8)),
+    "colwise_gather_output": lambda: (nn.Linear(8, 12), torch.randn(2, 3, 8)),
+    "colwise_rep": lambda: (nn.Linear(8, 12), torch.randn(2, 3, 8)),
+    "packed_colwise": lambda: (nn.Linear(8, 12), torch.randn(2, 3, 8)),
+    "rowwise": lambda: (nn.Linear(8, 12), torch.randn(2, 3, 8)),
+    "rowwise_rep": lambda: (nn.Linear(8, 12), torch.randn(2, 3, 8)),
+    "rowwise_split_input": lambda: (nn.Linear(8, 12), torch.randn(2, 3, 8)),
+    "embedding_rowwise": lambda: (nn.Embedding(10, 4, padding_idx=3), torch.tensor([[1, 3, 9]])),
+    "embedding_colwise": lambda: (nn.Embedding(10, 4), torch.tensor([[1, 3, 9]])),
+}
 
-    for name, style in registered_styles().items():
-        fact = STYLES[name]
-        if isinstance(style, ColwiseParallel):
-            assert fact.kind == "column" and fact.lora_half == "lora_B", name
-            assert fact.output_sharded == isinstance(style.output_layouts, Shard), name
-            # torch's ColwiseParallel (the rewrite's target): replicated input, output sharded on the last dim
-            assert fact.rewritable == (style.output_layouts == Shard(-1)), name
-        elif isinstance(style, RowwiseParallel):
-            assert fact.kind == "row" and fact.lora_half == "lora_A" and not fact.output_sharded, name
-            # torch's RowwiseParallel: input sharded on the last dim (not a replicated input split locally)
-            assert fact.rewritable == (style.input_layouts == Shard(-1)), name
-        elif isinstance(style, PackedRowwiseParallel):
-            # Expert weights stored [in, out]: the packed output features (last dim) split, each rank its slice of
-            # gate and of up; not a LoRA target.
-            assert fact.kind == "column" and fact.output_sharded and fact.strided and fact.weight_dim == -1, name
-            assert fact.lora_half is None and not fact.rewritable, name
-        elif isinstance(style, PackedColwiseParallel):
-            assert fact.output_sharded and style.use_local_output, name  # each rank keeps its local slice
-            assert fact.lora_half is None and not fact.rewritable, name
+
+@pytest.mark.parametrize("style", sorted(_LAYER_CASES))
+def test_each_layer_computes_what_the_module_computes_and_its_output_is_its_own(one_rank_mesh, style):
+    """On one rank every collective is the identity: the layer's hooks (local shards, hidden bias, masked ids) must
+    give the unsharded module's output and gradients, and a row-wise or vocabulary-parallel output must take an
+    in-place change (it is no view of a DTensor's internals)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    reference, x = _LAYER_CASES[style]()
+    module = copy.deepcopy(reference)
+    parallelize_module(module, one_rank_mesh, LAYERS[style](style, None, {}))
+    expected, out = reference(x), module(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    if STYLES[style].kind in ("row", "embedding"):
+        out.mul_(2)  # raises where the output is a view a custom autograd Function returned
+        expected = expected * 2
+    out.sum().backward()
+    expected.sum().backward()
+    for name, param in module.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=0, atol=0, msg=f"{style}: {name}")
+
+
+def test_each_style_s_layer_follows_its_facts():
+    """The layer class of each applied style is the one its kind says, and the column-wise ones gather their output
+    exactly where the facts say the output is not left sharded."""
+    by_kind = {"column": ColumnParallel, "row": RowParallel, "embedding": EmbeddingParallel}
+    for name, fact in STYLES.items():
+        if not fact.supported or not fact.registered or name in ("mla_kv_a_proj",):
+            continue
+        layer = LAYERS[name](name, None, {})
+        expected = by_kind.get(fact.kind)
+        if expected is None:
+            assert layer is None or fact.kind == "module", name
         else:
-            assert fact.lora_half is None and not fact.output_sharded, name
+            assert isinstance(layer, expected) and layer.fact is fact, name
     assert {n for n, f in STYLES.items() if f.sums_gradients} == {"replicated_with_grad_allreduce"}
 
 
