@@ -16,6 +16,7 @@ from lightning_tp.checkpoint.publish import is_main, publish_directory, run_on_m
 from lightning_tp.parallel.gather import whole_tensor
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, merged_weight
 from lightning_tp.parallel.pipeline import gather_stages, pipeline_runner
+from lightning_tp.patches import install, installed
 
 
 def install_distributed_save_pretrained(model: nn.Module) -> None:
@@ -53,7 +54,8 @@ def install_publishing_save_pretrained(
     given_state: Literal["call_through", "publish"],
     defaults: Mapping[str, Any] | None = None,
 ) -> None:
-    """Replace ``model.save_pretrained`` (on this instance, once) by a collective one: every rank calls it, every rank
+    """Replace ``model.save_pretrained`` (on this instance, once: a model patched already keeps its save; a patch
+    of :mod:`lightning_tp.patches` owned by the model) by a collective one: every rank calls it, every rank
     runs ``gather(is_main)`` (the state dict to write, whole, needed on the main rank only), the main rank writes it
     with the original method into a temporary directory renamed into place once complete, and a failure there raises
     on every rank. ``is_main_process`` picks the writing rank (default: rank 0).
@@ -61,7 +63,7 @@ def install_publishing_save_pretrained(
     A caller's own ``state_dict``: ``given_state="call_through"`` hands the call to the original method as it is (no
     collective: the caller may be on one rank only); ``"publish"`` writes it from the main rank as above, without
     ``gather``. ``defaults``: keyword arguments for the original method unless the caller passes them."""
-    if getattr(model, "_lightning_tp_save", False):
+    if installed(model, "save_pretrained") is not None:
         return
     original = model.save_pretrained
 
@@ -82,8 +84,7 @@ def install_publishing_save_pretrained(
 
         run_on_main_and_share_failure(write, is_main=is_main)
 
-    model.save_pretrained = save_pretrained
-    model._lightning_tp_save = True
+    install(model, "save_pretrained", save_pretrained, owner=model)
 
 
 def gather_adapter_state_dict(peft_model: nn.Module) -> dict[str, Any]:
@@ -103,7 +104,10 @@ def install_distributed_save(peft_model: nn.Module) -> None:
     """Make ``peft_model.save_pretrained(dir)``, called on every rank, write one standard adapter directory (whole
     tensors, ``adapter_config.json``) from rank 0, into a temporary directory renamed into place once complete.
 
-    PEFT's own ``save_pretrained`` would write each rank's DTensor shards (or fail on them)."""
+    PEFT's own ``save_pretrained`` would write each rank's DTensor shards (or fail on them). Once per model: every
+    setup (fit, then validate) calls it."""
+    if installed(peft_model, "save_pretrained") is not None:
+        return
     if pipeline_runner(peft_model) is not None:
         install_pipelined_adapter_save(peft_model)
         return
@@ -153,8 +157,7 @@ def install_pipelined_adapter_save(peft_model: nn.Module) -> None:
 
         run_on_main_and_share_failure(write, is_main=main)
 
-    peft_model.save_pretrained = save_pretrained
-    peft_model._lightning_tp_save = True
+    install(peft_model, "save_pretrained", save_pretrained, owner=peft_model)
 
 
 def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, str]]:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from lightning_tp.compat import buffer_dict, parameter_dict
 from lightning_tp.parallel.collectives import SumOverGroupBothWays
 from lightning_tp.parallel.hooks import run_on_parameter_views
+from lightning_tp.patches import install
 from lightning_tp.plans.resolve import ResolvedPlan
 
 COLUMN_STYLE = "colwise_blocks"
@@ -100,8 +101,9 @@ def _run_on_buffer_view(module: nn.Module, name: str, *, dim: int, rows: torch.T
 
 def norm_across_ranks(norm: nn.Module, mesh: DeviceMesh, *, width: int) -> None:
     """A gated RMS norm over one group of ``width`` features that the TP ranks hold slices of (Mamba2's with one
-    group of B/C): the mean square is summed over the TP group. It replaces the norm's forward, since the sum sits
-    inside it; the two conventions of Transformers' Mamba2 norms are kept: the gate applied first and the weight in
+    group of B/C): the mean square is summed over the TP group. It replaces the norm's forward (an instance attribute
+    installed by :func:`lightning_tp.patches.install`, owned by the norm), since the sum sits inside it, where no
+    hook reaches; the two conventions of Transformers' Mamba2 norms are kept: the gate applied first and the weight in
     the input's dtype (``group_size``: Bamba, Granite 4, Zamba2), or the gate applied after when
     ``norm_before_gate`` and the weight in float32 (Falcon-H1's, which keeps ``n_groups``)."""
     group = mesh.get_group()
@@ -123,7 +125,7 @@ def norm_across_ranks(norm: nn.Module, mesh: DeviceMesh, *, width: int) -> None:
             states = states * F.silu(gate.to(torch.float32))
         return states.to(dtype)
 
-    norm.forward = types.MethodType(forward, norm)
+    install(norm, "forward", types.MethodType(forward, norm), owner=norm)
 
 
 def _replicated_input_grad_summed(mesh: DeviceMesh) -> Callable[..., Any]:

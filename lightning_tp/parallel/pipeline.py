@@ -28,7 +28,7 @@ of its loss, so the gradients the schedule computed are taken off the parameters
 set aside during it and put back after. ``model(...)`` takes ``input_ids``, ``labels``, ``attention_mask`` and
 ``position_ids`` only.
 
-May import: ``compat``, ``layout``, ``plans``.
+May import: ``compat``, ``layout``, ``patches``, ``plans``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_tp.patches import install
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -322,7 +324,7 @@ def keep_stages(model: nn.Module, plan: PipelinePlan, stages: Sequence[int]) -> 
     for name in sorted(everything - held):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        parent._modules[child] = None  # keeps the slot (and the other layers' indices), unlike `del`
+        setattr(parent, child, None)  # keeps the slot (and the other layers' indices), unlike `del`
 
 
 class _StageDone(Exception):  # noqa: N818 (control flow, not an error)
@@ -411,14 +413,15 @@ class PipelineStageModule(nn.Module):
         model, plan = self.model, self.plan
         layers = model.get_submodule(plan.layer_list)
         held = plan.layers[self.stage]
-        saved = dict(layers._modules)
+        # The layer list's slots (`None` for the layers other ranks hold), replaced for the call and put back after.
+        saved = [layers[index] for index in range(len(layers))]
         for index in range(len(saved)):
             if index in held:
                 continue
             stop = index == held.stop and not self.is_last
-            layers._modules[str(index)] = _StandIn(self.layer_attributes[index], stop=stop)
+            layers[index] = _StandIn(self.layer_attributes[index], stop=stop)
         if not self.is_first:
-            layers._modules[str(held.start)] = _Receiver(saved[str(held.start)], x)
+            layers[held.start] = _Receiver(saved[held.start], x)
         if self.is_first:
             inputs = {"input_ids": x}
         else:
@@ -433,8 +436,8 @@ class PipelineStageModule(nn.Module):
         except _StageDone as done:
             return done.hidden
         finally:
-            layers._modules.clear()
-            layers._modules.update(saved)
+            for index, layer in enumerate(saved):
+                layers[index] = layer
         raise AssertionError(f"stage {self.stage} ran past its last layer")  # the stand-in after it stops the call
 
 
@@ -643,8 +646,9 @@ def install_pipeline(
     keep_stages(model, plan, stages)
     runner = PipelineRunner(model, plan, pp_mesh=pp_mesh, device=device, stages=modules)
     setattr(model, RUNNER_ATTR, runner)
-    # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's.
-    model.forward = pipelined_forward(runner)
+    # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's. A
+    # replacement, not hooks: the model's own forward must not run on a rank that holds only its stages.
+    install(model, "forward", pipelined_forward(runner), owner=model)
     # The pre-hook runs before the parameter-view hooks later stages register; the hook after the call runs once their
     # restore has run, since `run_on_parameter_views` prepends it (see `hold_gradients`, `stash_gradients`).
     model.register_forward_pre_hook(lambda *_: runner.hold_gradients())
@@ -717,7 +721,7 @@ def refuse_generate(model: nn.Module) -> None:
             "its stages. Export the model (`lightning_tp.export` or `save_pretrained`) and generate with pp_size=1."
         )
 
-    model.generate = generate
+    install(model, "generate", generate, owner=model)
 
 
 __all__ = [

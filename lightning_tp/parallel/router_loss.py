@@ -9,10 +9,13 @@ package sharded, by the loss over every data-parallel rank's tokens: the token c
 totals are summed over the group (one all-reduce of ``2 x num_experts + 2`` numbers per forward); the backward
 scales by the group's size, so that FSDP2's average over the ranks sums their parts.
 
-The modeling module's ``load_balancing_loss_func`` is wrapped (once per module; it is a module-level function the
-model's forward calls by name); the wrapper changes nothing for a call whose router logits do not come from a model
-registered here (the decoder stack's forward hook records them). The first call checks, on every rank together, that
-the family's function is the formula reimplemented here, and raises on every rank where it is not.
+The modeling module's ``load_balancing_loss_func`` is wrapped (once per module, by :mod:`lightning_tp.patches`; it is
+a module-level function the model's forward calls by name), a patch of the whole process that each registered model
+owns: a strategy's teardown gives it up (``undo_owned(model, instances=False)``), so that the module's own function
+is back once no registered model holds it, until a registered model runs again. The wrapper changes nothing for a call
+whose router logits do not come from a registered model (the decoder stack's forward hook records them). The first
+call checks, on every rank together, that the family's function is the formula reimplemented here, and raises on every
+rank where it is not.
 """
 
 from __future__ import annotations
@@ -27,18 +30,22 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_tp.parallel.collectives import SumOverGroup
+from lightning_tp.patches import install, installed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 #: The name of the function Transformers' MoE modeling files compute the loss with.
 FUNCTION_NAME = "load_balancing_loss_func"
+#: The wrapper's attribute holding the family's own function (read by tests that want it whatever is installed).
 _ORIGINAL = "_lightning_tp_original"
 
 #: id of the first router-logits tensor of a registered forward -> (the tensor, weakly; the group; its size).
 _RECORDED: dict[int, tuple[weakref.ref, dist.ProcessGroup, int]] = {}
 #: Modeling modules whose function was checked against the formula here.
 _CHECKED: set[str] = set()
+#: The decoder stack of each registered model -> its recording hook (replaced when the model is registered again).
+_HOOKS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def router_loss_module(model: nn.Module) -> Any | None:
@@ -48,26 +55,42 @@ def router_loss_module(model: nn.Module) -> Any | None:
 
 
 def install_global_router_loss(model: nn.Module, dp_mesh: DeviceMesh) -> bool:
-    """Make ``model``'s load-balancing loss the whole data-parallel batch's (see the module docstring). Returns
+    """Make ``model``'s load-balancing loss the whole data-parallel batch's (see the module docstring). The model
+    owns the patch of its modeling module's function; a strategy's teardown gives it up
+    (:func:`lightning_tp.patches.undo_owned`), and the model takes it again at its next forward (a later ``fit`` of
+    the same model, whose setup leaves a sharded model alone). Registering a model again replaces its group. Returns
     whether the model has such a loss."""
     module = router_loss_module(model)
     decoder = getattr(model, "base_model", None)
     if module is None or not isinstance(decoder, nn.Module) or decoder is model:
         return False
-    function = getattr(module, FUNCTION_NAME)
-    if getattr(function, _ORIGINAL, None) is None:
-        setattr(module, FUNCTION_NAME, _wrap(function, module.__name__))
+    _hold(module, model)
     group, size = dp_mesh.get_group(), dp_mesh.size()
+    owner = weakref.ref(model)  # the hook sits inside the model: no reference cycle through it
 
     def remember(_decoder: nn.Module, _args: Any, output: Any) -> None:
         logits = getattr(output, "router_logits", None)
-        if isinstance(logits, tuple) and logits and isinstance(logits[0], torch.Tensor):
+        model = owner()
+        if model is not None and isinstance(logits, tuple) and logits and isinstance(logits[0], torch.Tensor):
+            _hold(module, model)  # before the causal LM calls the function, which it looks up by name
             for key in [k for k, (ref, _, _) in _RECORDED.items() if ref() is None]:
                 del _RECORDED[key]
             _RECORDED[id(logits[0])] = (weakref.ref(logits[0]), group, size)
 
-    decoder.register_forward_hook(remember)
+    previous = _HOOKS.pop(decoder, None)
+    if previous is not None:
+        previous.remove()
+    _HOOKS[decoder] = decoder.register_forward_hook(remember)
     return True
+
+
+def _hold(module: Any, model: nn.Module) -> None:
+    """``module``'s function wrapped (see the module docstring), the patch held by ``model`` among its owners."""
+    patch = installed(module, FUNCTION_NAME)
+    if patch is None:
+        install(module, FUNCTION_NAME, _wrap(getattr(module, FUNCTION_NAME), module.__name__), owner=model)
+    else:
+        patch.add_owner(model)
 
 
 def _wrap(original: Callable[..., Any], module_name: str) -> Callable[..., Any]:

@@ -1,6 +1,6 @@
 """What the Trainer and Fabric strategies share beyond the pipeline and checkpoints: their constructor's options,
-the process groups' lifetime, and the places where Lightning's defaults assume plain data parallelism (metric syncs,
-gradient clipping, data positions)."""
+the process groups' lifetime, the patches given up at teardown, and the places where Lightning's defaults assume plain
+data parallelism (metric syncs, gradient clipping, data positions)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from lightning_tp.layout import CP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.parallel.fsdp import ACCUMULATE_GRADS
 from lightning_tp.parallel.grad import clip_grad_norm_
 from lightning_tp.parallelize import ParallelOptions
+from lightning_tp.patches import Patch, install, installed, undo_owned
 from lightning_tp.plans.discovery import torchmetrics_in
 
 if TYPE_CHECKING:
@@ -214,6 +215,19 @@ class MeshMixin:
             return None
         return self.dp_mesh.get_group()
 
+    def teardown(self) -> None:
+        """Give up the patches of the whole process that the strategy's model owns (the router's load-balancing loss
+        function of a mixture-of-experts family: a second model or Trainer in this process gets the family's own, until
+        this model runs again) and the precision plugin's clipping (set again at the next setup), then Lightning's
+        teardown. The model's own patches stay: it is still used after ``fit`` (``save_pretrained``, ``generate``).
+        The Trainer calls it at the end of each ``fit``/``validate``/``test``/``predict``; Fabric never does, and
+        its strategy does not hold the modules it set up."""
+        release_process_wide_patches(getattr(self, "model", None))
+        plugin = getattr(self, "precision_plugin", None)
+        if plugin is not None:
+            undo_owned(plugin)
+        super().teardown()  # type: ignore[misc]
+
     def _start_processes_and_mesh(self, layout: ParallelLayout) -> None:
         """The process group (destroyed at exit when this strategy created it) and the mesh of ``layout``."""
         self._layout = layout
@@ -289,15 +303,28 @@ def reduce_metrics_over(root: nn.Module, group: Any) -> None:
             metric.process_group = group
 
 
+def release_process_wide_patches(root: nn.Module | None) -> list[Patch]:
+    """Give up the patches of modules and classes (which the whole process sees, :mod:`lightning_tp.patches`) owned by
+    ``root`` or its modules; each is undone unless another owner still holds it. Their patches of instances stay.
+    Returns the patches undone."""
+    if root is None:
+        return []
+    return [patch for module in root.modules() for patch in undo_owned(module, instances=False)]
+
+
 def clip_with_dtensor_support(plugin: Any, *, pp_group: Any | None = None) -> None:
     """Lightning clips with ``torch.nn.utils.clip_grad_norm_``, which fails on DTensor gradients across meshes; route
     the precision plugin's norm clipping to :func:`lightning_tp.clip_grad_norm_`, same arguments (the norm over every
-    stage of a pipeline: ``pp_group``)."""
+    stage of a pipeline: ``pp_group``). A patch of the plugin it owns (the strategy's teardown undoes it); a later
+    setup's replaces it."""
 
     def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: int | float) -> None:
         clip_grad_norm_(plugin_self.main_params(optimizer), clip_val, pp_group=pp_group)
 
-    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+    earlier = installed(plugin, "clip_grad_by_norm")
+    if earlier is not None:
+        earlier.undo()
+    install(plugin, "clip_grad_by_norm", types.MethodType(clip_grad_by_norm, plugin), owner=plugin)
 
 
 def drop_data_position(metadata: dict[str, Any], *, saved_dp_size: int, dp_size: int) -> None:

@@ -12,6 +12,7 @@ UPSTREAM = {"torch", "lightning", "lightning_fabric", "pytorch_lightning", "ligh
 UPSTREAM.add("peft")
 #: Private attributes of upstream objects, caught wherever they are read (the object's type is not known to the AST).
 UPSTREAM_PRIVATE_ATTRIBUTES = {
+    "_modules",
     "_parameters",
     "_buffers",
     "_flatten",
@@ -55,8 +56,9 @@ def _is_private(name: str) -> bool:
 
 def _private_uses(path: Path) -> list[str]:
     """``from torch.x import _y``, ``import torch._x``, ``torch._x`` / ``dist.distributed_c10d.y`` on a name bound
-    to an upstream package, the private attributes in :data:`UPSTREAM_PRIVATE_ATTRIBUTES` on anything but ``self``,
-    and ``getattr``-style access by a private string (other than the package's own ``_lightning_tp`` marks)."""
+    to an upstream package, the private attributes in :data:`UPSTREAM_PRIVATE_ATTRIBUTES` on anything but ``self``
+    or spelled as a string (``vars(module)["_modules"]``), and ``getattr``-style access by a private string (other than
+    the package's own ``_lightning_tp`` marks)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
     upstream_names = set()
@@ -101,6 +103,8 @@ def _private_uses(path: Path) -> list[str]:
             and not node.args[1].value.startswith("_lightning_tp")
         ):
             found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+        elif isinstance(node, ast.Constant) and node.value in UPSTREAM_PRIVATE_ATTRIBUTES:
+            found.append(f"{path.name}:{node.lineno} {node.value!r}")
     return sorted(set(found))
 
 
@@ -127,9 +131,13 @@ def test_the_private_name_check_catches_each_kind(tmp_path):
         "    getattr(t, '_is_hf_initialized', False)\n"
         "    getattr(t, '_lightning_tp_mesh', None)\n"
         "    self._parameters\n"
+        "    module._modules['0'] = None\n"
+        "    vars(module)['_parameters']\n"
+        "    '_parameters are private'\n"
     )
     found = _private_uses(source)
-    assert sorted({int(line.split(" ")[0].split(":")[1]) for line in found}) == [3, 4, 5, 7, 8, 9, 10, 11], found
+    lines = sorted({int(line.split(" ")[0].split(":")[1]) for line in found})
+    assert lines == [3, 4, 5, 7, 8, 9, 10, 11, 14, 15], found
 
 
 def test_distributed_is_initialized_is_spelled_once():
@@ -278,7 +286,7 @@ def test_the_fast_tier_names_tests_that_exist():
 
 
 #: The lowest layer: modules every other layer may import, which import nothing of the package above them.
-BASE_MODULES = {"compat", "layout", "options"}
+BASE_MODULES = {"compat", "layout", "options", "patches"}
 
 
 def test_the_lowest_modules_import_nothing_above_them():

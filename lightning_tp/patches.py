@@ -1,0 +1,284 @@
+"""Every attribute this package sets on an object it does not own (a Transformers model's ``save_pretrained``, a
+modeling module's function, Lightning's precision plugin), installed, recorded and undone in one place.
+
+A patch sets one attribute of one object (an instance, a module or a class) and remembers what the object itself
+held under that name before (its own ``__dict__`` entry, or its absence: an instance attribute that shadows a class's
+method, say), so that undoing it restores exactly that. An attribute is patched once: a second patch of it is refused
+rather than stacked silently (:func:`installed` says whether it is patched, :meth:`Patch.add_owner` shares a patch).
+
+Each patch has owners: the objects whose lifetime it belongs to (a model, a strategy's plugin). A strategy's teardown
+undoes what its model owns (:func:`undo_owned`); a patch shared by several owners is undone with the last one. Patches
+of modules and classes change the whole process (:func:`is_process_wide`); those of an instance live with it, and may
+be kept when only the process-wide ones are undone (a model's ``save_pretrained`` is still called after ``fit``).
+
+Nothing here keeps an object alive: a patch's record lives on the patched object, and owners are held weakly.
+
+The lowest layer: imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import types
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+#: The attribute of a patched object that holds its patches' records, by attribute name.
+RECORDS_ATTR = "_lightning_tp_patches"
+
+
+class _Absent(enum.Enum):
+    """What a patched object held under the name before: nothing of its own (an enum member survives ``deepcopy``)."""
+
+    ABSENT = "absent"
+
+
+#: The previous value of an attribute the object did not hold itself (undo deletes the attribute).
+ABSENT = _Absent.ABSENT
+
+#: id of an owner -> (the owner, weakly; its patches, weakly, in the order installed).
+_OWNED: dict[int, tuple[weakref.ref, list[weakref.ref[Patch]]]] = {}
+
+
+class Patch:
+    """One attribute set by :func:`install`: ``target.name = value``, ``previous`` the object's own value before (or
+    :data:`ABSENT`)."""
+
+    def __init__(self, target: Any, name: str, value: Any, previous: Any) -> None:
+        self.target = target
+        self.name = name
+        self.value = value
+        self.previous = previous
+        self.active = True
+        self._owners: list[weakref.ref] = []
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "undone"
+        where = self.target.__name__ if is_process_wide(self.target) else type(self.target).__name__
+        return f"<Patch {where}.{self.name} ({state})>"
+
+    @property
+    def owners(self) -> list[Any]:
+        """The owners still alive."""
+        return [owner for ref in self._owners if (owner := ref()) is not None]
+
+    def add_owner(self, owner: object) -> None:
+        """Share this patch with ``owner`` too: :func:`undo_owned` undoes it once no owner holds it.
+
+        Args:
+            owner: an object that can be weakly referenced (a module, a model, a strategy).
+
+        Raises:
+            ValueError: if the patch was undone, or ``owner`` cannot be weakly referenced.
+        """
+        if not self.active:
+            raise ValueError(f"{self!r} was undone; install it again instead of sharing it.")
+        if any(owner is held for held in self.owners):
+            return
+        key = _owner_key(owner)
+        self._owners.append(weakref.ref(owner))
+        _OWNED[key][1].append(weakref.ref(self))
+
+    def release(self, owner: object) -> bool:
+        """Give up ``owner``'s hold on this patch, and undo it if no other owner holds it.
+
+        Args:
+            owner: one of :attr:`owners`; another object changes nothing.
+
+        Returns:
+            Whether the patch was undone.
+        """
+        if not any(owner is held for held in self.owners):
+            return False
+        self._owners = [ref for ref in self._owners if ref() is not None and ref() is not owner]
+        entry = _OWNED.get(id(owner))
+        if entry is not None and entry[0]() is owner:
+            entry[1][:] = [ref for ref in entry[1] if ref() is not None and ref() is not self]
+        return not self._owners and self.undo()
+
+    def undo(self) -> bool:
+        """Restore what the object held before (delete the attribute if it held none of its own), whatever its owners.
+        An attribute replaced since by someone else is left as they set it. Returns whether it was restored; undoing
+        an undone patch does nothing."""
+        if not self.active:
+            return False
+        self.active = False
+        records = vars(self.target).get(RECORDS_ATTR)
+        assert records is not None and records.get(self.name) is self, f"{self!r} is not the object's record"
+        del records[self.name]
+        if vars(self.target).get(self.name, ABSENT) is not self.value:
+            return False
+        if self.previous is ABSENT:
+            delattr(self.target, self.name)
+        else:
+            setattr(self.target, self.name, self.previous)
+        return True
+
+
+def is_process_wide(target: object) -> bool:
+    """Whether a patch of ``target`` changes the whole process: ``target`` is a module or a class (every user of it
+    sees the patch), not one instance."""
+    return isinstance(target, (types.ModuleType, type))
+
+
+def installed(target: object, name: str) -> Patch | None:
+    """The active patch of ``target.name`` (the object's own patch: a patched class does not make its instances
+    patched), or ``None``."""
+    try:
+        records = vars(target).get(RECORDS_ATTR)
+    except TypeError:  # no __dict__: nothing can have been patched
+        return None
+    return records.get(name) if records is not None else None
+
+
+def install(target: object, name: str, value: Any, *, owner: object) -> Patch:
+    """Set ``target.name = value``, recording what ``target`` held itself (its own attribute, or none: an instance's
+    method comes from its class) so that :meth:`Patch.undo` restores exactly that.
+
+    Args:
+        target: the object patched: an instance, a module or a class, with a ``__dict__``.
+        name: the attribute, a plain one (not a property, nor a submodule, parameter or buffer of an ``nn.Module``).
+        value: what the attribute becomes.
+        owner: what the patch belongs to (:func:`undo_owned` undoes the patches of an owner); held weakly.
+
+    Raises:
+        ValueError: if ``target.name`` is patched already (undo that patch first, or share it with
+            :meth:`Patch.add_owner`), ``target`` has no ``__dict__``, ``name`` is not a plain attribute, or ``owner``
+            cannot be weakly referenced.
+    """
+    _owner_key(owner)  # refuses an owner that cannot be weakly referenced before anything is set
+    patch = _install(target, name, value)
+    patch.add_owner(owner)
+    return patch
+
+
+@contextmanager
+def patched(target: object, name: str, value: Any) -> Iterator[Patch]:
+    """:func:`install` for the ``with`` block only: undone on leaving it (an exception included); no owner.
+
+    Args:
+        target: as for :func:`install`.
+        name: as for :func:`install`.
+        value: as for :func:`install`.
+
+    Raises:
+        ValueError: as :func:`install`.
+    """
+    patch = _install(target, name, value)
+    try:
+        yield patch
+    finally:
+        patch.undo()
+
+
+def owned_by(owner: object) -> list[Patch]:
+    """The active patches ``owner`` holds, in the order they were installed."""
+    entry = _OWNED.get(id(owner))
+    if entry is None or entry[0]() is not owner:
+        return []
+    return [patch for ref in entry[1] if (patch := ref()) is not None and patch.active]
+
+
+def undo_owned(owner: object, *, instances: bool = True) -> list[Patch]:
+    """Give up ``owner``'s patches, the latest first: each is undone unless another owner still holds it.
+
+    Args:
+        owner: the owner given to :func:`install` or :meth:`Patch.add_owner`.
+        instances: also the patches of instances; ``False``: only the process-wide ones (of modules and classes,
+            :func:`is_process_wide`), the instances' staying with them and with ``owner``.
+
+    Returns:
+        The patches undone.
+    """
+    undone = []
+    for patch in reversed(owned_by(owner)):
+        if not instances and not is_process_wide(patch.target):
+            continue
+        if patch.release(owner):
+            undone.append(patch)
+    return undone
+
+
+def _install(target: object, name: str, value: Any) -> Patch:
+    try:
+        own = vars(target)
+    except TypeError:
+        raise ValueError(f"{type(target).__name__} objects have no `__dict__`: they cannot be patched.") from None
+    if name == RECORDS_ATTR:
+        raise ValueError(f"`{RECORDS_ATTR}` holds the records of the patches; it cannot be patched itself.")
+    existing = installed(target, name)
+    if existing is not None:
+        raise ValueError(
+            f"`{name}` of this {type(target).__name__} is patched already ({existing!r}): undo that patch first, or "
+            "share it (`Patch.add_owner`)."
+        )
+    if not isinstance(target, type):
+        on_class = inspect.getattr_static(type(target), name, None)
+        if hasattr(type(on_class), "__set__") or hasattr(type(on_class), "__delete__"):
+            raise ValueError(f"`{type(target).__name__}.{name}` is a property or descriptor, not a plain attribute.")
+    if name not in own and _served_by_getattr(target, name):
+        raise ValueError(
+            f"`{name}` of this {type(target).__name__} is not a plain attribute (it is served by `__getattr__`: a "
+            "submodule, parameter or buffer of an `nn.Module`, say), so it cannot be patched and restored."
+        )
+    previous = own.get(name, ABSENT)
+    setattr(target, name, value)
+    if vars(target).get(name, ABSENT) is not value:  # `nn.Module.__setattr__` registers a module or parameter
+        delattr(target, name)
+        raise ValueError(
+            f"Setting `{name}` of this {type(target).__name__} to a {type(value).__name__} does not set a plain "
+            "attribute (an `nn.Module` registers modules and parameters elsewhere), so it cannot be patched."
+        )
+    if RECORDS_ATTR not in vars(target):
+        setattr(target, RECORDS_ATTR, {})
+    patch = Patch(target, name, value, previous)
+    vars(target)[RECORDS_ATTR][name] = patch
+    return patch
+
+
+def _served_by_getattr(target: object, name: str) -> bool:
+    """Whether ``target.name``, which ``target`` does not hold itself, resolves all the same although (for an instance)
+    its class has no such attribute either: ``__getattr__`` computes it. A class's attribute it does not hold comes
+    from a base, and an instance's from its class: the object's own attribute shadows those, and deleting it restores
+    them."""
+    if isinstance(target, type) or inspect.getattr_static(type(target), name, ABSENT) is not ABSENT:
+        return False
+    return hasattr(target, name) and name not in vars(target)  # a lazy module's `__getattr__` may import it now
+
+
+def _owner_key(owner: object) -> int:
+    """The key of ``owner`` in :data:`_OWNED`, its entry created (and removed when the owner is collected)."""
+    key = id(owner)
+    entry = _OWNED.get(key)
+    if entry is not None and entry[0]() is owner:
+        return key
+    try:
+        ref = weakref.ref(owner, lambda _ref, key=key: _forget(key, _ref))
+    except TypeError:
+        raise ValueError(
+            f"A patch's owner must be weakly referenceable (a module, a model, a strategy); got a "
+            f"{type(owner).__name__}."
+        ) from None
+    _OWNED[key] = (ref, [])
+    return key
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _OWNED.get(key)
+    if entry is not None and entry[0] is ref:
+        del _OWNED[key]
+
+
+__all__ = [
+    "ABSENT",
+    "Patch",
+    "install",
+    "installed",
+    "is_process_wide",
+    "owned_by",
+    "patched",
+    "undo_owned",
+]
