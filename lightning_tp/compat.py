@@ -62,6 +62,7 @@ __all__ = [
     "no_split_modules",
     "optimizers_to_device",
     "parameter_dict",
+    "pass_attention_default",
     "remove_tied_weights_from_state_dict",
     "replace_sigterm_broadcast",
     "restore_sigterm_broadcast",
@@ -69,12 +70,12 @@ __all__ = [
     "forget_loader_position",
     "record_module_device",
     "set_device_mesh",
+    "remove_transformers_grad_allreduce",
     "revert_weight_conversion",
     "set_sampler_epoch",
     "strategy_timeout",
     "sync_ddp_if_available",
     "torch_get_layout",
-    "transformers_apply_tensor_parallelism",
     "wrapped_initialize_weights",
 ]
 
@@ -317,12 +318,16 @@ def revert_weight_conversion(model: nn.Module, state: dict[str, Any]) -> dict[st
     return revert(model, state)
 
 
-def transformers_apply_tensor_parallelism() -> Callable[..., Any]:
-    """Transformers' TP on an already built model over any 1-D mesh: its module is internal (it moved once already,
-    ``integrations/`` keeps a shim) and not exported at the top level."""
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-    return apply_tensor_parallelism
+def remove_transformers_grad_allreduce(module: nn.Module) -> None:
+    """Undo Transformers' ``replicated_with_grad_allreduce`` layer on a module that ``from_pretrained`` sharded: 5.24
+    replaces the instance's ``forward``, 5.25 registers a forward pre-hook (a local function of
+    ``ReplicatedWithGradAllReduce.install_forward``) that hooks each parameter's gradient with an all-reduce of a plain
+    tensor. This package sums that gradient itself, on the replicated DTensor it makes of the parameter."""
+    module.__dict__.pop("forward", None)
+    hooks = module._forward_pre_hooks
+    for key, hook in list(hooks.items()):
+        if "ReplicatedWithGradAllReduce." in getattr(hook, "__qualname__", ""):
+            del hooks[key]
 
 
 def transformers_apply_expert_parallelism() -> Callable[..., Any]:
@@ -361,6 +366,47 @@ def set_attention_implementation(config: Any, name: str) -> None:
     checks of ``PreTrainedModel.set_attn_implementation`` (which loads kernels and refuses names it does not ship);
     the config's setter passes it on to the sub-configs."""
     config._attn_implementation = name
+
+
+def pass_attention_default(prefix: str, *, keyword: str) -> None:
+    """Make ``AttentionInterface.get_interface(name, default)`` hand ``default`` on, as the keyword argument
+    ``keyword``, to the function registered under a ``name`` that starts with ``prefix``; every other name is looked
+    up as before. Done once, for every instance of the interface (a class attribute, as the registry is).
+
+    Why: each attention layer asks ``get_interface(config._attn_implementation, eager_attention_forward)`` with its
+    modeling file's own eager function (softcapping, sinks, scaling and dropout differ by family), and
+    Transformers drops that default whenever the name is registered. A registered implementation that runs the
+    model's eager attention inside itself has no other way to it: no public API maps a layer to its eager function.
+    A layer that indexes the registry instead (``ALL_ATTENTION_FUNCTIONS[name]``) passes no default: the function
+    is then called without ``keyword``.
+
+    Installed through :mod:`lightning_tp.patches` for the life of the process (it changes nothing for any other
+    name), once."""
+    import functools
+
+    from transformers.modeling_utils import AttentionInterface
+
+    from lightning_tp import patches
+
+    if patches.installed(AttentionInterface, "get_interface") is not None:
+        return
+    original = AttentionInterface.get_interface
+
+    @functools.wraps(original)
+    def get_interface(self: Any, attn_implementation: str, default: Callable, *args: Any, **kwargs: Any) -> Callable:
+        function = original(self, attn_implementation, default, *args, **kwargs)
+        if isinstance(attn_implementation, str) and attn_implementation.startswith(prefix):
+            return functools.partial(function, **{keyword: default})
+        return function
+
+    patches.install(AttentionInterface, "get_interface", get_interface, owner=_PROCESS)
+
+
+class _Process:
+    """The owner of the patches that last as long as the process."""
+
+
+_PROCESS = _Process()
 
 
 def causal_lm_loss_function() -> Callable[..., Any]:

@@ -35,7 +35,6 @@ import copy
 import functools
 import inspect
 import itertools
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from lightning_tp.compat import attention_implementation, set_attention_implementation
+from lightning_tp.compat import attention_implementation, pass_attention_default, set_attention_implementation
 from lightning_tp.parallel.collectives import SumOverGroup
 
 #: The attention implementations context parallelism runs inside, and the score a masked key gets in the additive
@@ -67,6 +66,16 @@ SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask
 CACHE_INPUTS = ("cache", "past_key_values")
 #: The attribute a context-parallel mask carries: its :class:`MaskTag`.
 SPLIT_ATTR = "_lightning_tp_cp_split"
+#: Causal LMs whose layers call Transformers' attention interface although their class does not declare it
+#: (``is_backend_compatible()`` is False in Transformers 5.24 and 5.25), at parity with cp 2 in the coverage run
+#: (``benchmarks/coverage.py``). Keyed by the model class's own name: a subclass under another name is refused like any
+#: undeclared model. The first split forward still checks that every decoder layer called the interface.
+UNDECLARED_ATTENTION_INTERFACE = frozenset({"BioGptForCausalLM", "StableLmForCausalLM"})
+#: The names the splits' attention and mask implementations are registered under (a counter follows).
+NAME_PREFIX = "lightning_tp_cp_"
+#: The keyword under which a split's attention function gets the default the layer asked the interface with (its
+#: modeling file's eager attention; see :func:`lightning_tp.compat.pass_attention_default`).
+DEFAULT_ATTENTION_KEYWORD = "default_attention"
 #: Sequence dim of the activations (batch, seq, ...) and of the attention's keys (batch, heads, seq, head_dim).
 SEQUENCE_DIM = 1
 KEY_SEQUENCE_DIM = 2
@@ -181,8 +190,12 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def context_parallel_problem(model: nn.Module) -> str | None:
-    """Why ``model`` cannot run with its sequences split, or ``None``. Reads the model's structure and config only,
-    so every rank decides the same before any collective."""
+    """Why ``model`` cannot run with its sequences split, or ``None``. Reads the model's structure, class declarations
+    and config only (never its code), so every rank decides the same before any collective.
+
+    Args:
+        model: the model to split (a Transformers causal LM, else refused).
+    """
     from lightning_tp.parallel.fsdp import block_classes
     from lightning_tp.parallel.loss_parallel import computes_causal_lm_loss
     from lightning_tp.plans.resolve import is_transformers_model
@@ -224,14 +237,14 @@ def context_parallel_problem(model: nn.Module) -> str | None:
             f"{name} computes its loss with {getattr(current, '__name__', current)!r}, not Transformers' causal-LM "
             "loss, whose labels the split shifts before cutting them"
         )
-    blocks = block_classes(model)
-    own_code = sorted({cls.__module__ for cls in blocks if not hasattr(sys.modules.get(cls.__module__), _INTERFACE)})
-    if own_code:
+    if not declares_attention_interface(model):
         return (
-            f"{name}'s decoder layers ({own_code[0]}) compute attention with code of their own, not through "
-            "Transformers' attention interface, so their keys and values cannot be exchanged"
+            f"{name} does not declare that its layers compute attention through Transformers' attention interface "
+            f"(`{name}.is_backend_compatible()` is False), the only place where context parallelism exchanges keys and "
+            "values: layers with attention code of their own (GPT-Neo, Bloom, MPT, Falcon's in Transformers 5.24) "
+            "would attend within each rank's chunk. Run it without `cp_size` (tp_size or dp_shard_size instead)"
         )
-    base = decoder_stack(model, blocks)
+    base = decoder_stack(model, block_classes(model))
     parameters = inspect.signature(base.forward).parameters
     missing = [arg for arg in ("position_ids", "attention_mask") if arg not in parameters]
     if missing:
@@ -239,8 +252,18 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     return None
 
 
-#: The name a modeling file imports to dispatch attention through Transformers' interface (``AttentionInterface``).
-_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+def declares_attention_interface(model: nn.Module) -> bool:
+    """Whether ``model``'s layers compute attention through Transformers' attention interface, the registry that
+    context parallelism registers its attention in: as the model's class declares it (``is_backend_compatible()``,
+    what Transformers' models that dispatch through ``AttentionInterface`` set), or as
+    :data:`UNDECLARED_ATTENTION_INTERFACE` lists it. A model that declares nothing is taken not to: what its layers
+    do is not read from their code.
+
+    Args:
+        model: a Transformers model (:func:`lightning_tp.plans.resolve.is_transformers_model`).
+    """
+    declared = getattr(type(model), "is_backend_compatible", None)
+    return (callable(declared) and bool(declared())) or type(model).__name__ in UNDECLARED_ATTENTION_INTERFACE
 
 
 def decoder_stack(model: nn.Module, blocks: set[type] | None = None) -> nn.Module:
@@ -286,7 +309,7 @@ class ContextParallel:
         assert multiple % (2 * self.size) == 0, (multiple, self.size)
         self.multiple = multiple
         self.inner = attention_implementation(model.config)
-        self.name = f"lightning_tp_cp_{next(_names)}"
+        self.name = f"{NAME_PREFIX}{next(_names)}"
         self.blocks = blocks
         self.current: BatchSplit | None = None
         self.labelled = False
@@ -529,21 +552,36 @@ class ContextParallel:
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        default_attention: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """The attention interface: this rank's queries against the whole sequence's keys and values, piece by piece,
-        through the model's own attention function."""
+        through the model's own attention function: Transformers' ``sdpa``, or for ``eager`` the function the layer
+        asked the interface with (``default_attention``, its modeling file's own: see
+        :func:`lightning_tp.compat.pass_attention_default`).
+
+        Raises:
+            ValueError: under ``eager``, when the layer asked the interface without its eager function (it indexes
+                the registry), which the split then cannot call.
+        """
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        inner = ALL_ATTENTION_FUNCTIONS.get_interface(self.inner, _eager_attention(module))
         tag = getattr(attention_mask, SPLIT_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
+        if tag is None and self.current is not None:
+            raise ValueError(
+                f"Context parallelism: {type(module).__name__} got an attention mask that is not the split one "
+                f"({None if attention_mask is None else tuple(attention_mask.shape)}), so it would attend within "
+                "its chunk only. Its layer prepares masks of its own; run this model without `cp_size`."
+            )
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(self.inner, default_attention)
+        if inner is None:
+            raise ValueError(
+                f"Context parallelism: {type(module).__name__} looked its attention implementation up without its "
+                "eager function (`ALL_ATTENTION_FUNCTIONS[name]`, not `ALL_ATTENTION_FUNCTIONS.get_interface(name, "
+                "eager_attention_forward)`), so under `eager` the split cannot run the model's own eager attention. "
+                'Load the model with `attn_implementation="sdpa"`, or run it without `cp_size`.'
+            )
         if tag is None:
-            if self.current is not None:
-                raise ValueError(
-                    f"Context parallelism: {type(module).__name__} got an attention mask that is not the split one "
-                    f"({None if attention_mask is None else tuple(attention_mask.shape)}), so it would attend within "
-                    "its chunk only. Its layer prepares masks of its own; run this model without `cp_size`."
-                )
             return inner(module, query, key, value, attention_mask, **kwargs)
         if not getattr(module, "is_causal", True):
             raise ValueError(
@@ -706,6 +744,7 @@ def install_context_parallel(
     base = decoder_stack(model, blocks)
     cp = ContextParallel(model, base, mesh, multiple=multiple, blocks=blocks)
     _SPLITS[cp.name] = cp
+    pass_attention_default(NAME_PREFIX, keyword=DEFAULT_ATTENTION_KEYWORD)  # each layer's eager function, for `eager`
     AttentionInterface.register(cp.name, functools.partial(_dispatch, cp.name, "attention"))
     AttentionMaskInterface.register(cp.name, functools.partial(_dispatch, cp.name, "mask"))
     # The model's modules read the implementation from the config at every forward. A config is often shared (two
@@ -812,31 +851,24 @@ def _own_config(model: nn.Module) -> None:
 
 
 def positions_from_mask(stack: nn.Module) -> str | None:
-    """The class of the decoder stack (or of a module directly in it) that derives position ids from the attention
-    mask when it gets none (OPT and BioGPT count a left-padded row from its first real token), read from their
-    ``forward``'s code; ``None`` for the usual ``0 .. length - 1``."""
-    for module in (stack, *stack.children()):
-        try:
-            source = inspect.getsource(type(module).forward)
-        except (OSError, TypeError):
-            continue
-        if "cumsum" in source and "attention_mask" in source:
-            return type(module).__name__
+    """The position table of the decoder stack that derives position ids from the attention mask when it gets none,
+    as ``"Stack.name (Class)"``, or ``None`` for Transformers' usual ``0 .. length - 1``. Found by structure: a module
+    directly in the stack that is an embedding table (``nn.Embedding``, looked up by index) and whose ``forward``
+    takes ``attention_mask`` computes its indices from the mask (OPT's and BioGPT's learned positions count a
+    left-padded row from its first real token). A stack that derives them in its own ``forward`` without such a table
+    is not found; of Transformers' text causal LMs in 5.24 and 5.25, the one stack that does (OPT's) has one too.
+
+    Args:
+        stack: the model's decoder stack (:func:`decoder_stack`).
+    """
+    for name, module in stack.named_children():
+        if isinstance(module, nn.Embedding) and "attention_mask" in inspect.signature(module.forward).parameters:
+            return f"{type(stack).__name__}.{name} ({type(module).__name__})"
     return None
 
 
 def _describe(value: Any) -> str:
     return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
-
-
-def _eager_attention(module: nn.Module) -> Callable[..., Any] | None:
-    """The ``eager_attention_forward`` of the module's modeling file (softcapping, sinks and scaling are per family),
-    found through its classes (FSDP2 subclasses a module it shards)."""
-    for cls in type(module).__mro__:
-        function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
-        if function is not None:
-            return function
-    return None
 
 
 __all__ = [

@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from lightning_tp.parallel.context_parallel import (
+    NAME_PREFIX,
+    UNDECLARED_ATTENTION_INTERFACE,
     context_parallel_problem,
     decoder_stack,
     gathered_positions,
     install_context_parallel,
     local_positions,
     padded_length,
+    positions_from_mask,
 )
 from lightning_tp.parallel.fsdp import block_classes
 from tests.helpers.models import (
@@ -65,7 +68,7 @@ def test_supported_models_pass_the_check() -> None:
         (lambda: torch.nn.Linear(2, 2), "not a Transformers model"),
         (lambda: _meta_model(tiny_config("qwen3", output_router_logits=True)), "output_router_logits"),
         (lambda: _meta_model(tiny_config("qwen3", is_causal=False)), "does not use causal attention"),
-        (lambda: _meta_model(tiny_config("mpt")), "compute attention with code of their own"),
+        (lambda: _meta_model(tiny_config("mpt")), "MptForCausalLM.is_backend_compatible()` is False"),
     ],
 )
 def test_what_cannot_be_split_is_refused_by_name(build, fragment: str) -> None:
@@ -203,10 +206,13 @@ def test_inputs_it_cannot_split_are_refused_by_name(one_rank_mesh) -> None:
 
 
 def test_layers_with_attention_code_of_their_own_are_refused_or_found_in_the_first_forward(one_rank_mesh) -> None:
-    """Falcon's modeling file has no attention dispatch through Transformers' interface: refused before anything moves.
-    A layer that has it but does not use it would attend within its chunk: the first split forward raises, naming
-    it (here a decoder layer whose attention calls SDPA itself)."""
-    assert "compute attention with code of their own" in context_parallel_problem(_meta_model(tiny_config("falcon")))
+    """Falcon does not declare that its layers go through Transformers' attention interface (`is_backend_compatible()`
+    is False: in Transformers 5.24 they compute attention with code of their own; in 5.25 they dispatch through it,
+    ALiBi variants adding their bias to the mask themselves): refused before anything moves, whatever its code reads.
+    A layer of a model that declares it but does not use it would attend within its chunk: the first split forward
+    raises, naming it (here a decoder layer whose attention calls SDPA itself)."""
+    problem = context_parallel_problem(_meta_model(tiny_config("falcon")))
+    assert problem is not None and "FalconForCausalLM.is_backend_compatible()` is False" in problem, problem
     model = build_causal_lm(tiny_config("qwen3"))
     attention = model.model.layers[1].self_attn
 
@@ -256,7 +262,9 @@ def test_models_that_count_positions_from_the_mask_need_position_ids(one_rank_me
     model = build_causal_lm(tiny_config("opt"))
     split = _split_copy(model, one_rank_mesh)
     batch = padded_lm_batches(1)[0]
-    with pytest.raises(ValueError, match="OPTDecoder derives the positions from `attention_mask`"):
+    with pytest.raises(
+        ValueError, match=r"OPTDecoder.embed_positions \(OPTLearnedPositionalEmbedding\) derives the positions from"
+    ):
         split(**batch)
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     torch.testing.assert_close(split(**batch, position_ids=positions).loss, model(**batch).loss, atol=1e-6, rtol=0)
@@ -285,3 +293,131 @@ def test_hybrid_families_are_refused_naming_only_their_sequence_mixing_layers(ki
     moves, naming the layer type (Nemotron-H's MLP layers mix no tokens and are not named)."""
     problem = context_parallel_problem(build_causal_lm(tiny_config(kind, _attn_implementation="sdpa")))
     assert problem is not None and f"['{layer_type}']" in problem and "tp_size" in problem
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the package decides without reading any code: class declarations, structure, and what the layers hand
+# Transformers' attention interface
+
+
+def test_models_that_do_not_declare_the_attention_interface_are_refused_unless_listed(monkeypatch) -> None:
+    """A model whose class does not declare Transformers' attention interface (`is_backend_compatible()`) is refused by
+    name, whatever its layers do; the families listed in `UNDECLARED_ATTENTION_INTERFACE` (which use it without
+    declaring it) pass, by their class's own name only."""
+    from transformers import Qwen3ForCausalLM
+
+    model = _meta_model(tiny_config("qwen3"))
+    assert context_parallel_problem(model) is None
+    monkeypatch.setattr(Qwen3ForCausalLM, "is_backend_compatible", classmethod(lambda cls: False))
+    problem = context_parallel_problem(model)
+    assert "Qwen3ForCausalLM does not declare" in problem and "without `cp_size`" in problem, problem
+
+    stablelm = _meta_model(tiny_config("stablelm"))
+    assert type(stablelm).__name__ in UNDECLARED_ATTENTION_INTERFACE
+    assert context_parallel_problem(stablelm) is None
+    stablelm.__class__ = type("MyStableLm", (type(stablelm),), {})  # a subclass: its layers may be anything
+    assert "MyStableLm does not declare" in context_parallel_problem(stablelm)
+
+
+def _biogpt_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "biogpt",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+
+
+@pytest.mark.parametrize("kind", ["stablelm", "biogpt"])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_the_listed_families_split_on_one_rank_and_change_nothing(one_rank_mesh, kind: str, implementation: str):
+    """The families `UNDECLARED_ATTENTION_INTERFACE` admits run through the split, in eager (their own eager function,
+    handed over by their layers) and sdpa, and change nothing."""
+    config = _biogpt_config() if kind == "biogpt" else tiny_config(kind)
+    config._attn_implementation = implementation
+    model = build_causal_lm(config)
+    assert type(model).__name__ in UNDECLARED_ATTENTION_INTERFACE and not type(model).is_backend_compatible()
+    split = _split_copy(model, one_rank_mesh)
+    batch = lm_batches(1)[0]
+    torch.testing.assert_close(split(**batch).loss, model(**batch).loss, atol=1e-6, rtol=0)
+
+
+def test_the_interface_hands_the_layers_eager_function_to_the_split_only() -> None:
+    """`get_interface(name, default)` passes the default (a layer's own eager function) on to a split's registered
+    function, as `default_attention`; other names are looked up as Transformers does."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    from lightning_tp.compat import pass_attention_default
+
+    def family_eager(*args, **kwargs):
+        return "eager"
+
+    def registered(*args, default_attention=None, **kwargs):
+        return default_attention
+
+    name = f"{NAME_PREFIX}test_interface"
+    AttentionInterface.register(name, registered)
+    pass_attention_default(NAME_PREFIX, keyword="default_attention")
+    pass_attention_default(NAME_PREFIX, keyword="default_attention")  # once: not wrapped twice
+    assert ALL_ATTENTION_FUNCTIONS.get_interface(name, family_eager)() is family_eager
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("eager", family_eager) is family_eager
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", family_eager) is ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def test_an_eager_layer_that_hands_over_no_eager_function_is_refused_by_name(one_rank_mesh) -> None:
+    """A layer that indexes the registry (`ALL_ATTENTION_FUNCTIONS[name]`) gives the split no eager function of its
+    own to run: under `eager` its first forward raises, naming its class, rather than running another family's."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = tiny_config("qwen3")
+    config._attn_implementation = "eager"
+    model = build_causal_lm(config)
+    split = _split_copy(model, one_rank_mesh)
+    attention = split.model.layers[0].self_attn
+    heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+
+    def indexing_attention(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        query = attention.q_proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
+        key = attention.k_proj(hidden_states).view(batch, length, kv_heads, dim).transpose(1, 2)
+        value = attention.v_proj(hidden_states).view(batch, length, kv_heads, dim).transpose(1, 2)
+        function = ALL_ATTENTION_FUNCTIONS[attention.config._attn_implementation]
+        out, _ = function(attention, query, key, value, attention_mask, scaling=attention.scaling)
+        return attention.o_proj(out.reshape(batch, length, -1)), None
+
+    attention.forward = indexing_attention
+    with pytest.raises(ValueError, match="Qwen3Attention looked its attention implementation up without its eager"):
+        split(input_ids=torch.arange(8).reshape(1, 8) + 3)
+
+
+def test_position_tables_that_read_the_mask_are_found_by_structure() -> None:
+    """An embedding table directly in the decoder stack whose forward takes `attention_mask` derives its indices from
+    the mask (OPT, BioGPT); a plain table, or another module taking the mask (an encoder of layers), does not."""
+
+    class MaskPositions(torch.nn.Embedding):
+        def forward(self, attention_mask, cache_length=0, position_ids=None):
+            return super().forward(attention_mask.cumsum(-1) - 1)
+
+    class Encoder(torch.nn.Module):
+        def forward(self, hidden_states, attention_mask=None):
+            return hidden_states
+
+    stack = torch.nn.Module()
+    stack.tokens, stack.positions, stack.encoder = torch.nn.Embedding(4, 2), torch.nn.Embedding(4, 2), Encoder()
+    assert positions_from_mask(stack) is None
+    stack.positions = MaskPositions(4, 2)
+    assert positions_from_mask(stack) == "Module.positions (MaskPositions)"
+    for config, found in (
+        (tiny_config("opt"), "OPTDecoder.embed_positions (OPTLearnedPositionalEmbedding)"),
+        (_biogpt_config(), "BioGptModel.embed_positions (BioGptLearnedPositionalEmbedding)"),
+        (tiny_config("qwen3"), None),
+        (tiny_config("gpt2"), None),  # a plain learned table: positions 0 .. length - 1
+    ):
+        assert positions_from_mask(decoder_stack(_meta_model(config))) == found, config.model_type
