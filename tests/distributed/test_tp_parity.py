@@ -370,29 +370,25 @@ def test_throughput_monitor_sums_over_data_parallel_ranks_only(
 
 @pytest.mark.scenarios("tp2", "collectives")
 def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
-    """One forward and backward of the 2-layer Qwen3, counted with CommDebugMode. Functional collectives
-    (``all_reduce``, ...) come from the TP layers, ``allreduce_`` from the gradient sums of replicated norms."""
+    """One forward and backward of the 2-layer Qwen3, its collectives counted by kind (whether DTensor or a direct
+    ``torch.distributed`` call issues them)."""
     counts = _result(tp2_results, "collectives")
     layers = 2
     # Plain TP: per layer 2 all-reduces forward (o_proj, down_proj) and 2 backward (the attention's and the MLP's
     # input gradients, summed over their column-wise projections first; Transformers' own layers would reduce one
     # per projection: 5); the vocabulary-sharded embedding reduces its output, lm_head gathers its output and reduces
     # its input gradient; q/k norms sum their gradients.
-    assert counts["plain"] == {
-        "all_reduce": layers * (2 + 2) + 1 + 1,
-        "all_gather_into_tensor": 1,
-        "allreduce_": layers * 2,
-    }
+    assert counts["plain"] == {"all_reduce": layers * (2 + 2) + 1 + 1 + layers * 2, "all_gather": 1}
     # Sequence parallelism: per layer 2 all-gathers and 2 reduce-scatters each way, no all-reduce. Around them: the
     # first layer cuts its input (free), its backward gathers the gradient; the final norm gathers its output (so the
     # model's hidden states are whole), lm_head gathers its logits and all-reduces its input gradient; the embedding
     # still reduces. Norms outside the regions see one sequence shard each: 2 per layer and the final norm sum their
     # gradients, with the q/k norms.
-    sp = {"all_reduce": 2, "all_gather_into_tensor": layers * 4 + 1 + 1 + 1, "reduce_scatter_tensor": layers * 4}
-    assert counts["sequence_parallel"] == {**sp, "allreduce_": layers * 2 + layers * 2 + 1}
+    norms = layers * 2 + layers * 2 + 1
+    sp = {"all_reduce": 2 + norms, "all_gather": layers * 4 + 1 + 1 + 1, "reduce_scatter": layers * 4}
+    assert counts["sequence_parallel"] == sp
     # Loss parallelism: no gather of the logits; the cross-entropy all-reduces the row max and the sums.
-    lp = {**sp, "all_gather_into_tensor": sp["all_gather_into_tensor"] - 1}
-    assert counts["sp_lp"] == {**lp, "allreduce_": layers * 2 + layers * 2 + 1 + 2}
+    assert counts["sp_lp"] == {**sp, "all_gather": sp["all_gather"] - 1, "all_reduce": sp["all_reduce"] + 2}
 
 
 @pytest.mark.scenarios("tp2", "collectives")

@@ -350,21 +350,22 @@ def run_whole_tensors(ctx: Context) -> dict:
 
 @SCENARIOS.register("collectives")
 def run_collectives(ctx: Context) -> dict:
-    """Collectives of one training step's forward and backward (CommDebugMode), by kind, without and with
+    """Collectives of one training step's forward and backward, by kind (``benchmarks/comm.py``'s counter: DTensor's
+    functional collectives and ``torch.distributed``'s calls alike; torch's CommDebugMode also tracks modules, and
+    fails on a module called twice, as Transformers 5.25's shared rotary function module is), without and with
     sequence parallelism, on the 2-layer model; and the error for a sequence length tp_size does not divide."""
     layout = ctx.layout
-    from torch.distributed.tensor.debug import CommDebugMode
-
+    from benchmarks.comm import CollectiveCounter
     from tests.helpers.models import build_causal_lm, tiny_config
 
     class Count(L.Callback):
         def on_train_batch_start(self, *args) -> None:
-            self.mode = CommDebugMode()
+            self.mode = CollectiveCounter()
             self.mode.__enter__()
 
         def on_after_backward(self, *args) -> None:
             self.mode.__exit__(None, None, None)
-            self.counts = {str(k).split(".")[-1]: v for k, v in self.mode.get_comm_counts().items()}
+            self.counts = {kind: value["count"] for kind, value in self.mode.totals().items()}
 
     out = {}
     build = partial(build_causal_lm, tiny_config("qwen3"))
