@@ -8,8 +8,6 @@ tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fa
 
 from __future__ import annotations
 
-import inspect
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -300,7 +298,15 @@ def replicate_unsharded_parameters(
 
 
 #: What a class may do with the embedding's weight without reading its values (Llama 4 reads its device).
-_NOT_A_READ = r"(?!\w)(?!\s*\.(?:device|dtype|shape|ndim|size|numel|requires_grad|data_ptr)\b|\s*[-+*/]?=[^=])"
+#: The classes whose forward reads their input embedding's ``weight`` without calling the embedding, by class name ->
+#: the path of that embedding from the class's module. Read off the modeling files of every causal-LM family of
+#: Transformers 5.24 and 5.25: Gemma 4's per-layer inputs take ``self.language_model.embed_tokens.weight[pad_token_id]``
+#: (and its text model ``self.embed_tokens.weight[...]``). Nothing is inferred from source text: a class not listed
+#: that reads a vocabulary-split table meets a DTensor among plain tensors and fails there, loudly; add it here.
+EMBEDDING_READERS: dict[str, str] = {
+    "Gemma4Model": "language_model.embed_tokens",
+    "Gemma4TextModel": "embed_tokens",
+}
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:
@@ -315,25 +321,19 @@ def _input_embedding(model: nn.Module) -> nn.Module | None:
 
 
 def embedding_readers(model: nn.Module) -> list[str]:
-    """The modules above ``model``'s input embedding whose class reads its ``weight`` without calling it (Gemma 4's
-    per-layer inputs take ``self.language_model.embed_tokens.weight[pad_token_id]``), outermost first. Found in the
-    classes' source (comments left out): nothing else tells."""
+    """The modules above ``model``'s input embedding that read its ``weight`` without calling it
+    (:data:`EMBEDDING_READERS`), outermost first."""
     embedding = _input_embedding(model)
     path = next((name for name, m in model.named_modules() if m is embedding and name), None)
     if path is None:
         return []
     parts = path.removesuffix(".base_layer").split(".")
-    readers = []
-    for i in range(len(parts)):
-        ancestor = ".".join(parts[:i])
-        try:
-            source = inspect.getsource(type(model.get_submodule(ancestor)))
-        except (OSError, TypeError):
-            continue
-        code = re.sub(r"#.*", "", source)
-        if re.search(rf"self\.{re.escape('.'.join(parts[i:]))}\.weight{_NOT_A_READ}", code):
-            readers.append(ancestor)
-    return readers
+    ancestors = [".".join(parts[:i]) for i in range(len(parts))]
+    return [
+        ancestor
+        for i, ancestor in enumerate(ancestors)
+        if EMBEDDING_READERS.get(type(model.get_submodule(ancestor)).__name__) == ".".join(parts[i:])
+    ]
 
 
 def gather_embedding_for_direct_reads(model: nn.Module) -> None:

@@ -190,10 +190,10 @@ def test_a_latent_attention_without_a_rotary_width_stays_whole_or_is_refused_by_
         resolve_plan(model, {"model.layers.0.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, tp_size=2)
 
 
-def test_modules_reading_the_input_embedding_weight_themselves_are_found():
+def test_modules_reading_the_input_embedding_weight_themselves_are_found(monkeypatch):
     from torch import nn
 
-    from lightning_tp.parallel.tensor_parallel import embedding_readers
+    from lightning_tp.parallel.tensor_parallel import EMBEDDING_READERS, embedding_readers
 
     class Inner(nn.Module):
         def __init__(self):
@@ -215,7 +215,18 @@ def test_modules_reading_the_input_embedding_weight_themselves_are_found():
             pad = self.inner.embed_tokens.weight[0]  # a row of the table, read without calling it
             return self.inner(ids) + pad
 
+    assert embedding_readers(Outer()) == []  # a class is a reader by the table, not by its code
+    monkeypatch.setitem(EMBEDDING_READERS, "Outer", "inner.embed_tokens")
+    monkeypatch.setitem(EMBEDDING_READERS, "Inner", "other")  # another path: not this embedding
     assert embedding_readers(Outer()) == [""]
+
+
+def test_gemma_4_reads_its_embedding_table_at_both_levels():
+    from benchmarks import coverage
+    from lightning_tp.parallel.tensor_parallel import embedding_readers
+
+    model = coverage.build_model(coverage.tiny_config("gemma4"), device="meta")
+    assert embedding_readers(model) == ["model", "model.language_model"]
 
 
 def test_an_attention_gate_of_another_width_keeps_the_attention_whole():
@@ -235,13 +246,16 @@ def test_a_kind_splitting_a_parameter_on_another_dim_gives_it_one_block():
         assert set(kind.dims) <= {path for path, style in kind.styles.items() if style == "local_blocks"}, kind.name
 
 
-def test_a_module_reading_the_embedding_weight_sees_it_whole_and_the_embedding_its_shard():
+def test_a_module_reading_the_embedding_weight_sees_it_whole_and_the_embedding_its_shard(monkeypatch):
     from torch import nn
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from lightning_tp.compat import parameter_dict
-    from lightning_tp.parallel.tensor_parallel import gather_embedding_for_direct_reads
+    from lightning_tp.parallel.tensor_parallel import EMBEDDING_READERS, gather_embedding_for_direct_reads
     from tests.helpers.process_group import one_rank_mesh
+
+    monkeypatch.setitem(EMBEDDING_READERS, "Outer", "inner.embed_tokens")
+    monkeypatch.setitem(EMBEDDING_READERS, "Inner", "embed_tokens")
 
     seen = {}
 
