@@ -554,12 +554,9 @@ def rewrite_for_regions(
         return plan
     if options.sequence_parallel and has_peft(module):
         raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")
-    # Data-parallel ranks see different batches: with sequence parallelism they agree on the lengths over their group
-    # before any of them raises (see `SequenceSplit`).
-    agree_group = dp_mesh.get_group() if options.sequence_parallel and layout.dp_size > 1 and dp_mesh else None
     blocks = block_classes(module, options.fsdp_blocks)
     if options.sequence_parallel:
-        plan = sequence_parallel_plan(module, plan, blocks=blocks, agree_group=agree_group)
+        plan = sequence_parallel_plan(module, plan, blocks=blocks)
     elif not has_peft(module):  # PEFT's LoRA layers take plain-tensor inputs
         plan = rewrite_dense_layers(module, plan, blocks=blocks)
     if options.loss_parallel:

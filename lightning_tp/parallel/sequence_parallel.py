@@ -11,9 +11,9 @@ replaces, and the norms, residuals and their saved activations take 1/tp of the 
   ``RowwiseParallel(output_layouts=Shard(1))`` (the reduce-scatter);
 - the parent of each row-wise projection (``self_attn``, ``mlp``) gathers its input once (:class:`GatherSequence`),
   and keeps it a DTensor so that the backward of that gather is a reduce-scatter of the partial gradients;
-- the first decoder layer cuts its (replicated) input into sequence shards (:class:`ShardSequence`, no communication):
-  the embedding stays replicated so that Transformers computes the attention mask and positions from the whole
-  sequence;
+- the first decoder layer cuts its (replicated) input into sequence shards (:class:`ShardSequence`, no communication),
+  padded with zero rows to a multiple of the TP size (any length splits, :class:`SequenceSplit`): the embedding stays
+  replicated so that Transformers computes the attention mask and positions from the whole sequence;
 - the norms between the regions see one sequence shard each: their gradients are summed over the TP group;
 - the final norm gathers its output, so the model's hidden states, ``logits_to_keep`` and ``lm_head`` see the whole
   sequence.
@@ -28,10 +28,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_tp.parallel.tensor_parallel import (
@@ -48,24 +47,25 @@ SEQUENCE_DIM = 1
 
 
 class SequenceSplit:
-    """Whether the model's current forward runs on sequence shards: decided by :class:`ShardSequence` at the first
-    decoder layer, read by the other hooks of the same model. A forward whose length ``tp_size`` does not divide
-    (a decoding step of ``generate``, say) runs unsplit outside training, on whole sequences: correct, without the
-    memory saving. In training such a length is an error.
+    """The sequence split of the model's current forward, decided by :class:`ShardSequence` at the first decoder layer
+    and read by the other hooks of the same model: ``length``, the sequence's own length, and ``padding``, the rows
+    added at its end so that ``tp_size`` divides it (a length of 15 at TP 2: 16 rows, 8 per rank).
 
-    ``agree_group``: the data-parallel group, when there is one. Data-parallel ranks see different batches, so a
-    length one of them cannot split must stop them all (the others would wait in FSDP2's collectives until the
-    timeout): in training the ranks exchange their lengths (one all-reduce of ``dp_size`` integers per forward) and
-    all raise the same error."""
+    Any length splits, in training and in decoding steps of ``generate`` alike: the padded rows are zeros, stay zeros
+    through the residual stream (each region's output is cut back to the real rows before its row-wise layer, and
+    padded with zeros after), and are cut off wherever the whole sequence is gathered (each region's input, the final
+    norm's output). Causal attention never reads them (they come last, and the regions see the real rows only), and
+    their gradients are zero. No rank needs another's length: nothing is agreed, no collective, no host sync."""
 
-    def __init__(self, agree_group: dist.ProcessGroup | None = None) -> None:
-        self.active = True
-        self.agree_group = agree_group
+    def __init__(self) -> None:
+        self.length = 0
+        self.padding = 0
 
 
 class GatherSequence(ParallelStyle):
     """The module's ``hidden_states`` (first positional argument or keyword) arrive as sequence shards and enter as
-    the whole sequence, a replicated DTensor (all-gather; its backward reduce-scatters the partial gradients)."""
+    the whole sequence (its padding cut off), a replicated DTensor (all-gather; its backward reduce-scatters the
+    partial gradients)."""
 
     def __init__(self, split: SequenceSplit) -> None:
         super().__init__()
@@ -73,43 +73,42 @@ class GatherSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(local: Any) -> Any:
-            if not self.split.active:
-                return DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
-            return DTensor.from_local(local, device_mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
+            whole = DTensor.from_local(local, device_mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
                 device_mesh, [Replicate()]
             )
+            return whole.narrow(SEQUENCE_DIM, 0, self.split.length) if self.split.padding else whole
 
         module.register_forward_pre_hook(on_hidden_states(gather), with_kwargs=True)
         return module
 
 
 class ScatterSequence(ParallelStyle):
-    """``RowwiseParallel`` whose partial sums are reduce-scattered into sequence shards (all-reduced in an unsplit
-    forward)."""
+    """``RowwiseParallel`` whose partial sums (padded with zero rows to the split length) are reduce-scattered into
+    sequence shards."""
 
     def __init__(self, split: SequenceSplit) -> None:
         super().__init__()
         self.split = split
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        parallelize_module(
-            module, device_mesh, RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)
-        )
+        parallelize_module(module, device_mesh, RowwiseParallel(output_layouts=Partial(), use_local_output=False))
 
-        def to_local(module: nn.Module, args: Any, output: DTensor) -> Any:
+        def scatter(module: nn.Module, args: Any, output: DTensor) -> Any:
+            if self.split.padding:
+                # Each rank's partial sums, padded: every rank's output gradient is the whole one (replicated).
+                local = _pad_sequence(output.to_local(grad_placements=[Replicate()]), self.split.padding)
+                output = DTensor.from_local(local, device_mesh, [Partial()], run_check=False)
             # A copy, not `to_local()`'s view: some models add to the output in place (Falcon's parallel attention),
             # which autograd refuses on a view a custom Function returned.
-            if self.split.active:
-                return output.to_local().clone()
-            return output.redistribute(device_mesh, [Replicate()]).to_local().clone()
+            return output.redistribute(device_mesh, [Shard(SEQUENCE_DIM)]).to_local().clone()
 
-        module.register_forward_hook(to_local)
+        module.register_forward_hook(scatter)
         return module
 
 
 class GatherOutput(ParallelStyle):
-    """The final norm's output, sequence shards, is gathered into the whole sequence (a plain tensor): the model's
-    ``last_hidden_state``, ``logits_to_keep`` and the head then see every position."""
+    """The final norm's output, sequence shards, is gathered into the whole sequence (a plain tensor, its padding cut
+    off): the model's ``last_hidden_state``, ``logits_to_keep`` and the head then see every position."""
 
     def __init__(self, split: SequenceSplit) -> None:
         super().__init__()
@@ -117,18 +116,18 @@ class GatherOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(module: nn.Module, args: Any, output: Any) -> Any:
-            if not self.split.active:
-                return output
             whole = DTensor.from_local(output, device_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
-            return whole.redistribute(device_mesh, [Replicate()]).to_local()
+            local = whole.redistribute(device_mesh, [Replicate()]).to_local()
+            return local.narrow(SEQUENCE_DIM, 0, self.split.length) if self.split.padding else local
 
         module.register_forward_hook(gather)
         return module
 
 
 class ShardSequence(ParallelStyle):
-    """The module's replicated ``hidden_states`` enter as this rank's sequence shard (a local slice; its backward
-    all-gathers the gradient). Decides :class:`SequenceSplit` for the whole forward."""
+    """The module's replicated ``hidden_states`` enter as this rank's sequence shard, padded with zero rows to a
+    multiple of ``tp_size`` first (a local slice; its backward all-gathers the gradient). Decides
+    :class:`SequenceSplit` for the whole forward, from this rank's own length."""
 
     def __init__(self, split: SequenceSplit) -> None:
         super().__init__()
@@ -136,12 +135,10 @@ class ShardSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard(local: Any) -> Any:
-            length, tp_size = local.shape[SEQUENCE_DIM], device_mesh.size()
-            self.split.active = length % tp_size == 0
-            if module.training and torch.is_grad_enabled():
-                _raise_on_every_rank_if_undivisible(length, tp_size, group=self.split.agree_group, device=local.device)
-            if not self.split.active:
-                return local
+            length = local.shape[SEQUENCE_DIM]
+            self.split.length, self.split.padding = length, -length % device_mesh.size()
+            if self.split.padding:
+                local = _pad_sequence(local, self.split.padding)
             return (
                 DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
                 .redistribute(device_mesh, [Shard(SEQUENCE_DIM)])
@@ -152,50 +149,18 @@ class ShardSequence(ParallelStyle):
         return module
 
 
-def _raise_on_every_rank_if_undivisible(
-    length: int, tp_size: int, *, group: dist.ProcessGroup | None, device: torch.device
-) -> None:
-    """Raise the same ValueError on every rank of ``group`` (and, since the ranks of a TP group hold the same batch,
-    on every rank) when any of them has a sequence length ``tp_size`` does not divide. Without a group (no data
-    parallelism) the length is this rank's and its TP group's alone."""
-    bad = {0: length} if length % tp_size else {}
-    if group is not None:
-        # One tiny all-reduce (dp_size integers) at the same point of every rank's forward: all ranks have run the
-        # same collectives so far, so all of them reach it and all take the same decision.
-        lengths = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
-        if length % tp_size:
-            lengths[dist.get_rank(group)] = length
-        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
-        bad = {rank: int(n) for rank, n in enumerate(lengths.tolist()) if n}
-    if not bad:
-        return
-    where = ""
-    if group is not None and len(bad) == 1:
-        where = f" (data-parallel rank {next(iter(bad))})"
-    elif group is not None:
-        where = " (data-parallel ranks " + ", ".join(f"{rank}: {n}" for rank, n in bad.items()) + ")"
-    raise ValueError(
-        f"sequence_parallel=True splits the sequence over the TP ranks, but the sequence length "
-        f"{next(iter(bad.values()))}{where} is not divisible by tp_size={tp_size}. Pad every batch to a multiple of "
-        f"{tp_size}: `pad_to_multiple_of={tp_size}` in the tokenizer or collator (e.g. "
-        f"`DataCollatorWithPadding(tokenizer, pad_to_multiple_of={tp_size})`). Every rank raises this error."
-    )
+def _pad_sequence(hidden: torch.Tensor, rows: int) -> torch.Tensor:
+    """``hidden`` ([batch, sequence, ...]) with ``rows`` zero rows added at the end of its sequence."""
+    return torch.cat([hidden, hidden.new_zeros(hidden.shape[0], rows, *hidden.shape[2:])], dim=SEQUENCE_DIM)
 
 
-def sequence_parallel_plan(
-    model: nn.Module,
-    plan: ResolvedPlan,
-    *,
-    blocks: set[type],
-    agree_group: dist.ProcessGroup | None = None,
-) -> ResolvedPlan:
+def sequence_parallel_plan(model: nn.Module, plan: ResolvedPlan, *, blocks: set[type]) -> ResolvedPlan:
     """``plan`` rewritten for sequence parallelism (see the module docstring). ``blocks``: the classes of the decoder
-    layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite. ``agree_group``: the
-    data-parallel group over which training forwards agree on whether the sequence splits (see
-    :class:`SequenceSplit`)."""
+    layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite. Any sequence length
+    splits (see :class:`SequenceSplit`)."""
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
-    split = SequenceSplit(agree_group)
+    split = SequenceSplit()
     # The language model's stack only: a vision tower planned too runs on its patches with plain TP.
     layers = text_decoder_layers(model, decoder_layers(model, styles, blocks))
     if not layers:

@@ -110,18 +110,12 @@ def test_ranks_seeded_apart_train_rank_zeros_model(layout_results: list[dict], l
 
 
 @pytest.mark.scenarios("2d", "sp_odd_on_one_group")
-def test_sequence_parallel_odd_length_on_one_data_parallel_group_raises_on_every_rank(
-    two_d_results: list[dict],
-) -> None:
-    """dp 2 x tp 2, only data-parallel rank 1 gets length 15: all 4 ranks raise the same error within seconds
-    (none waits in FSDP2's all-gathers for the process-group timeout)."""
-    errors = [r["sp_odd_on_one_group"] for r in two_d_results]
-    for error in errors:
-        assert error["type"] == "ValueError", error
-        assert "sequence length 15 (data-parallel rank 1)" in error["message"]
-        assert "tp_size=2" in error["message"] and "pad_to_multiple_of=2" in error["message"]
-        assert error["seconds"] < 30, error
-    assert len({e["message"] for e in errors}) == 1
+def test_sequence_parallel_odd_length_on_one_data_parallel_group_trains(two_d_results: list[dict]) -> None:
+    """dp 2 x tp 2, only data-parallel rank 1 gets length 15: its TP group pads the sequence, and every rank trains
+    through both steps, within seconds (its parity with one process is the case `qwen3_sp_lp_odd_length`)."""
+    for result in [r["sp_odd_on_one_group"] for r in two_d_results]:
+        assert result["type"] is None, result
+        assert result["seconds"] < 30, result
 
 
 @pytest.mark.scenarios("2d", "llama_accumulate", "llama_accumulate_unsharded", "qwen3_sgd")
@@ -401,14 +395,6 @@ def test_generate_under_sequence_and_loss_parallelism(tp2_results: list[dict]) -
         # The model's output holds every position again: `logits_to_keep` picks the right ones.
         for name in ("sequence_parallel_logits_to_keep", "sp_lp_logits_to_keep"):
             assert rank["collectives"][name] is not None and rank["collectives"][name] < 1e-5, name
-
-
-@pytest.mark.scenarios("tp2", "collectives")
-def test_sequence_length_not_divisible_names_both(tp2_results: list[dict]) -> None:
-    for rank in tp2_results:
-        error = rank["collectives"]["odd_length"]
-        assert error["type"] == "ValueError" and "sequence length 15" in error["message"]
-        assert "tp_size=2" in error["message"]
 
 
 @pytest.mark.scenarios("tp2", "loss_parallel_checks")

@@ -216,6 +216,11 @@ def lora_case(kind: str, steps: int = 3, **lora_kwargs: Any) -> Case:
     return Case(partial(_lora, kind, **lora_kwargs), partial(lm_batches, steps), optimizer="adamw", lr=1e-2)
 
 
+def odd_lm_batches(steps: int) -> list[dict[str, Any]]:
+    """:func:`lm_batches` cut to 15 positions: a length no TP size above 1 divides."""
+    return [{key: value[:, :15] for key, value in batch.items()} for batch in lm_batches(steps)]
+
+
 def lm(kind: str, steps: int = 5, *, config: dict[str, Any] | None = None, **kwargs: Any) -> Case:
     """A causal-LM case: the tiny model of ``kind`` (seeded, its config changed by ``config``), trained on ``steps``
     fixed batches."""
@@ -532,6 +537,12 @@ CASES: dict[str, Case] = {
         clip=0.5,
         strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
     ),
+    # A sequence length (15) the TP size does not divide: padded to 16 between the regions, cut off where gathered.
+    "qwen3_sp_lp_odd_length": Case(
+        partial(build_causal_lm, tiny_config("qwen3")),
+        partial(odd_lm_batches, 4),
+        strategy_kwargs={"sequence_parallel": True, "loss_parallel": True},
+    ),
     "tied_uneven_vocab_sp_lp": Case(
         partial(build_causal_lm, tiny_config("tied", vocab_size=97)),
         partial(lm_batches, 4),
@@ -747,6 +758,7 @@ ERROR_MODULE_KWARGS: dict[str, dict[str, Any]] = {"direct_call_inside_unit": {"c
 # tests/distributed/worker.py each launch runs when every test is selected, in this order.
 
 TWO_D_CASES = [
+    "qwen3_sp_lp_odd_length",
     "qwen3_sgd",
     "opt_derived",
     "tied_sgd",
