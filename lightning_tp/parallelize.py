@@ -9,6 +9,9 @@ Used by the Trainer strategy, the Fabric strategy and plain PyTorch scripts alik
 Every stage is a small function of this module; each technique lives in its own module
 (:mod:`~lightning_tp.plans.resolve`, :mod:`~lightning_tp.parallel.tensor_parallel`,
 :mod:`~lightning_tp.parallel.sequence_parallel`, :mod:`~lightning_tp.parallel.fsdp`, ...).
+
+May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``options``, ``plans``,
+``parallel``, ``checkpoint``, ``runtime``: every layer below the strategies.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from lightning_tp.parallel.expert_parallel import (
     resolve_expert_plan,
     shard_experts,
 )
-from lightning_tp.parallel.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, block_classes, fsdp_mixed_precision
+from lightning_tp.parallel.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, fsdp_mixed_precision
 from lightning_tp.parallel.fsdp import fsdp_units as check_fsdp_units
 from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft, initialize_adapters
 from lightning_tp.parallel.loss_parallel import install_loss_parallel, loss_parallel_plan
@@ -73,10 +76,10 @@ from lightning_tp.parallel.tensor_parallel import (
     SHARDED_MARKER,
     adopt_transformers_sharding,
     apply_tensor_parallel,
+    dense_layers_plan,
     is_sharded,
     on_meta,
     replicate_unsharded_parameters,
-    rewrite_dense_layers,
     take_rank_zero_values,
     transformers_tp_mesh,
 )
@@ -90,6 +93,7 @@ from lightning_tp.plans.resolve import (
     resolve_plan,
     uneven_kv_projections,
 )
+from lightning_tp.plans.structure import block_classes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -558,7 +562,7 @@ def rewrite_for_regions(
     if options.sequence_parallel:
         plan = sequence_parallel_plan(module, plan, blocks=blocks)
     elif not has_peft(module):  # PEFT's LoRA layers take plain-tensor inputs
-        plan = rewrite_dense_layers(module, plan, blocks=blocks)
+        plan = dense_layers_plan(module, plan, blocks=blocks)
     if options.loss_parallel:
         plan = loss_parallel_plan(module, plan)
     return plan

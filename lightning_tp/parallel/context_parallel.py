@@ -196,9 +196,9 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     Args:
         model: the model to split (a Transformers causal LM, else refused).
     """
-    from lightning_tp.parallel.fsdp import block_classes
     from lightning_tp.parallel.loss_parallel import computes_causal_lm_loss
     from lightning_tp.plans.resolve import is_transformers_model
+    from lightning_tp.plans.structure import block_classes
 
     name = type(model).__name__
     if not is_transformers_model(model):
@@ -271,7 +271,7 @@ def decoder_stack(model: nn.Module, blocks: set[type] | None = None) -> nn.Modul
     for OPT, ``model.transformer`` for GPT-2): the innermost one holding the input embedding and every layer, which
     the causal LM calls with the token ids and positions. ``blocks``: the decoder layer classes (default: the
     model's ``_no_split_modules``)."""
-    from lightning_tp.parallel.fsdp import block_classes
+    from lightning_tp.plans.structure import block_classes
 
     blocks = block_classes(model) if blocks is None else blocks
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

@@ -20,19 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_tp.compat import no_split_modules
 from lightning_tp.parallel.pipeline import modules_and_stages
-
-
-def block_classes(module: nn.Module, names: Iterable[str] | None = None) -> set[type[nn.Module]]:
-    """The classes of the blocks to shard one by one: ``names``, or each Transformers model's ``_no_split_modules``
-    (its decoder layer)."""
-    wanted = set(names or ())
-    if not wanted:
-        for submodule in module.modules():
-            wanted.update(no_split_modules(submodule))
-    return {type(m) for m in module.modules() if type(m).__name__ in wanted}
-
+from lightning_tp.plans.structure import block_classes
 
 #: Values of ``TensorParallelStrategy(fsdp_param_dtype=...)`` that ask FSDP2 to all-gather parameters in bf16.
 BF16_NAMES = ("bf16", "bfloat16", torch.bfloat16)

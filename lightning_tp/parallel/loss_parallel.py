@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from lightning_tp.compat import assert_async, causal_lm_loss_function, compute_local_shape_and_global_offset
 from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.rewrite import rewrite_output_head
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -354,23 +354,8 @@ def lm_head_style(input_layouts: Placement | None = None) -> ColwiseParallel:
 
 def loss_parallel_plan(model: nn.Module, plan: ResolvedPlan) -> ResolvedPlan:
     """``plan`` with the output head (``lm_head``) column-wise and its logits left vocabulary-sharded
-    (:func:`lm_head_style`), after checking that the model computes Transformers' causal-LM loss, which
-    :func:`install_loss_parallel` replaces once the model is sharded. Changes nothing on the model."""
+    (:func:`lm_head_style`, put in by :func:`lightning_tp.plans.rewrite.rewrite_output_head`), after checking that
+    the model computes Transformers' causal-LM loss, which :func:`install_loss_parallel` replaces once the model is
+    sharded. Changes nothing on the model."""
     _check_causal_lm_loss(model)
-    styles = dict(plan.styles)
-    head = output_head(model, styles)
-    styles.pop(f"{head}.weight", None)
-    styles[head] = lm_head_style()
-    return replace(plan, styles=styles, grad_allreduce=list(plan.grad_allreduce))
-
-
-def output_head(model: nn.Module, styles: Mapping[str, Any]) -> str:
-    """The path of the model's output embeddings (``lm_head``), which must be in the plan."""
-    get_output = getattr(model, "get_output_embeddings", None)
-    head = get_output() if get_output is not None else None
-    names = [name for name, m in model.named_modules() if m is head]
-    if head is None or not names or names[0] not in styles:
-        raise ValueError(
-            f"loss_parallel=True needs a sharded output head (`lm_head`); {type(model).__name__} has none in its plan."
-        )
-    return names[0]
+    return rewrite_output_head(model, plan, head=lm_head_style)

@@ -5,7 +5,8 @@ adds), and each region ends in an all-reduce. With sequence parallelism (Megatro
 between regions are split on the sequence dim: each region starts with an all-gather (sequence shards to the whole
 sequence) and ends with a reduce-scatter (partial sums to sequence shards), the same bytes as the all-reduce it
 replaces, and the norms, residuals and their saved activations take 1/tp of the memory. Transformers' own
-``sequence_parallel`` style is not wired up (5.24), so the plan is rewritten here with torch's styles:
+``sequence_parallel`` style is not wired up (5.24), so the plan is rewritten with torch's styles
+(:func:`lightning_tp.plans.rewrite.rewrite_for_sequence_parallel`, given this module's):
 
 - each decoder layer's column-wise projections become ``ColwiseParallel`` and its row-wise ones
   ``RowwiseParallel(output_layouts=Shard(1))`` (the reduce-scatter);
@@ -24,7 +25,6 @@ With loss parallelism ``lm_head`` keeps its output sharded on the vocabulary and
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,15 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_tp.parallel.tensor_parallel import (
-    decoder_layers,
-    layer_entries,
-    on_hidden_states,
-    region_problem,
-    rewrite_layer_styles,
-    text_decoder_layers,
-)
+from lightning_tp.parallel.hooks import on_hidden_states
 from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.rewrite import rewrite_for_sequence_parallel
 
 SEQUENCE_DIM = 1
 
@@ -155,75 +149,17 @@ def _pad_sequence(hidden: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def sequence_parallel_plan(model: nn.Module, plan: ResolvedPlan, *, blocks: set[type]) -> ResolvedPlan:
-    """``plan`` rewritten for sequence parallelism (see the module docstring). ``blocks``: the classes of the decoder
-    layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite. Any sequence length
-    splits (see :class:`SequenceSplit`)."""
-    styles: dict[str, Any] = dict(plan.styles)
-    grad_allreduce = list(plan.grad_allreduce)
+    """``plan`` rewritten for sequence parallelism (see the module docstring) with this module's styles, all sharing
+    one :class:`SequenceSplit` (:func:`lightning_tp.plans.rewrite.rewrite_for_sequence_parallel`). ``blocks``: the
+    classes of the decoder layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite.
+    Any sequence length splits (see :class:`SequenceSplit`)."""
     split = SequenceSplit()
-    # The language model's stack only: a vision tower planned too runs on its patches with plain TP.
-    layers = text_decoder_layers(model, decoder_layers(model, styles, blocks))
-    if not layers:
-        classes = sorted(b.__name__ for b in blocks)
-        raise ValueError(
-            f"sequence_parallel=True needs the decoder layers of {type(model).__name__} (classes {classes}), and "
-            "found none. Pass `fsdp_blocks=[<decoder layer class>]`, or drop `sequence_parallel`."
-        )
-    problems = [problem for layer in layers if (problem := region_problem(styles, layer))]
-    if not problems:
-        problems = [problem for layer in layers if (problem := _outside_regions(model, styles, layer))]
-    if problems:
-        raise ValueError(f"sequence_parallel=True rewrites column-wise/row-wise pairs, but {problems[0]}.")
-    for index, layer in enumerate(layers):
-        regions = rewrite_layer_styles(
-            styles, layer, rowwise=lambda: ScatterSequence(split), region=lambda: GatherSequence(split)
-        )
-        if index == 0:
-            styles[layer] = ShardSequence(split)
-        # Replicated parameters outside the regions (the norms) see one sequence shard each.
-        inside = layer_entries(plan.styles, layer)
-        for name, module in model.get_submodule(layer).named_modules(prefix=layer):
-            if any(name == r or name.startswith(f"{r}.") for r in regions) or name in inside:
-                continue
-            if any(True for _ in module.parameters(recurse=False)):
-                grad_allreduce.append(name)
-    norms = _norms_after_layers(model, layers, styles)
-    if len(norms) != 1:
-        raise ValueError(
-            f"sequence_parallel=True gathers the sequence after the final norm, but found {norms or 'none'} "
-            f"after the decoder layers of {type(model).__name__}."
-        )
-    grad_allreduce += norms
-    styles[norms[0]] = GatherOutput(split)
-    return replace(plan, styles=styles, grad_allreduce=grad_allreduce)
-
-
-def _outside_regions(model: nn.Module, styles: dict[str, Any], layer: str) -> str | None:
-    """A module of the layer with parameters that would run on sequence shards and is not a norm (an attention the
-    plan leaves whole, say), or ``None``."""
-    regions = {key.rsplit(".", 1)[0] for key, style in layer_entries(styles, layer).items() if style == "rowwise"}
-    for name, child in model.get_submodule(layer).named_children():
-        path = f"{layer}.{name}"
-        if path in regions or "norm" in type(child).__name__.lower() or not any(True for _ in child.parameters()):
-            continue
-        inside = [r for r in regions if r.startswith(f"{path}.")]
-        if inside and all(any(p.startswith(f"{r}.") for r in inside) for p, _ in child.named_parameters(prefix=path)):
-            continue  # a wrapper around a region (GPT-Neo's `attn` around `attn.attention`), nothing else in it
-        return f"{path!r} ({type(child).__name__}) would run on sequence shards; only norms can"
-    return None
-
-
-def _norms_after_layers(model: nn.Module, layers: list[str], styles: dict[str, Any]) -> list[str]:
-    """Modules with parameters that run on the last layer's output shards: the final norm, among the modules
-    registered after the list of layers (Bloom's embedding norm, registered before it, runs before the layers)."""
-    base, list_name, _ = layers[-1].rsplit(".", 2)  # "model.layers.N" -> "model", "layers"
-    found = []
-    children = list(model.get_submodule(base).named_children())
-    after = [i for i, (name, _) in enumerate(children) if name == list_name][0] + 1
-    for name, module in children[after:]:
-        path = f"{base}.{name}"
-        if path in styles or isinstance(module, nn.ModuleList) or isinstance(module, nn.Embedding):
-            continue
-        if any(True for _ in module.parameters()):
-            found.append(path)
-    return found
+    return rewrite_for_sequence_parallel(
+        model,
+        plan,
+        blocks=blocks,
+        rowwise=lambda: ScatterSequence(split),
+        region=lambda: GatherSequence(split),
+        first_layer=lambda: ShardSequence(split),
+        final_norm=lambda: GatherOutput(split),
+    )

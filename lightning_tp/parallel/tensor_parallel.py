@@ -8,8 +8,7 @@ tensors (norms), and ``foreach``/``fused`` optimizers and ``clip_grad_norm_`` fa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_tp.compat import distributed_is_initialized, parameter_dict, remove_transformers_grad_allreduce
 from lightning_tp.parallel.blocks import apply_blocks
@@ -28,6 +27,7 @@ from lightning_tp.parallel.kv_heads import kv_head_layout, localize_kv_groups
 from lightning_tp.parallel.layers import APPLIED_ELSEWHERE, LAYERS, RowParallel, shard_parameter
 from lightning_tp.parallel.random_init import record_local_size
 from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.rewrite import rewrite_dense_layers
 from lightning_tp.plans.styles import KV_HEAD_COUNT_ATTRIBUTES, STYLES, facts, style_names
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
@@ -100,7 +100,7 @@ def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank:
                 assert count % tp_size == 0, (name, path, count, tp_size)
                 setattr(holder, attribute, count // tp_size)
                 record_local_size(attention, path, count, count // tp_size)
-    for name, sizes in plan.mixer_sizes.items():
+    for name, sizes in plan.mixer_sizes(tp_size).items():
         for attribute, value in sizes.items():
             record_local_size(modules[name], attribute, getattr(modules[name], attribute), value)
             setattr(modules[name], attribute, value)
@@ -508,104 +508,14 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
 # ---------------------------------------------------------------------------------------------------------------------
 # Regions: the attention and MLP of a dense decoder layer, between one column-wise entry and one row-wise exit
 
-#: Transformers styles a decoder layer may hold for its regions to be rewritten with torch's styles.
-_REWRITABLE = style_names(rewritable=True)
 
-
-def decoder_layers(model: nn.Module, styles: Mapping[str, Any], blocks: set[type]) -> list[str]:
-    """The decoder layers (instances of ``blocks``) with plan entries: ``_no_split_modules`` also lists vision and
-    audio blocks, which the plan leaves alone."""
-    return [name for name, m in model.named_modules() if type(m) in blocks and layer_entries(styles, name)]
-
-
-def layer_stacks(layers: list[str]) -> dict[str, list[str]]:
-    """The layers grouped by the module list holding them (``model.language_model.layers``,
-    ``model.vision_tower.encoder.layers``): a vision-language model has one stack per tower."""
-    stacks: dict[str, list[str]] = {}
-    for layer in layers:
-        stacks.setdefault(layer.rpartition(".")[0], []).append(layer)
-    return stacks
-
-
-def text_decoder_layers(model: nn.Module, layers: list[str]) -> list[str]:
-    """The stack of ``layers`` that runs on the token embeddings: the one under the module holding the input
-    embedding (a vision tower's stack runs on patches, whose sequence is another). All of them when that module is
-    not found."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    owner = next((name.rpartition(".")[0] for name, m in model.named_modules() if m is embedding and name), None)
-    if owner is None:
-        return layers
-    mine = [layer for layer in layers if layer.rpartition(".")[0].rpartition(".")[0] == owner]
-    return mine or layers
-
-
-def layer_entries(styles: Mapping[str, Any], layer: str) -> dict[str, Any]:
-    """The module entries (not ``.weight``/``.bias`` ones) of the plan under ``layer``."""
-    return {k: v for k, v in styles.items() if k.startswith(f"{layer}.") and not k.endswith((".weight", ".bias"))}
-
-
-def region_problem(styles: Mapping[str, Any], layer: str) -> str | None:
-    """Why ``layer``'s entries are not column-/row-wise pairs, or ``None``."""
-    inside = layer_entries(styles, layer)
-    for key, style in inside.items():
-        if not (isinstance(style, str) and style in _REWRITABLE):
-            return f"{key!r} has style {style!r}. Drop `sequence_parallel` for this model, or override that entry"
-    if not any(style == "rowwise" for style in inside.values()):
-        return f"decoder layer {layer!r} has no row-wise projection"
-    direct = [key for key, style in inside.items() if style == "rowwise" and key.rpartition(".")[0] == layer]
-    if direct:
-        # The region's input is the parent's `hidden_states`: here the whole layer, norms and residuals included.
-        return (
-            f"{direct[0]!r} sits directly in decoder layer {layer!r}, with no attention or MLP module around it to "
-            "take the region's input. Drop `sequence_parallel` for this model"
-        )
-    return None
-
-
-def rewrite_layer_styles(
-    styles: dict[str, Any],
-    layer: str,
-    *,
-    rowwise: Callable[[], ParallelStyle],
-    region: Callable[[], ParallelStyle],
-) -> set[str]:
-    """Rewrite ``layer``'s column-/row-wise entries with torch's styles in place: ``ColwiseParallel`` entries,
-    ``rowwise()`` exits, and ``region()`` on each parent of an exit (``self_attn``, ``mlp``). Returns the regions."""
-    inside = layer_entries(styles, layer)
-    for key in [k for k in styles if k.startswith(f"{layer}.") and k.endswith((".weight", ".bias"))]:
-        if styles[key] in ("colwise", "rowwise"):
-            del styles[key]  # torch's styles shard the parameters of the module entry
-    for key, style in inside.items():
-        if style == "colwise":
-            styles[key] = ColwiseParallel()
-        elif style == "rowwise":
-            styles[key] = rowwise()
-    regions = {key.rsplit(".", 1)[0] for key, style in inside.items() if style == "rowwise"}
-    for name in regions:
-        styles[name] = region()
-    return regions
-
-
-def rewrite_dense_layers(model: nn.Module, plan: ResolvedPlan, *, blocks: set[type]) -> ResolvedPlan:
-    """Decoder layers made of column-/row-wise pairs, rewritten so that each attention and MLP makes its input one
-    replicated DTensor (:class:`ReplicateRegionInput`) shared by its column-wise projections: their partial input
-    gradients are summed and all-reduced once, 2 all-reduces per layer in backward (Megatron's count) instead of one
-    per projection (5 for q, k, v, gate, up) with Transformers' layers. A stack of layers (a vision-language model
-    has one per tower) with any other layer keeps Transformers' layers."""
-    styles: dict[str, Any] = dict(plan.styles)
-    rewritten = False
-    # Stack by stack: a vision tower's layers with another style leave the language model's rewritten.
-    for stack in layer_stacks(decoder_layers(model, styles, blocks)).values():
-        if any(region_problem(styles, layer) for layer in stack):
-            continue
-        for layer in stack:
-            rewrite_layer_styles(
-                styles, layer, rowwise=lambda: RowParallel(STYLES["rowwise"]), region=ReplicateRegionInput
-            )
-        rewritten = True
-    if not rewritten:
-        return plan
-    return replace(plan, styles=styles, grad_allreduce=list(plan.grad_allreduce))
+def dense_layers_plan(model: nn.Module, plan: ResolvedPlan, *, blocks: set[type]) -> ResolvedPlan:
+    """``plan`` with its dense decoder layers rewritten so that each attention and MLP takes one replicated input
+    DTensor (:class:`ReplicateRegionInput`; 2 backward all-reduces per layer instead of one per column-wise
+    projection): :func:`lightning_tp.plans.rewrite.rewrite_dense_layers` with this module's styles."""
+    return rewrite_dense_layers(
+        model, plan, blocks=blocks, rowwise=lambda: RowParallel(STYLES["rowwise"]), region=ReplicateRegionInput
+    )
 
 
 class ReplicateRegionInput(ParallelStyle):

@@ -523,8 +523,13 @@ def per_head_norms(attention: nn.Module, head_dim: int) -> list[str]:
 WHOLE = "="
 
 
+def _names(expression: str) -> list[str]:
+    """The attribute names a block size expression multiplies (``"=n_groups*ssm_state_size"``)."""
+    return expression.removeprefix(WHOLE).split("*")
+
+
 def _size(module: nn.Module, expression: str) -> int:
-    return math.prod(int(getattr(module, name)) for name in expression.removeprefix(WHOLE).split("*"))
+    return math.prod(int(getattr(module, name)) for name in _names(expression))
 
 
 def _whole(expressions: tuple[str, ...]) -> tuple[int, ...]:
@@ -581,12 +586,6 @@ def mixer_kind(module: nn.Module) -> MixerKind | None:
 def find_mixers(model: nn.Module) -> dict[str, MixerKind]:
     """Every head-structured mixer of ``model``: path -> kind."""
     return {name: kind for name, m in model.named_modules() if (kind := mixer_kind(m)) is not None}
-
-
-def block_sizes(mixer: nn.Module, kind: MixerKind, path: str) -> tuple[int, ...] | None:
-    """The whole sizes of the blocks of the parameter at ``path`` (relative to ``mixer``), or ``None`` (one block)."""
-    expressions = kind.blocks.get(path)
-    return None if expressions is None else tuple(_size(mixer, e) for e in expressions)
 
 
 def heads_problem(name: str, mixer: nn.Module, kind: MixerKind, tp_size: int) -> str | None:
@@ -663,49 +662,76 @@ def config_heads(attention: nn.Module) -> int | None:
     return heads if isinstance(heads, int) else None
 
 
-def mixer_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, ...]]:
-    """Full parameter path -> whole block sizes, for the mixer's parameters with more than one block."""
-    prefix = f"{name}." if name else ""
-    out = {}
-    for path in kind.blocks:
-        sizes = block_sizes(mixer, kind, path)
-        if sizes is not None and len(sizes) > 1 and _has_param(mixer, path):
-            out[prefix + path] = sizes
-    return out
+@dataclass(frozen=True)
+class SplitMixer:
+    """A mixer split by heads, as its plan holds it: its kind, and what is read from the module once, before its
+    head counts are divided (the sizes its kind's block expressions name, which of its optional parameters it holds,
+    the width of its norm across ranks). Everything else the split needs is derived from these."""
+
+    kind: MixerKind
+    #: The size attributes its kind's ``blocks`` and ``buffers`` expressions name -> their whole values.
+    sizes: Mapping[str, int]
+    #: The relative paths of its kind's ``blocks`` and ``dims`` that it holds as parameters.
+    params: frozenset[str]
+    #: The whole width of its :attr:`MixerKind.norm_across_ranks` norm (``None``: no such norm, or no weight).
+    norm_width: int | None = None
+
+    def size(self, expression: str) -> int:
+        return math.prod(self.sizes[name] for name in _names(expression))
+
+    @property
+    def blocks(self) -> dict[str, tuple[int, ...]]:
+        """Relative parameter path -> whole block sizes, for its parameters with more than one block."""
+        out = {}
+        for path, expressions in self.kind.blocks.items():
+            if len(expressions) > 1 and path in self.params:
+                out[path] = tuple(self.size(e) for e in expressions)
+        return out
+
+    @property
+    def whole_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Relative parameter path -> the indices of its blocks that every rank takes whole (none: absent)."""
+        return {
+            path: _whole(expressions)
+            for path, expressions in self.kind.blocks.items()
+            if _whole(expressions) and path in self.params
+        }
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """Relative parameter path -> the dim it is split on, for its parameters not split on dim 0."""
+        return {path: dim for path, dim in self.kind.dims.items() if path in self.params}
+
+    @property
+    def buffers(self) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """Relative buffer path -> (dim, whole block sizes, indices of the blocks taken whole), for its packed
+        buffers."""
+        return {
+            path: (dim, tuple(self.size(e) for e in expressions), _whole(expressions))
+            for path, (dim, expressions) in self.kind.buffers.items()
+        }
+
+    def local_sizes(self, tp_size: int) -> dict[str, int]:
+        """The attributes of :attr:`MixerKind.local_sizes`, set to the number of rows the rank takes of their
+        parameter (the same on every rank)."""
+        out = {}
+        for attr, path in self.kind.local_sizes.items():
+            expressions = self.kind.blocks[path]
+            out[attr] = sum(self.size(e) if e.startswith(WHOLE) else self.size(e) // tp_size for e in expressions)
+        return out
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether it is a recurrent mixer (linear attention, a state-space layer), whose heads are its own rather
+        than the config's attention heads."""
+        return not self.kind.complete_only and self.kind.name != "latent_attention"
 
 
-def mixer_dims(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, int]:
-    """Full parameter path -> the dim it is split on, for the mixer's parameters not split on dim 0."""
-    prefix = f"{name}." if name else ""
-    return {prefix + path: dim for path, dim in kind.dims.items() if _has_param(mixer, path)}
-
-
-def mixer_whole_blocks(name: str, mixer: nn.Module, kind: MixerKind) -> dict[str, tuple[int, ...]]:
-    """Full parameter path -> the indices of its blocks that every rank takes whole (none: absent)."""
-    prefix = f"{name}." if name else ""
-    return {
-        prefix + path: _whole(expressions)
-        for path, expressions in kind.blocks.items()
-        if _whole(expressions) and _has_param(mixer, path)
-    }
-
-
-def mixer_buffers(
-    name: str, mixer: nn.Module, kind: MixerKind
-) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """Full buffer path -> (dim, whole block sizes, indices of the blocks taken whole), for its packed buffers."""
-    prefix = f"{name}." if name else ""
-    return {
-        prefix + path: (dim, tuple(_size(mixer, e) for e in expressions), _whole(expressions))
-        for path, (dim, expressions) in kind.buffers.items()
-    }
-
-
-def local_sizes(mixer: nn.Module, kind: MixerKind, tp_size: int) -> dict[str, int]:
-    """The attributes of :attr:`MixerKind.local_sizes`, set to the number of rows the rank takes of their
-    parameter (the same on every rank)."""
-    out = {}
-    for attr, path in kind.local_sizes.items():
-        expressions = kind.blocks[path]
-        out[attr] = sum(_size(mixer, e) if e.startswith(WHOLE) else _size(mixer, e) // tp_size for e in expressions)
-    return out
+def split_mixer(mixer: nn.Module, kind: MixerKind) -> SplitMixer:
+    """Read once, before its head counts change, what splitting ``mixer`` as ``kind`` needs (:class:`SplitMixer`)."""
+    expressions = [*(e for es in kind.blocks.values() for e in es), *(e for _, es in kind.buffers.values() for e in es)]
+    sizes = {name: int(getattr(mixer, name)) for e in expressions for name in _names(e)}
+    params = frozenset(path for path in (*kind.blocks, *kind.dims) if _has_param(mixer, path))
+    norm = mixer.get_submodule(kind.norm_across_ranks) if kind.norm_across_ranks else None
+    width = norm.weight.shape[0] if norm is not None and getattr(norm, "weight", None) is not None else None
+    return SplitMixer(kind, sizes, params, width)

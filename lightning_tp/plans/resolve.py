@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -27,18 +27,15 @@ from lightning_tp.plans.mixers import (
     EXPERTS_KINDS,
     OUTPUT_GATES,
     MixerKind,
+    SplitMixer,
     config_heads,
     find_mixers,
     heads_problem,
-    local_sizes,
-    mixer_blocks,
-    mixer_buffers,
-    mixer_dims,
     mixer_entries,
-    mixer_whole_blocks,
     per_head_norms,
     rotary_width,
     shared_norm_names,
+    split_mixer,
     stacked_sizes,
 )
 from lightning_tp.plans.styles import (
@@ -93,27 +90,12 @@ class ResolvedPlan:
     #: style (weights first). TP leaves everything under these modules whole; see
     # :mod:`lightning_tp.parallel.expert_parallel`.
     experts: dict[str, str] = field(default_factory=dict)
-    #: Head-parallel sequence mixers (:mod:`lightning_tp.plans.mixers`): name -> the size attributes divided by the
-    #: TP size (its ``local_heads`` in ``head_styles``).
-    mixers: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    #: Parameters whose dim 0 packs blocks each rank takes its slice of (``colwise_blocks``/``local_blocks``): full
-    #: name -> the whole block sizes. One-block parameters are absent (their plain shard is the rank's rows).
-    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    #: Parameters of ``blocks`` with blocks every rank takes whole (a multi-query attention's K and V): full name ->
-    #: their indices.
-    whole_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    #: ``local_blocks`` parameters split on another dim than 0: full name -> dim.
-    block_dims: dict[str, int] = field(default_factory=dict)
-    #: The mixers' packed buffers, sliced once: full name -> (dim, whole block sizes, blocks taken whole).
-    buffer_blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    #: Mixer attributes set to the rank's own size rather than divided: mixer -> {attribute: value}.
-    mixer_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: The split mixers that are not attention (linear attention, state-space layers): their heads are their own.
-    recurrent_mixers: list[str] = field(default_factory=list)
+    #: Head-parallel sequence mixers (:mod:`lightning_tp.plans.mixers`): name -> its kind and the sizes read from it
+    #: before its head counts change (its ``local_heads`` in ``head_styles``). The mixers' packed blocks, split dims,
+    #: buffers, local sizes and norms across ranks are derived from it (the properties below).
+    mixers: dict[str, SplitMixer] = field(default_factory=dict)
     #: Mixers (attention, MLPs) this package would split but keeps whole at this TP size: name -> why.
     whole_mixers: dict[str, str] = field(default_factory=dict)
-    #: Gated norms over one group spread over every TP rank: name -> the group's whole width.
-    norms_across_ranks: dict[str, int] = field(default_factory=dict)
 
     def restricted_to(self, module: nn.Module) -> ResolvedPlan:
         """This plan without the entries of modules and tensors that ``module`` (the one it was resolved on) no
@@ -147,8 +129,59 @@ class ResolvedPlan:
         return [name for name, style in self.head_styles.items() if style == "local_heads_alibi"]
 
     def head_attributes(self, name: str) -> tuple[str, ...]:
-        """The attributes of the ``local_heads`` module ``name`` that count heads (or sizes made of heads)."""
-        return self.mixers.get(name, HEAD_COUNT_ATTRIBUTES)
+        """The attributes of the ``local_heads`` module ``name`` that count heads (or sizes made of heads): a mixer's
+        size attributes divided by the TP size, else the attention head counts."""
+        return self.mixers[name].kind.attributes if name in self.mixers else HEAD_COUNT_ATTRIBUTES
+
+    def _per_mixer(self, part: Callable[[SplitMixer], Mapping[str, Any]]) -> dict[str, Any]:
+        """The full paths and values of ``part`` of every split mixer (relative paths there)."""
+        return {
+            f"{name}.{path}" if name else path: value
+            for name, mixer in self.mixers.items()
+            for path, value in part(mixer).items()
+        }
+
+    @property
+    def blocks(self) -> dict[str, tuple[int, ...]]:
+        """Parameters whose dim 0 packs blocks each rank takes its slice of (``colwise_blocks``/``local_blocks``):
+        full name -> the whole block sizes. One-block parameters are absent (their plain shard is the rank's rows)."""
+        return self._per_mixer(lambda mixer: mixer.blocks)
+
+    @property
+    def whole_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Parameters of ``blocks`` with blocks every rank takes whole (a multi-query attention's K and V): full name
+        -> their indices."""
+        return self._per_mixer(lambda mixer: mixer.whole_blocks)
+
+    @property
+    def block_dims(self) -> dict[str, int]:
+        """``local_blocks`` parameters split on another dim than 0: full name -> dim."""
+        return self._per_mixer(lambda mixer: mixer.dims)
+
+    @property
+    def buffer_blocks(self) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """The mixers' packed buffers, sliced once: full name -> (dim, whole block sizes, blocks taken whole)."""
+        return self._per_mixer(lambda mixer: mixer.buffers)
+
+    def mixer_sizes(self, tp_size: int) -> dict[str, dict[str, int]]:
+        """Mixer attributes set to the rank's own size at ``tp_size`` rather than divided: mixer -> {attribute:
+        value}."""
+        return {name: mixer.local_sizes(tp_size) for name, mixer in self.mixers.items() if mixer.kind.local_sizes}
+
+    @property
+    def recurrent_mixers(self) -> list[str]:
+        """The split mixers that are not attention (linear attention, state-space layers): their heads are their
+        own."""
+        return [name for name, mixer in self.mixers.items() if mixer.recurrent]
+
+    @property
+    def norms_across_ranks(self) -> dict[str, int]:
+        """Gated norms over one group spread over every TP rank: name -> the group's whole width."""
+        return {
+            f"{name}.{mixer.kind.norm_across_ranks}": mixer.norm_width
+            for name, mixer in self.mixers.items()
+            if mixer.norm_width is not None
+        }
 
     @property
     def local_heads(self) -> list[str]:
@@ -417,12 +450,8 @@ def resolve_plan(
             # torch ParallelStyles shard their module's parameters themselves; `local_heads` names a module only.
             if isinstance(style, str) and full in unique_params and style not in _HEAD_STYLES:
                 resolved.styles[full] = style
-        if module_name in mixers:
-            resolved.mixers[module_name] = mixers[module_name][1].attributes
-            if not mixers[module_name][1].complete_only and mixers[module_name][1].name != "latent_attention":
-                resolved.recurrent_mixers.append(module_name)
-            if resolved.mixers[module_name]:  # an MLP has no head counts
-                resolved.head_styles[module_name] = "local_heads"
+        if module_name in mixers and mixers[module_name][1].attributes:  # an MLP has no head counts
+            resolved.head_styles[module_name] = "local_heads"
         if isinstance(module_style, str) and module_style in _HEAD_STYLES and module_name not in whole_mixers:
             resolved.head_styles[module_name] = module_style
         elif module_style is not None:
@@ -450,24 +479,17 @@ def resolve_plan(
             f"{name}.{norm}" for norm in shared_norm_names(mixer, kind) if f"{name}.{norm}" in resolved.styles
         ]
         resolved.grad_allreduce = list(dict.fromkeys(resolved.grad_allreduce))
-        blocks = mixer_blocks(name, mixer, kind)
-        for path, sizes in blocks.items():
-            rows = module.get_parameter(path).shape[0]
+        split = split_mixer(mixer, kind)
+        for path, sizes in split.blocks.items():
+            rows = mixer.get_parameter(path).shape[0]
             if sum(sizes) != rows:
+                full = f"{name}.{path}" if name else path
                 raise ValueError(
-                    f"{path} has {rows} rows where {type(mixer).__name__}, recognised as {kind.description}, packs "
+                    f"{full} has {rows} rows where {type(mixer).__name__}, recognised as {kind.description}, packs "
                     f"blocks of {list(sizes)}: its layout is not the one lightning_tp.plans.mixers describes. Keep it "
                     f"whole with tp_plan={{'{name}': 'replicate'}}, or write its plan."
                 )
-        resolved.blocks.update(blocks)
-        resolved.whole_blocks.update(mixer_whole_blocks(name, mixer, kind))
-        resolved.block_dims.update(mixer_dims(name, mixer, kind))
-        resolved.buffer_blocks.update(mixer_buffers(name, mixer, kind))
-        if kind.local_sizes:
-            resolved.mixer_sizes[name] = local_sizes(mixer, kind, tp_size)
-        norm = mixer.get_submodule(kind.norm_across_ranks) if kind.norm_across_ranks else None
-        if norm is not None and getattr(norm, "weight", None) is not None:
-            resolved.norms_across_ranks[f"{name}.{kind.norm_across_ranks}"] = norm.weight.shape[0]
+        resolved.mixers[name] = split
     for name in [n for n, style in resolved.styles.items() if style == "mla_kv_a_proj" and n in module_names]:
         attention = module.get_submodule(name.rpartition(".")[0])
         if rotary_width(attention) is None:

@@ -352,10 +352,10 @@ def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[Mi
     """The plan's sequence mixers with their head counts and packed blocks per rank, alike ones grouped."""
     params = dict(model.named_parameters())
     groups: dict[tuple, MixerGroup] = {}
-    for name, attributes in plan.mixers.items():
+    for name, split in plan.mixers.items():
         mixer = model.get_submodule(name)
         kind = mixer_kind(mixer)
-        counts = _head_counts(mixer, name, attributes, plan, tp_size)
+        counts = _head_counts(mixer, name, split.kind.attributes, plan, tp_size)
         if not counts and kind is not None and kind.heads:
             # A mixer that reshapes by -1 (Doge's): the counts its split is checked on, read where they live.
             counts = _head_counts(mixer, name, kind.heads, plan, tp_size)

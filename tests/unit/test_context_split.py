@@ -20,7 +20,7 @@ from lightning_tp.parallel.context_parallel import (
     padded_length,
     positions_from_mask,
 )
-from lightning_tp.parallel.fsdp import block_classes
+from lightning_tp.plans.structure import block_classes
 from tests.helpers.models import (
     VOCAB,
     build_causal_lm,

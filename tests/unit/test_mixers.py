@@ -52,7 +52,7 @@ def test_mixers_are_recognised_by_structure_and_split_by_their_blocks(kind, mixe
     if name == "mamba2_one_group":
         # B and C whole on every rank; the conv's width is the rank's rows; the gated norm spans the ranks.
         assert plan.whole_blocks[f"{mixer}.in_proj.weight"] == (2, 3)
-        assert plan.mixer_sizes[mixer] == {"conv_dim": 128 // 2 + 16}
+        assert plan.mixer_sizes(2)[mixer] == {"conv_dim": 128 // 2 + 16}
         assert plan.norms_across_ranks[f"{mixer}.norm"] == 128
 
 

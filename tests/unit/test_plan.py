@@ -226,8 +226,7 @@ def test_vision_language_model_plan_leaves_the_vision_tower_alone(kind):
     the vision tower and projector have no entries (they stay whole), and the dense rewrite's stack is the text one."""
     from transformers import AutoModelForImageTextToText
 
-    from lightning_tp.parallel.fsdp import block_classes
-    from lightning_tp.parallel.tensor_parallel import decoder_layers
+    from lightning_tp.plans.structure import block_classes, decoder_layers
     from tests.helpers.models import tiny_vlm_config
 
     with torch.device("meta"):
@@ -244,8 +243,7 @@ def test_sequence_parallel_takes_the_stack_on_the_token_embeddings():
     under the module holding the input embedding."""
     from transformers import AutoModelForImageTextToText
 
-    from lightning_tp.parallel.fsdp import block_classes
-    from lightning_tp.parallel.tensor_parallel import decoder_layers, layer_stacks, text_decoder_layers
+    from lightning_tp.plans.structure import block_classes, decoder_layers, layer_stacks, text_decoder_layers
     from tests.helpers.cases import LLAVA_VISION_PLAN
     from tests.helpers.models import tiny_vlm_config
 

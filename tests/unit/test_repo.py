@@ -235,10 +235,16 @@ def _subpackages() -> list[Path]:
     return sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
 
 
+#: Modules of the package outside any subpackage that are a layer of their own, their docstring saying what they may
+#: import as a subpackage's ``__init__`` does.
+LAYER_MODULES = ("parallelize",)
+
+
 def _may_import(init: Path) -> set[str]:
-    """The layers a subpackage's docstring says it may import (its ``May import ...:`` paragraph)."""
+    """The layers a subpackage's (or a layer module's) docstring says it may import (its ``May import ...:``
+    paragraph)."""
     doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-    assert "May import" in doc, f"{init}: the docstring must say what the subpackage may import"
+    assert "May import" in doc, f"{init}: the docstring must say what the layer may import"
     paragraph = doc.split("May import", 1)[1].split("\n\n", 1)[0]
     return {name.removeprefix("lightning_tp.") for name in re.findall(r"``([\w.]+)``", paragraph)}
 
@@ -246,10 +252,11 @@ def _may_import(init: Path) -> set[str]:
 def test_each_subpackage_imports_only_the_layers_its_docstring_allows():
     """The folders are layers: a subpackage imports its own modules and the layers its ``__init__`` docstring names,
     and those permissions form no cycle (so no import cycle can form between subpackages), at module level and
-    inside functions alike."""
+    inside functions alike. So does each of :data:`LAYER_MODULES` (``parallelize.py``), by its own docstring."""
     modules = _module_names()
     allowed = {init.name: _may_import(init / "__init__.py") for init in _subpackages()}
     assert allowed, "no subpackage found"
+    allowed.update({name: _may_import(modules[name]) for name in LAYER_MODULES})
     assert _cycle({layer: names & set(allowed) for layer, names in allowed.items()}) is None
     wrong = []
     for name, path in modules.items():
