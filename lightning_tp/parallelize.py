@@ -560,7 +560,7 @@ def rewrite_for_regions(
         raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")
     blocks = block_classes(module, options.fsdp_blocks)
     if options.sequence_parallel:
-        plan = sequence_parallel_plan(module, plan, blocks=blocks)
+        plan = sequence_parallel_plan(module, plan, blocks=blocks, recomputed=options.activation_checkpointing)
     elif not has_peft(module):  # PEFT's LoRA layers take plain-tensor inputs
         plan = dense_layers_plan(module, plan, blocks=blocks)
     if options.loss_parallel:

@@ -25,6 +25,7 @@ With loss parallelism ``lm_head`` keeps its output sharded on the vocabulary and
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -49,11 +50,30 @@ class SequenceSplit:
     through the residual stream (each region's output is cut back to the real rows before its row-wise layer, and
     padded with zeros after), and are cut off wherever the whole sequence is gathered (each region's input, the final
     norm's output). Causal attention never reads them (they come last, and the regions see the real rows only), and
-    their gradients are zero. No rank needs another's length: nothing is agreed, no collective, no host sync."""
+    their gradients are zero. No rank needs another's length: nothing is agreed, no collective, no host sync.
+
+    Activation checkpointing runs each layer's forward again in the backward, last layer first, possibly after other
+    forwards (of other lengths) changed the current split: there each later layer records, at its call, the split its
+    input was made with (:meth:`record`), and its children restore it when they are given that same input again
+    (the recomputation replays the layer's forward on its saved input, without the layer's own hooks):
+    :class:`FollowSplit`."""
 
     def __init__(self) -> None:
         self.length = 0
         self.padding = 0
+        #: id of a later layer's input -> (the input, weakly; the split it was made with).
+        self._made_with: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    def record(self, hidden: torch.Tensor) -> None:
+        """At a later layer's call on ``hidden``: remember the current split as the one ``hidden`` was made with."""
+        self._made_with = {key: value for key, value in self._made_with.items() if value[0]() is not None}
+        self._made_with[id(hidden)] = (weakref.ref(hidden), self.length, self.padding)
+
+    def restore(self, hidden: torch.Tensor) -> None:
+        """Where ``hidden`` is a later layer's input (recorded), take the split it was made with again."""
+        entry = self._made_with.get(id(hidden))
+        if entry is not None and entry[0]() is hidden:
+            self.length, self.padding = entry[1], entry[2]
 
 
 class GatherSequence(ParallelStyle):
@@ -143,16 +163,43 @@ class ShardSequence(ParallelStyle):
         return module
 
 
+class FollowSplit(ParallelStyle):
+    """A decoder layer after the first, under activation checkpointing: its call records the split its input was made
+    with, and each of its children, called on that input again in a recomputation, restores it (see
+    :class:`SequenceSplit`)."""
+
+    def __init__(self, split: SequenceSplit) -> None:
+        super().__init__()
+        self.split = split
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def on_input(act: Any) -> Any:
+            def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                if isinstance(hidden, torch.Tensor):
+                    act(hidden)
+
+            return hook
+
+        module.register_forward_pre_hook(on_input(self.split.record), with_kwargs=True)
+        for child in module.children():
+            child.register_forward_pre_hook(on_input(self.split.restore), with_kwargs=True)
+        return module
+
+
 def _pad_sequence(hidden: torch.Tensor, rows: int) -> torch.Tensor:
     """``hidden`` ([batch, sequence, ...]) with ``rows`` zero rows added at the end of its sequence."""
     return torch.cat([hidden, hidden.new_zeros(hidden.shape[0], rows, *hidden.shape[2:])], dim=SEQUENCE_DIM)
 
 
-def sequence_parallel_plan(model: nn.Module, plan: ResolvedPlan, *, blocks: set[type]) -> ResolvedPlan:
+def sequence_parallel_plan(
+    model: nn.Module, plan: ResolvedPlan, *, blocks: set[type], recomputed: bool = False
+) -> ResolvedPlan:
     """``plan`` rewritten for sequence parallelism (see the module docstring) with this module's styles, all sharing
     one :class:`SequenceSplit` (:func:`lightning_tp.plans.rewrite.rewrite_for_sequence_parallel`). ``blocks``: the
     classes of the decoder layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite.
-    Any sequence length splits (see :class:`SequenceSplit`)."""
+    Any sequence length splits (see :class:`SequenceSplit`). ``recomputed``: the layers are recomputed in the backward
+    (activation checkpointing), so each later layer follows the split its input was made with."""
     split = SequenceSplit()
     return rewrite_for_sequence_parallel(
         model,
@@ -162,4 +209,5 @@ def sequence_parallel_plan(model: nn.Module, plan: ResolvedPlan, *, blocks: set[
         region=lambda: GatherSequence(split),
         first_layer=lambda: ShardSequence(split),
         final_norm=lambda: GatherOutput(split),
+        later_layer=(lambda: FollowSplit(split)) if recomputed else None,
     )

@@ -99,13 +99,14 @@ def rewrite_for_sequence_parallel(
     region: StyleFactory,
     first_layer: StyleFactory,
     final_norm: StyleFactory,
+    later_layer: StyleFactory | None = None,
 ) -> ResolvedPlan:
     """``plan`` rewritten for sequence parallelism (:mod:`lightning_tp.parallel.sequence_parallel`): each text decoder
     layer's column-/row-wise pairs with torch's styles, ``rowwise()`` exits (the reduce-scatter), ``region()`` on each
-    attention and MLP (the all-gather), ``first_layer()`` on the first layer (cuts the sequence), ``final_norm()`` on
-    the norm after the layers (gathers it); the parameters outside the regions (the norms) get their gradients summed
-    over the TP group. ``blocks``: the classes of the decoder layers. Refuses, naming the module and style, what
-    sequence parallelism cannot rewrite."""
+    attention and MLP (the all-gather), ``first_layer()`` on the first layer (cuts the sequence), ``later_layer()``
+    (where given) on the others, ``final_norm()`` on the norm after the layers (gathers it); the parameters outside
+    the regions (the norms) get their gradients summed over the TP group. ``blocks``: the classes of the decoder
+    layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite."""
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
     # The language model's stack only: a vision tower planned too runs on its patches with plain TP.
@@ -125,6 +126,8 @@ def rewrite_for_sequence_parallel(
         regions = rewrite_layer_styles(styles, layer, rowwise=rowwise, region=region)
         if index == 0:
             styles[layer] = first_layer()
+        elif later_layer is not None:
+            styles[layer] = later_layer()
         # Replicated parameters outside the regions (the norms) see one sequence shard each.
         inside = layer_entries(plan.styles, layer)
         for name, module in model.get_submodule(layer).named_modules(prefix=layer):
