@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_tp.compat import is_view
+
 
 class SumOverGroup(torch.autograd.Function):
     """The sum over ``group`` of each rank's part, on every rank; the backward scales by ``size`` (the group's): every
@@ -65,23 +67,24 @@ class SumGradients(torch.autograd.Function):
 
 
 class SumPartialOutputs(torch.autograd.Function):
-    """The sum over ``group`` of each rank's partial output (a row-wise layer's, a vocabulary-parallel lookup's),
-    written into the partial output itself: what comes out is a tensor of its own, not a view, so the model may change
-    it in place (Llama 4's ``out.add_(shared_expert(x))``). Backward: identity, every rank's output gradient is the
-    whole one already."""
+    """The sum over ``group`` of each rank's partial output (a row-wise layer's, a vocabulary-parallel lookup's), a
+    tensor of its own, not a view, so the model may change it in place (Llama 4's ``out.add_(shared_expert(x))``).
+    ``in_place``: the partial output is the layer's own fresh tensor, which nothing saved for its backward and which is
+    no view (a bias-free ``F.linear``'s, a ``masked_fill``'s): the sum is written into it; otherwise (a third-party
+    forward's output, a view) into a copy. Backward: identity, every rank's output gradient is the whole one already."""
 
     @staticmethod
-    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        if not partial.is_contiguous():
-            partial = partial.contiguous()
-        else:
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup, in_place: bool) -> torch.Tensor:  # type: ignore[override]
+        if in_place and partial.is_contiguous() and not is_view(partial):
             ctx.mark_dirty(partial)
+        else:
+            partial = partial.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(partial, group=group)
         return partial
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
+        return grad, None, None
 
 
 def chunk_sizes(total: int, parts: int) -> list[int]:
@@ -102,10 +105,15 @@ class GatherLastDim(torch.autograd.Function):
         assert local.shape[-1] == sizes[rank], (local.shape, sizes, rank)
         widest = sizes[0]
         padded = local if local.shape[-1] == widest else torch.nn.functional.pad(local, (0, widest - local.shape[-1]))
-        parts = [torch.empty_like(padded, memory_format=torch.contiguous_format) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous(), group=group)
+        # One buffer, one collective, one copy into the result (a list all-gather copies through a flat buffer).
+        flat = padded.new_empty((size * padded.shape[0], *padded.shape[1:]))  # the concatenated form: gloo's too
+        dist.all_gather_into_tensor(flat, padded.contiguous(), group=group)
+        parts = flat.view(size, *padded.shape)
         ctx.start, ctx.width = sum(sizes[:rank]), sizes[rank]
-        return torch.cat([part[..., :width] for part, width in zip(parts, sizes, strict=True)], dim=-1)
+        if all(width == widest for width in sizes):
+            whole = parts.movedim(0, -2).reshape(*padded.shape[:-1], total)
+            return whole.clone() if is_view(whole) else whole  # one rank: a view of the buffer, not a tensor of its own
+        return torch.cat([parts[i, ..., :width] for i, width in enumerate(sizes)], dim=-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

@@ -68,21 +68,38 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def _no_bias(_param: torch.Tensor) -> None:
+    """No bias in place of an ``nn.Linear``'s row-wise bias, which is added once after the sum (and the bias-free
+    ``F.linear`` output is no view: the sum can be written into it)."""
+    return None
+
+
 def _zeros(param: torch.Tensor) -> torch.Tensor:
-    """A bias of zeros in place of a row-wise bias, which is added once after the sum (a module may need a tensor:
-    GPT-2's ``Conv1D`` passes its bias to ``addmm``)."""
+    """A bias of zeros in place of another module's row-wise bias, which is added once after the sum (the module may
+    need a tensor: GPT-2's ``Conv1D`` passes its bias to ``addmm``)."""
     return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
 
 
+def _gather_last_dim(module: nn.Module, group: Any, total: int) -> None:
+    """Each call's output, the rank's slice of the last dim, gathered whole (``total`` wide) on every rank."""
+
+    def gather(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+        return GatherLastDim.apply(output, group, total)
+
+    module.register_forward_hook(gather)
+
+
 def run_on_local_shards(module: nn.Module, *, hide: tuple[str, ...] = ()) -> None:
-    """During each call, the module's sharded parameters are their local shards, and those in ``hide`` are zeros
-    (a row-wise bias, added once after the sum). The parameters left whole are given their local views with the
-    other whole parameters of the model, after the plan is applied."""
+    """During each call, the module's sharded parameters are their local shards, and those in ``hide`` are absent
+    (a row-wise bias, added once after the sum: ``None`` for an ``nn.Linear``, zeros for another module). The
+    parameters left whole are given their local views with the other whole parameters of the model, after the plan is
+    applied."""
     params = parameter_dict(module)
     views: dict[str, Callable[[torch.Tensor], Any]] = {
         name: _local for name, param in params.items() if isinstance(param, DTensor)
     }
-    views.update({name: _zeros for name in hide if params.get(name) is not None})
+    hidden = _no_bias if isinstance(module, nn.Linear) else _zeros
+    views.update({name: hidden for name in hide if params.get(name) is not None})
     if views:
         run_on_parameter_views(module, views)
 
@@ -117,12 +134,7 @@ class ColumnParallel(ParallelStyle):
         group = device_mesh.get_group()
         module.register_forward_pre_hook(on_hidden_states(_replicated_input(group)), with_kwargs=True)
         if not self.fact.output_sharded:
-            total = weight.shape[self.fact.split_dim(weight.ndim)]
-
-            def gather(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
-                return GatherLastDim.apply(output, group, total)
-
-            module.register_forward_hook(gather)
+            _gather_last_dim(module, group, weight.shape[self.fact.split_dim(weight.ndim)])
         return module
 
 
@@ -153,9 +165,11 @@ class RowParallel(ParallelStyle):
             return x
 
         def leave(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
-            output = SumPartialOutputs.apply(output, group)
+            # An nn.Linear's bias-free output is its own fresh tensor: the sum goes into it.
+            output = SumPartialOutputs.apply(output, group, isinstance(module, nn.Linear))
             bias = parameter_dict(module).get("bias")
-            return output if bias is None else output + _local(bias)
+            # In the output's dtype, as the module adds it (bf16 under autocast).
+            return output if bias is None else output + _local(bias).to(output.dtype)
 
         module.register_forward_pre_hook(on_hidden_states(enter), with_kwargs=True)
         module.register_forward_hook(leave)
@@ -178,25 +192,15 @@ class EmbeddingParallel(ParallelStyle):
         run_on_local_shards(module)
         group, rank, size = device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size()
         if self.fact.split_dim(weight.ndim) == 1:
-            total = weight.shape[1]
-
-            def gather(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
-                return GatherLastDim.apply(output, group, total)
-
-            module.register_forward_hook(gather)
+            _gather_last_dim(module, group, weight.shape[1])
             return module
         rows = chunk_sizes(weight.shape[0], size)
         start, stop = sum(rows[:rank]), sum(rows[: rank + 1])
-        padding = getattr(module, "padding_idx", None)
-        if isinstance(padding, int):
-            # The padding row is the local row of the rank that holds it; the others see no padding row (their
-            # lookups of it are zeroed anyway). Its whole value comes back while weights are initialised.
-            local = padding - start if start <= padding < stop else None
-            record_local_size(module, "padding_idx", padding, local)  # type: ignore[arg-type]
-            module.padding_idx = local
-        # Per call: the local ids it was given and the mask of the ids other ranks hold (found again by the ids, so that
-        # a call whose pre-hooks raised before this one's takes nothing).
-        calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per call: the local ids it was given, the mask of the ids other ranks hold and the module's own padding index
+        # (found again by the ids, so that a call whose pre-hooks raised before this one's takes nothing). During the
+        # call the padding row is the local row of the rank that holds it, and the others see none (their lookups of
+        # it are zeroed anyway); outside it the module keeps its own index (code that compares ids with it).
+        calls: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
 
         def ids_of(args: tuple, kwargs: dict) -> tuple[torch.Tensor, str | None]:
             if args:
@@ -208,7 +212,10 @@ class EmbeddingParallel(ParallelStyle):
             ids, key = ids_of(args, kwargs)
             mask = (ids < start) | (ids >= stop)
             local_ids = (ids - start).masked_fill(mask, 0)
-            calls.append((local_ids, mask))
+            padding = getattr(module, "padding_idx", None)
+            calls.append((local_ids, mask, padding))
+            if isinstance(padding, int):
+                module.padding_idx = padding - start if start <= padding < stop else None
             return ((local_ids, *args[1:]), kwargs) if key is None else (args, {**kwargs, key: local_ids})
 
         def leave(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -216,10 +223,12 @@ class EmbeddingParallel(ParallelStyle):
             index = next((i for i in range(len(calls) - 1, -1, -1) if calls[i][0] is ids), None)
             if index is None:  # the forward raised before this layer's pre-hook ran (``always_call``)
                 return None
-            _, mask = calls.pop(index)
+            _, mask, padding = calls.pop(index)
+            if isinstance(padding, int):
+                module.padding_idx = padding
             if output is None:  # the forward raised: nothing to sum, nothing left behind
                 return None
-            return SumPartialOutputs.apply(output.masked_fill(mask.unsqueeze(-1), 0), group)
+            return SumPartialOutputs.apply(output.masked_fill(mask.unsqueeze(-1), 0), group, True)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, always_call=True)
@@ -247,7 +256,8 @@ class ExpertsParallel(ParallelStyle):
             return args, kwargs
 
         def leave(_module: nn.Module, _args: Any, output: Any) -> Any:
-            return None if output is None else SumPartialOutputs.apply(output, group)
+            # A third-party forward's output: summed into a copy (it may be saved for its backward).
+            return None if output is None else SumPartialOutputs.apply(output, group, False)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave)
