@@ -28,7 +28,14 @@ from lightning_tp.parallel.layers import APPLIED_ELSEWHERE, LAYERS, RowParallel,
 from lightning_tp.parallel.random_init import record_local_size
 from lightning_tp.plans.resolve import ResolvedPlan
 from lightning_tp.plans.rewrite import rewrite_dense_layers
-from lightning_tp.plans.styles import KV_HEAD_COUNT_ATTRIBUTES, STYLES, facts, style_names
+from lightning_tp.plans.styles import (
+    KV_GROUPS_ATTRIBUTE,
+    KV_HEAD_COUNT_ATTRIBUTES,
+    QUERY_HEAD_COUNT_ATTRIBUTES,
+    STYLES,
+    facts,
+    style_names,
+)
 
 #: Set on every module this package sharded, to the TP mesh, so a second ``setup`` does not shard it again.
 SHARDED_MARKER = "_lightning_tp_mesh"
@@ -104,10 +111,28 @@ def localize_heads(module: nn.Module, plan: ResolvedPlan, *, tp_size: int, rank:
         for attribute, value in sizes.items():
             record_local_size(modules[name], attribute, getattr(modules[name], attribute), value)
             setattr(modules[name], attribute, value)
+    for name in plan.local_heads:
+        if name not in plan.kv_replicated:
+            _localize_groups(modules[name])
     for name, (query_heads, kv_heads) in plan.kv_replicated.items():
         layout = kv_head_layout(query_heads, kv_heads, tp_size=tp_size, rank=rank)
         attributes = KV_HEAD_COUNT_ATTRIBUTES if name in plan.local_heads else ()
         localize_kv_groups(modules[name], layout, count_attributes=attributes)
+
+
+def _localize_groups(attention: nn.Module) -> None:
+    """The query heads per KV head (``num_key_value_groups``, what ``repeat_kv`` and SDPA's GQA expand by) derived
+    again from the rank's own head counts: a multi-query attention that takes its one K/V head whole on every rank
+    (Falcon's) keeps 1 KV head for half the query heads at TP 2. Where the counts were divided alike, the ratio is
+    the same."""
+    groups = getattr(attention, KV_GROUPS_ATTRIBUTE, None)
+    query = next((getattr(attention, a) for a in QUERY_HEAD_COUNT_ATTRIBUTES if hasattr(attention, a)), None)
+    kv = next((getattr(attention, a) for a in KV_HEAD_COUNT_ATTRIBUTES if hasattr(attention, a)), None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (groups, query, kv)) or not kv:
+        return
+    if query % kv == 0 and query // kv != groups:
+        record_local_size(attention, KV_GROUPS_ATTRIBUTE, groups, query // kv)
+        setattr(attention, KV_GROUPS_ATTRIBUTE, query // kv)
 
 
 def slice_alibi_heads(module: nn.Module, names: list[str], *, tp_mesh: DeviceMesh) -> None:

@@ -131,6 +131,8 @@ HEAD_COUNT_ATTRIBUTES = (
 #: The head-count attributes that count KV heads (grouped-query attention): with KV-head replication they become the
 #: rank's KV heads, not ``count / tp_size``.
 KV_HEAD_COUNT_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
+#: The head-count attributes that count query heads.
+QUERY_HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads")
 #: The attribute attention modules keep their query-heads-per-KV-head ratio in (``repeat_kv``, SDPA's GQA): KV-head
 #: replication sets it to the rank's own.
 KV_GROUPS_ATTRIBUTE = "num_key_value_groups"
