@@ -165,8 +165,10 @@ class RowParallel(ParallelStyle):
             return x
 
         def leave(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
-            # An nn.Linear's bias-free output is its own fresh tensor: the sum goes into it.
-            output = SumPartialOutputs.apply(output, group, isinstance(module, nn.Linear))
+            # An nn.Linear's bias-free output is its own fresh tensor: the sum goes into it (not under torch.compile,
+            # whose graphs replay the in-place write in backward: a copy there, which inductor can fuse).
+            in_place = isinstance(module, nn.Linear) and not torch.compiler.is_compiling()
+            output = SumPartialOutputs.apply(output, group, in_place)
             bias = parameter_dict(module).get("bias")
             # In the output's dtype, as the module adds it (bf16 under autocast).
             return output if bias is None else output + _local(bias).to(output.dtype)
