@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.cases import CASES, EP_2D_CASES, EP_CASES
 from tests.helpers.models import PROBE
-from tests.helpers.parity import assert_parity, reference_of
+from tests.helpers.parity import assert_parity, reference_of, trained_logits_gap
 from tests.helpers.selection import scenario_result as _result
 
 
@@ -55,7 +55,10 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
 
         model.load_state_dict(ref["state"])
         reloaded = AutoModelForCausalLM.from_pretrained(export)
-        torch.testing.assert_close(_logits(reloaded), _logits(model), atol=1e-4, rtol=0)
+        expected = _logits(model)  # within fp32's bound: the runs' trained weights differ by their roundings
+        torch.testing.assert_close(
+            _logits(reloaded), expected, atol=trained_logits_gap(result, ref, expected, name), rtol=0
+        )
     # The data is split over the data-parallel ranks only (the ranks of a TP or CP group read the same rows).
     assert [r[name]["sampler"]["num_replicas"] for r in results] == [world_size // tp // cp] * world_size
 

@@ -15,16 +15,27 @@ from tests.helpers.cases import CASES, PP_2D_CASES, PP_CASES
 from tests.helpers.models import PP_PROBE
 from tests.helpers.parity import assert_parity, reference_of
 from tests.helpers.selection import scenario_result as _result
+from tests.helpers.tolerances import fp32_loss_gap, fp32_roundings, output_scale
 
 
-def _reference_eval_loss(name: str) -> float:
-    """The loss of the reference's trained weights on the probe batch, on one process."""
+def _reference_eval_loss(name: str) -> tuple[float, float]:
+    """The loss of the reference's trained weights on the probe batch, on one process, and its fp32 bound against
+    another layout's forward of its own trained weights (tests/helpers/tolerances.py, :func:`fp32_loss_gap`): the
+    forward's roundings and the training's before it, counted as the parity's losses count them."""
+    ref = reference_of(name)
     module = CASES[name].module(reference=True)
     module.configure_model()
-    module.model.load_state_dict(reference_of(name)["state"])
+    module.model.load_state_dict(ref["state"])
     module.model.eval()
+    batch = {"input_ids": PP_PROBE, "labels": PP_PROBE}
     with torch.no_grad():
-        return module.model(input_ids=PP_PROBE, labels=PP_PROBE).loss.item()
+        loss = module.model(**batch).loss.item()
+    forward, step = fp32_roundings(
+        [v.shape for v in ref["state"].values()], ref["output_rows"] * CASES[name].accumulate
+    )
+    roundings = forward + len(ref["grad_norms"]) * step
+    scale = output_scale(module.model, [batch])
+    return loss, fp32_loss_gap(roundings, scale, loss, rows=PP_PROBE.numel(), classes=ref["output_classes"])
 
 
 def _check_pretrained(name: str, result: dict) -> None:
@@ -74,7 +85,8 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
     _check_pretrained(name, results[0][name])
     # A forward-only schedule (eval mode, no grad) gives one process's loss of the trained model.
     if dp == 1:
-        assert results[0][name]["split"]["eval_loss"] == pytest.approx(_reference_eval_loss(name), abs=1e-5)
+        loss, bound = _reference_eval_loss(name)
+        assert results[0][name]["split"]["eval_loss"] == pytest.approx(loss, abs=bound)
 
 
 @pytest.mark.parametrize("name", PP_CASES)

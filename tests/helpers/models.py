@@ -675,8 +675,16 @@ def reference_run(
 ) -> dict[str, Any]:
     """Train ``module`` on one process with a plain loop on ``device``: the same hooks Lightning calls, no strategy.
     ``precision``: ``bf16-true`` trains a bf16 model, ``bf16-mixed`` runs the step under the device's autocast. The
-    final state comes back on the CPU."""
+    final state comes back on the CPU.
+
+    With each micro-batch's loss it records what its fp32 bound reads (tests/helpers/tolerances.py,
+    :func:`~tests.helpers.tolerances.fp32_loss_gap`): ``output_scales``, ``norm(∂L/∂z ⊙ z)`` over the model's outputs
+    ``z`` (its logits; both calls' where the step calls it twice), and ``output_rows`` and ``output_classes``, the
+    largest outputs' rows and last dimension; and with each step's gradient norm ``grad_terms``, the norm of what
+    its gradients sum: for each linear layer's weight the magnitudes of its terms, ``norm(|dy|ᵀ |x|)`` over the
+    step's rows, and each parameter's own gradient (:func:`~tests.helpers.tolerances.fp32_grad_norm_gap`)."""
     import contextlib
+    import math
 
     device = torch.device(device)
     module = copy.deepcopy(module)
@@ -688,24 +696,72 @@ def reference_run(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16_mixed else contextlib.nullcontext()
     optimizer = module.configure_optimizers()
     optimizer.zero_grad()
+    outputs: list[torch.Tensor] = []
+    scales: list[float] = []
+    rows = classes = 0
+
+    def keep_output(_module: nn.Module, _args: Any, output: Any) -> None:
+        logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor) and logits.requires_grad:
+            logits.retain_grad()
+            outputs.append(logits)
+
+    terms: dict[int, torch.Tensor] = {}
+    grad_terms: list[float] = []
+
+    def keep_terms(layer: nn.Module, args: Any, output: Any) -> None:
+        if not (isinstance(output, torch.Tensor) and output.requires_grad and args):
+            return
+        x = args[0].detach()
+
+        def magnitudes(grad: torch.Tensor) -> None:
+            dy, xs = grad.detach().reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+            term = dy.abs().double().T @ xs.abs().double()
+            terms[id(layer)] = terms[id(layer)] + term if id(layer) in terms else term
+
+        output.register_hook(magnitudes)
+
+    hook = module.model.register_forward_hook(keep_output)
+    term_hooks = [
+        layer.register_forward_hook(keep_terms)
+        for layer in module.model.modules()
+        if isinstance(layer, nn.Linear) and layer.weight.requires_grad
+    ]
     for i, batch in enumerate(batches):
         with autocast:
             on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             loss = module.training_step(on_device, i)
         (loss / accumulate).backward()
+        kept = [z for z in outputs if z.grad is not None]
+        squares = sum((z.grad.double() * z.detach().double()).pow(2).sum().item() for z in kept)
+        scales.append(accumulate * math.sqrt(squares))  # of the micro-batch's own loss, not its share of the step's
+        for z in kept:
+            rows, classes = max(rows, z.numel() // max(z.shape[-1], 1)), max(classes, z.shape[-1])
+        outputs.clear()
         if (i + 1) % accumulate:
             continue
         module.on_before_optimizer_step(optimizer)
+        squares = sum(t.pow(2).sum().item() for t in terms.values())
+        squares += sum(p.grad.double().pow(2).sum().item() for p in module.parameters() if p.grad is not None)
+        grad_terms.append(math.sqrt(squares))
+        terms.clear()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
+    hook.remove()
+    for term_hook in term_hooks:
+        term_hook.remove()
     state = {k: v.detach().cpu().clone() for k, v in module.model.state_dict().items()}
     return {
         "losses": module.losses,
         "grad_norms": module.grad_norms,
         "state": state,
         "tied": tied_embeddings(module.model),
+        "output_scales": scales,
+        "grad_terms": grad_terms,
+        "output_rows": rows,
+        "output_classes": classes,
     }
 
 

@@ -13,12 +13,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.helpers.cases import CHECKPOINT_ENV
-from tests.helpers.models import lm_batches
+from tests.helpers.models import SEQ, VOCAB, lm_batches
+from tests.helpers.tolerances import fp32_loss_gap, fp32_roundings, output_scale
 
 SAMPLES = 16
 GLOBAL_BATCH = 4
 EPOCHS = 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS  # 8: 4 per epoch
+ROWS = GLOBAL_BATCH * SEQ  # the rows of a global batch (each predicts its next token)
 PROBE = torch.arange(24).reshape(2, 12) % 90  # a fixed batch for logits
 #: Families whose sequence mixers TP 2 splits by heads (lightning_tp/plans/mixers.py), with parameters of each that
 #: it must store as a plain ``Shard(0)`` of the whole tensor: packed blocks (``[q | k | v]``, Mamba2's
@@ -123,3 +125,38 @@ def probe_logits(model: Any) -> torch.Tensor:
     with torch.no_grad():
         device = next(model.parameters()).device
         return model(input_ids=PROBE.to(device)).logits.detach().cpu().clone()
+
+
+#: ``(forward, step, output scale)`` of the runs of :class:`ResumeModule` by kind (tests/helpers/tolerances.py),
+#: counted once per session.
+_FP32: dict[str, tuple[int, int, float]] = {}
+
+
+def fp32_resume_counts(kind: str, trained: dict[str, torch.Tensor] | None = None) -> tuple[int, int, float]:
+    """What a run of :class:`ResumeModule` of ``kind`` rounds in fp32 (:func:`fp32_roundings` over a global batch), and
+    its outputs' scale for :func:`fp32_loss_gap`: the largest over an epoch's global batches at the initial and the
+    ``trained`` weights (pass them at the first call of a session)."""
+    if kind not in _FP32:
+        module = ResumeModule(kind=kind)
+        module.configure_model()
+        forward, step = fp32_roundings([v.shape for v in module.model.state_dict().values()], ROWS)
+        rows = samples()
+        batches = [
+            {key: torch.stack([row[key] for row in rows[i : i + GLOBAL_BATCH]]) for key in rows[0]}
+            for i in range(0, len(rows), GLOBAL_BATCH)
+        ]
+        _FP32[kind] = (forward, step, output_scale(module.model, batches, (trained,) if trained else ()))
+    return _FP32[kind]
+
+
+def fp32_loss_bounds(
+    expected: dict[int, float], kind: str = "qwen3", trained: dict[str, torch.Tensor] | None = None
+) -> dict[int, float]:
+    """Per global step of ``expected`` (one layout's losses of :class:`ResumeModule`), the bound on another layout's
+    (:func:`fp32_loss_gap`): step ``s`` computes with the weights of ``s - 1`` steps, whose roundings it counts too
+    (AdamW's larger gaps of the weights move a loss by ``g · Δw`` only: see tests/helpers/tolerances.py)."""
+    forward, step, scale = fp32_resume_counts(kind, trained)
+    return {
+        s: fp32_loss_gap(forward + (s - 1) * step, scale, loss, rows=ROWS, classes=VOCAB)
+        for s, loss in expected.items()
+    }
