@@ -117,17 +117,24 @@ def _replicated_input(group: Any) -> Callable[[Any], Any]:
     return enter
 
 
-class ColumnParallel(ParallelStyle):
-    """``colwise`` and its kin: the output features split (the weight's split dim per the style's facts), the input
-    replicated, the output the rank's slice (``output_sharded``) or gathered on every rank."""
+class _LinearLayer(ParallelStyle):
+    """A layer whose ``weight`` and ``bias`` are laid out as its style's facts say."""
 
     def __init__(self, fact: StyleFacts):
         super().__init__()
         self.fact = fact
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def _shard(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         for name in ("weight", "bias"):
             shard_parameter(module, name, self.fact, device_mesh)
+
+
+class ColumnParallel(_LinearLayer):
+    """``colwise`` and its kin: the output features split (the weight's split dim per the style's facts), the input
+    replicated, the output the rank's slice (``output_sharded``) or gathered on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._shard(module, device_mesh)
         weight = parameter_dict(module).get("weight")
         assert isinstance(weight, DTensor), f"{type(module).__name__}: column-wise needs a weight it splits"
         run_on_local_shards(module)
@@ -138,18 +145,13 @@ class ColumnParallel(ParallelStyle):
         return module
 
 
-class RowParallel(ParallelStyle):
+class RowParallel(_LinearLayer):
     """``rowwise`` and its kin: the input features split, the partial outputs summed (a tensor of its own), the bias
     added once after the sum. ``input_sharded``: the input is the rank's slice already (a column-wise layer's output);
     else it is replicated and each rank cuts its slice (its gradient gathered back)."""
 
-    def __init__(self, fact: StyleFacts):
-        super().__init__()
-        self.fact = fact
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name in ("weight", "bias"):
-            shard_parameter(module, name, self.fact, device_mesh)
+        self._shard(module, device_mesh)
         run_on_local_shards(module, hide=("bias",))
         group, input_sharded = device_mesh.get_group(), self.fact.input_sharded
 
