@@ -41,7 +41,7 @@ as ``t - 1`` more steps' roundings (an over-count: an update is much smaller tha
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -110,6 +110,17 @@ def cross_entropy_gap(rho: float, scale: float) -> float:
     return rho * scale
 
 
+def _at_each_state(model: torch.nn.Module, states: tuple[dict[str, torch.Tensor], ...]) -> Iterator[torch.nn.Module]:
+    """``model`` with its own weights, then a copy of it with each of ``states`` loaded (``model`` is left as is)."""
+    import copy
+
+    yield model
+    for state in states:
+        model = copy.deepcopy(model)
+        model.load_state_dict(state)
+        yield model
+
+
 @torch.no_grad()
 def cross_entropy_scale(
     model: torch.nn.Module,
@@ -122,17 +133,12 @@ def cross_entropy_scale(
     shifted labels, -100 ignored), the largest over ``batches`` and over ``model``'s weights and each of ``states``
     (say the initial and the trained weights, for every step between), run as ``precision`` (``bf16-mixed``: CPU
     autocast) on the CPU: what :func:`cross_entropy_gap` multiplies."""
-    import copy
-
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     largest = 0.0
-    for state in (None, *states):
-        if state is not None:
-            model = copy.deepcopy(model)
-            model.load_state_dict(state)
+    for at_state in _at_each_state(model, states):
         for batch in batches:
             with autocast:
-                logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
+                logits = at_state(input_ids=batch["input_ids"]).logits[:, :-1].float()
             labels = batch["labels"][:, 1:]
             kept = labels != -100
             z, y = logits[kept], labels[kept]
@@ -384,17 +390,12 @@ def output_scale(
     """``norm(∂L/∂z ⊙ z)`` over the logits ``z`` of a Transformers model's loss ``L = model(**batch).loss`` in fp32,
     the largest over ``batches`` and over ``model``'s weights and each of ``states``: what :func:`fp32_loss_gap`
     multiplies (:func:`tests.helpers.models.reference_run` records it for a reference's own steps)."""
-    import copy
-
     largest = 0.0
-    for state in (None, *states):
-        if state is not None:
-            model = copy.deepcopy(model)
-            model.load_state_dict(state)
+    for at_state in _at_each_state(model, states):
         for batch in batches:
-            out = model(**batch)
+            out = at_state(**batch)
             out.logits.retain_grad()
             out.loss.backward()
             largest = max(largest, (out.logits.grad.double() * out.logits.detach().double()).norm().item())
-            model.zero_grad(set_to_none=True)
+            at_state.zero_grad(set_to_none=True)
     return largest
