@@ -73,9 +73,9 @@ def rewrite_dense_layers(
     """Decoder layers made of column-/row-wise pairs, rewritten so that each attention and MLP makes its input one
     replicated DTensor (``region()``, :class:`lightning_tp.parallel.tensor_parallel.ReplicateRegionInput`) shared by
     its column-wise projections: their partial input gradients are summed and all-reduced once, 2 all-reduces per
-    layer in backward (Megatron's count) instead of one per projection (5 for q, k, v, gate, up) with Transformers'
-    layers. A stack of layers (a vision-language model has one per tower) with any other layer keeps Transformers'
-    layers. ``rowwise()``: the style of each row-wise exit."""
+    layer in backward (Megatron's count) instead of one per projection (5 for q, k, v, gate, up) with a column-wise
+    layer each. A stack of layers (a vision-language model has one per tower) with any other layer keeps the plan's
+    own layers. ``rowwise()``: the style of each row-wise exit."""
     styles: dict[str, Any] = dict(plan.styles)
     rewritten = False
     # Stack by stack: a vision tower's layers with another style leave the language model's rewritten.

@@ -44,8 +44,8 @@ class StyleFacts:
     replicated low-rank input and writes the base's output slice; ``lora_A`` reads the base's input slice); the other
     half stays whole. ``None``: both stay whole (refused by :func:`lightning_tp.parallel.lora.extend_plan_to_adapters`
     when the base's output stays sharded: a whole adapter's output would not match the base's slice).
-    ``sums_gradients``: a replicated parameter whose gradient this package sums over the TP group (not applied with
-    Transformers' hook layer).
+    ``sums_gradients``: a replicated parameter whose gradient this package sums over the TP group, with the model's
+    other whole parameters (no layer of its own).
     ``rewritable``: sequence parallelism's rewrite (and the dense-layer rewrite) replaces it with torch's style of the
     same kind, or keeps it as is (a norm).
     ``expert_parallel``: an expert-parallel style of Transformers' ``ep_plan``, applied on the expert mesh (``ep``) by

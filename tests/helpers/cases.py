@@ -797,7 +797,7 @@ TWO_D_CASES = [
     "mlp_fsdp_only",
     "llama_rank_seeded",
     "sp_odd_on_one_group",
-    # A derived plan in 2-D with the dense-layer rewrite (OPT keeps Transformers' layers).
+    # A derived plan in 2-D with the dense-layer rewrite (OPT keeps the plan's own layers).
     "bloom_derived",
     # KV-head replication in 2-D, and TP 4 over all 4 ranks (more TP ranks than KV heads).
     "qwen3_kv1",
