@@ -50,6 +50,7 @@ __all__ = [
     "foreach_norm",
     "fsspec_reader_class",
     "fsspec_writer_class",
+    "fused_attention_kernels",
     "get_default_store",
     "group_options",
     "hpc_save_path",
@@ -62,7 +63,7 @@ __all__ = [
     "no_split_modules",
     "optimizers_to_device",
     "parameter_dict",
-    "pass_attention_default",
+    "register_attention_implementation",
     "remove_tied_weights_from_state_dict",
     "replace_sigterm_broadcast",
     "restore_sigterm_broadcast",
@@ -368,45 +369,85 @@ def set_attention_implementation(config: Any, name: str) -> None:
     config._attn_implementation = name
 
 
-def pass_attention_default(prefix: str, *, keyword: str) -> None:
-    """Make ``AttentionInterface.get_interface(name, default)`` hand ``default`` on, as the keyword argument
-    ``keyword``, to the function registered under a ``name`` that starts with ``prefix``; every other name is looked
-    up as before. Done once, for every instance of the interface (a class attribute, as the registry is).
+def fused_attention_kernels(device: torch.device, dtype: torch.dtype) -> tuple[Callable, Callable, bool] | None:
+    """torch's fused attention kernels that return the log-sum-exp of each query's scores, which blockwise
+    attention (:mod:`lightning_tp.parallel.blockwise`) merges partial results with, for ``device`` and ``dtype``:
+    ``(forward, backward, takes_mask)``, or ``None``. SDPA, the public entry, returns the outputs only.
 
-    Why: each attention layer asks ``get_interface(config._attn_implementation, eager_attention_forward)`` with its
-    modeling file's own eager function (softcapping, sinks, scaling and dropout differ by family), and
-    Transformers drops that default whenever the name is registered. A registered implementation that runs the
-    model's eager attention inside itself has no other way to it: no public API maps a layer to its eager function.
-    A layer that indexes the registry instead (``ALL_ATTENTION_FUNCTIONS[name]``) passes no default: the function
-    is then called without ``keyword``.
+    - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (any float dtype, an additive mask of
+      the query's dtype, grouped-query attention).
+    - CUDA, fp16/bf16: ``aten._scaled_dot_product_flash_attention`` and its backward (no mask: masked calls take the
+      explicit path); the key heads repeated to the query heads.
 
-    Installed through :mod:`lightning_tp.patches` for the life of the process (it changes nothing for any other
-    name), once."""
-    import functools
+    ``forward(q, k, v, *, is_causal, bias, scale) -> (out, lse)`` and ``backward(grad, q, k, v, out, lse, *,
+    is_causal, bias, scale) -> (dq, dk, dv)`` on ``(batch, heads, length, head_dim)`` tensors; ``lse`` fp32
+    ``(batch, heads, queries)``; ``is_causal`` aligns the causal mask to the first key (the calls' are square).
+    Present in torch 2.13 and 2.14 (the declared range)."""
+    if device.type == "cpu":
+        forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
+        def cpu_forward(q, k, v, *, is_causal, bias, scale):
+            return forward_op(q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
+
+        def cpu_backward(grad, q, k, v, out, lse, *, is_causal, bias, scale):
+            return backward_op(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
+
+        return cpu_forward, cpu_backward, True
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+
+        def repeat(q, k):
+            groups = q.shape[1] // k.shape[1]
+            return groups, (lambda t: t.repeat_interleave(groups, dim=1) if groups > 1 else t)
+
+        def cuda_forward(q, k, v, *, is_causal, bias, scale):
+            assert bias is None, "the CUDA flash kernel takes no mask"
+            _, expand = repeat(q, k)
+            out, lse, *_ = flash(q, expand(k), expand(v), 0.0, is_causal, False, scale=scale)
+            return out, lse
+
+        def cuda_backward(grad, q, k, v, out, lse, *, is_causal, bias, scale):
+            assert bias is None, "the CUDA flash kernel takes no mask"
+            groups, expand = repeat(q, k)
+            empty = torch.empty(0, dtype=torch.long, device=q.device)
+            dq, dk, dv = flash_backward(
+                grad, q, expand(k), expand(v), out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, is_causal,
+                empty, empty, scale=scale,
+            )
+            if groups > 1:
+                dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
+                dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
+            return dq, dk, dv
+
+        return cuda_forward, cuda_backward, False
+    return None
+
+
+def register_attention_implementation(
+    name: str, *, attention: Callable[..., Any], mask: Callable[..., Any], owner: object
+) -> None:
+    """Register ``attention`` and ``mask`` under ``name`` in Transformers' attention and mask interfaces, for
+    ``owner``: a strategy's teardown gives them up (:func:`lightning_tp.patches.undo_owned`), and the last owner's
+    removes them. Transformers' ``register`` (public) has no counterpart that removes an entry, so the entries of the
+    registries' class-level mappings (``_global_mapping``, private) are set and removed through
+    :func:`lightning_tp.patches.install_entry`. Registering the same functions again for another owner shares them.
+    """
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     from lightning_tp import patches
 
-    if patches.installed(AttentionInterface, "get_interface") is not None:
-        return
-    original = AttentionInterface.get_interface
-
-    @functools.wraps(original)
-    def get_interface(self: Any, attn_implementation: str, default: Callable, *args: Any, **kwargs: Any) -> Callable:
-        function = original(self, attn_implementation, default, *args, **kwargs)
-        if isinstance(attn_implementation, str) and attn_implementation.startswith(prefix):
-            return functools.partial(function, **{keyword: default})
-        return function
-
-    patches.install(AttentionInterface, "get_interface", get_interface, owner=_PROCESS)
-
-
-class _Process:
-    """The owner of the patches that last as long as the process."""
-
-
-_PROCESS = _Process()
+    for interface, function in ((AttentionInterface, attention), (AttentionMaskInterface, mask)):
+        mapping = interface._global_mapping
+        existing = patches.installed_entry(mapping, name)
+        if existing is not None and existing.value is function:
+            existing.add_owner(owner)
+        else:
+            if existing is not None:
+                existing.undo()
+            patches.install_entry(interface, mapping, name, function, owner=owner)
 
 
 def causal_lm_loss_function() -> Callable[..., Any]:

@@ -202,6 +202,72 @@ def undo_owned(owner: object, *, instances: bool = True) -> list[Patch]:
     return undone
 
 
+class EntryPatch(Patch):
+    """One entry set by :func:`install_entry`: ``mapping[name] = value`` in a registry that the module or class
+    ``target`` holds (a process-wide registry of named implementations)."""
+
+    def __init__(self, target: Any, mapping: dict, name: str, value: Any, previous: Any) -> None:
+        super().__init__(target, name, value, previous)
+        self.mapping = mapping
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "undone"
+        return f"<EntryPatch {self.target.__name__}[{self.name!r}] ({state})>"
+
+    def undo(self) -> bool:
+        """Remove the entry, or restore what it held before, if it still holds this patch's value."""
+        if not self.active:
+            return False
+        self.active = False
+        assert _ENTRIES.get((id(self.mapping), self.name)) is self, f"{self!r} is not the registry's record"
+        del _ENTRIES[(id(self.mapping), self.name)]
+        if self.mapping.get(self.name, ABSENT) is not self.value:
+            return False
+        if self.previous is ABSENT:
+            del self.mapping[self.name]
+        else:
+            self.mapping[self.name] = self.previous
+        return True
+
+
+#: (id of a registry, key) -> its active entry patch. The registries are held by modules and classes (the patches'
+#: targets), which live as long as the process.
+_ENTRIES: dict[tuple[int, str], EntryPatch] = {}
+
+
+def installed_entry(mapping: dict, name: str) -> EntryPatch | None:
+    """The active entry patch of ``mapping[name]``, or ``None``."""
+    return _ENTRIES.get((id(mapping), name))
+
+
+def install_entry(target: type | types.ModuleType, mapping: dict, name: str, value: Any, *, owner: object) -> Patch:
+    """Set ``mapping[name] = value`` in a registry held by the module or class ``target`` (process-wide), recording
+    what it held, so that :meth:`Patch.undo` removes the entry (or restores it) once no owner holds it.
+
+    Args:
+        target: the module or class whose registry ``mapping`` is (named in errors and reprs).
+        mapping: the registry.
+        name: the key set.
+        value: what it maps to.
+        owner: what the entry belongs to (:func:`undo_owned`); held weakly.
+
+    Raises:
+        ValueError: if the entry is patched already (share it with :meth:`Patch.add_owner`), ``target`` is not a
+            module or class, or ``owner`` cannot be weakly referenced.
+    """
+    if not is_process_wide(target):
+        raise ValueError(f"A registry's holder must be a module or class, got a {type(target).__name__}.")
+    _owner_key(owner)
+    existing = installed_entry(mapping, name)
+    if existing is not None:
+        raise ValueError(f"`{name}` of {target.__name__}'s registry is patched already ({existing!r}).")
+    patch = EntryPatch(target, mapping, name, value, mapping.get(name, ABSENT))
+    mapping[name] = value
+    _ENTRIES[(id(mapping), name)] = patch
+    patch.add_owner(owner)
+    return patch
+
+
 def _install(target: object, name: str, value: Any) -> Patch:
     try:
         own = vars(target)
@@ -274,9 +340,12 @@ def _forget(key: int, ref: weakref.ref) -> None:
 
 __all__ = [
     "ABSENT",
+    "EntryPatch",
     "Patch",
     "install",
+    "install_entry",
     "installed",
+    "installed_entry",
     "is_process_wide",
     "owned_by",
     "patched",

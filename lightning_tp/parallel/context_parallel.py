@@ -11,14 +11,22 @@ real token and the loss ignores it.
 
 Attention: each layer all-gathers its keys and values over the CP group (one collective per layer, the Llama 3
 paper's choice: with grouped-query attention the keys and values are a fraction of the activations; the backward
-reduce-scatters their gradients), and each local piece attends to the keys before its end, in one call of the model's
-own attention (``sdpa`` or ``eager``: softcapping, sinks and dropout stay the model's). The mask is Transformers' own:
-the model's mask functions (causal, sliding window, chunked) are evaluated at the global positions of the local queries
-against every key, with the padding mask of the whole sequence, and packed sequences (``position_ids`` restarting,
-without ``attention_mask``) are told apart as Transformers does. This is done by registering an attention and a mask
-implementation for the model (Transformers' ``AttentionInterface``/``AttentionMaskInterface``), not by replacing any
-``forward``. torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``) is not used: in torch
-2.13 it has no CPU/gloo path, and it replaces SDPA for the whole region rather than the model's attention function.
+reduce-scatters their gradients), and the rank's queries attend to them by tiles, with an online-softmax merge
+(:mod:`lightning_tp.parallel.blockwise`): no score or mask larger than a tile is ever made, a tile no query can see
+(another document of a packed row, keys beyond a sliding window, padding) is skipped, and the forward keeps ``O(L)``
+per layer for the backward. The masks are the model's own: its mask functions (causal, sliding window, chunked, with
+the padding mask and packed documents added as Transformers adds them) are read as one interval of keys per query,
+found by bisection. Softcapping, attention sinks, the scale and dropout are the layer's (the arguments it passes its
+attention function). This is done by registering an attention and a mask implementation (Transformers'
+``AttentionInterface``/``AttentionMaskInterface``, undone on teardown), not by replacing any ``forward``; the mask
+each layer gets is a :class:`SplitMask`, the forward's ranges, handed on unchanged as Transformers hands on
+``flex_attention``'s block masks. torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``)
+is not used: in torch 2.13 it has no CPU/gloo path, no packed documents, and it replaces SDPA for the whole region.
+
+Packed rows follow Transformers' rule, so that the split computes what one process computes: documents (``position_ids``
+restarting, no ``attention_mask``) are told apart only in a forward that makes no cache (``use_cache=False``); with a
+cache (the config's default ``use_cache=True``) one process attends across them, and so does the split, with one
+warning.
 
 The loss: the model's causal-LM loss gets the labels of the whole sequence, shifted before the split (the label of a
 piece's last token is the first token of the next piece, on another rank), and normalised by the count of labelled
@@ -26,34 +34,38 @@ tokens of the whole sequence; the ranks' partial losses are summed, so ``outputs
 sequence on every rank. FSDP2 averages gradients over ``dp_shard x cp``; the sum's backward multiplies by ``cp`` so
 that the CP ranks' contributions add up instead.
 
+State: what one forward needs lives in one :class:`ForwardState`, made by the pre-hook of the model users call and
+found through a context variable (the loss and the mask implementation are called by Transformers, not by this
+module); the mask carries the forward's split into the layers, so an activation-checkpointing recompute in the
+backward needs nothing else. A deep copy of the model (an EMA or reference model) gets a split of its own.
+
 Decoding with a cache (``generate``) runs without the split: every rank of the group decodes the whole sequence.
 """
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 import inspect
-import itertools
-import weakref
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
-from lightning_tp.compat import attention_implementation, pass_attention_default, set_attention_implementation
+from lightning_tp.compat import (
+    attention_implementation,
+    register_attention_implementation,
+    set_attention_implementation,
+)
+from lightning_tp.parallel.blockwise import RangeMask, Scores, blockwise_attention, first_keys, interval_violations
+from lightning_tp.parallel.blockwise import range_mask as make_range_mask
 from lightning_tp.parallel.collectives import SumOverGroup
 
-#: The attention implementations context parallelism runs inside, and the score a masked key gets in the additive
-#: mask each is given: ``-inf`` for ``sdpa`` (a query row with no key left gives zeros, as SDPA's boolean masks do on
-#: one process), the dtype's minimum for ``eager`` (as Transformers' ``eager_mask``). Additive float masks, built once
-#: per forward and piece and shared by the layers: SDPA converts a boolean mask to floats in every call, and its
-#: CPU and memory-efficient kernels keep each layer's copy for the backward.
-INNER_MASK_FORMATS: Mapping[str, str] = {"sdpa": "-inf", "eager": "min"}
 #: Layer types (``config.layer_types``) whose sequence mixing is attention, which the split handles. Any other type
 #: (linear attention, state-space and convolution layers) mixes the sequence without keys and values to exchange.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -64,26 +76,25 @@ TOKENWISE_LAYER_TYPES = frozenset({"mlp", "moe"})
 SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
 #: The decoder stack's arguments that pass a cache (Transformers 5.24 renamed ``past_key_values`` to ``cache``).
 CACHE_INPUTS = ("cache", "past_key_values")
-#: The attribute a context-parallel mask carries: its :class:`MaskTag`.
-SPLIT_ATTR = "_lightning_tp_cp_split"
 #: Causal LMs whose layers call Transformers' attention interface although their class does not declare it
 #: (``is_backend_compatible()`` is False in Transformers 5.24 and 5.25), at parity with cp 2 in the coverage run
 #: (``benchmarks/coverage.py``). Keyed by the model class's own name: a subclass under another name is refused like any
 #: undeclared model. The first split forward still checks that every decoder layer called the interface.
 UNDECLARED_ATTENTION_INTERFACE = frozenset({"BioGptForCausalLM", "StableLmForCausalLM"})
-#: The names the splits' attention and mask implementations are registered under (a counter follows).
+#: The implementations registered here are named this, then the inner implementation's name (``..._sdpa``): the one
+#: a forward that is not split (decoding with a cache) runs, and whose rules the split follows.
 NAME_PREFIX = "lightning_tp_cp_"
-#: The keyword under which a split's attention function gets the default the layer asked the interface with (its
-#: modeling file's eager attention; see :func:`lightning_tp.compat.pass_attention_default`).
-DEFAULT_ATTENTION_KEYWORD = "default_attention"
+#: The attention functions' keyword arguments for attention sinks (gpt-oss's ``s_aux``, Inkling's ``sinks``): one
+#: logit per head, with no value, in every query's softmax.
+SINK_ARGUMENTS = ("s_aux", "sinks")
+#: Attention arguments the split cannot honour: a bias over scores (T5-style ``position_bias``) and attention weights.
+UNSUPPORTED_ARGUMENTS = ("position_bias", "head_mask")
 #: Sequence dim of the activations (batch, seq, ...) and of the attention's keys (batch, heads, seq, head_dim).
 SEQUENCE_DIM = 1
 KEY_SEQUENCE_DIM = 2
 
-_names = itertools.count()
-#: The splits by the name their model's config selects. Transformers' interfaces are global registries: they hold a
-#: function that looks the split up here, weakly, so that a model (and its split, masks and groups) can be freed.
-_SPLITS: weakref.WeakValueDictionary[str, ContextParallel] = weakref.WeakValueDictionary()
+#: The forward of a split model running now (set by the pre-hook of the model users call, reset by its hook).
+_FORWARD: contextvars.ContextVar[ForwardState | None] = contextvars.ContextVar("lightning_tp_cp_forward", default=None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -126,31 +137,23 @@ class Piece:
         return self.global_start + self.length
 
 
-@dataclass(frozen=True, eq=False)
-class MaskTag:
-    """What a mask made for a split forward is: that forward's split, and whether the mask is plain causal (then it
-    holds no values: each piece's mask follows from the positions, or is a kernel's lower-right causal flag)."""
-
-    split: BatchSplit
-    causal: bool
-
-
 @dataclass(eq=False)
 class BatchSplit:
-    """One forward's split: lengths, this rank's positions, the packed-sequence ids of the whole sequence, and what
-    the forward's attention layers did (for the check that each of them exchanged keys and values)."""
+    """One forward's split of its batch: lengths, this rank's positions, the whole sequence's position ids, packed
+    documents and padding, and what its attention layers did (for the first forward's checks)."""
 
+    cp: ContextParallel
     seq_len: int
     padded_len: int
     positions: torch.Tensor  # (local_len,) global index of each local token
     order: torch.Tensor  # gathered index of each global position
     gathered: torch.Tensor  # global position of each gathered index
     pieces: tuple[Piece, ...]
-    doc_ids: torch.Tensor | None = None  # (batch, padded_len): which packed sequence each token belongs to
-    padding: bool = False  # the batch came with a padding mask
+    position_ids: torch.Tensor  # (batch, padded_len) the whole sequence's
+    doc_ids: torch.Tensor | None = None  # (batch, padded_len): which packed document each token belongs to
+    valid: torch.Tensor | None = None  # (batch, padded_len): the keys that are not padding (None: all are)
     called: set[int] = field(default_factory=set)
-    outside: list[torch.Tensor] = field(default_factory=list)  # per piece mask: whether it allows a key left out
-    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # masks that are not one interval of keys per query
 
     @property
     def local_len(self) -> int:
@@ -159,6 +162,29 @@ class BatchSplit:
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a ``(batch, padded_len, ...)`` tensor."""
         return tensor.index_select(SEQUENCE_DIM, self.positions.to(tensor.device))
+
+
+@dataclass(frozen=True, eq=False)
+class SplitMask:
+    """The mask a layer gets in a split forward: the forward's split, and the keys each of this rank's queries sees
+    under one of the model's masks (full, sliding window, chunked), as ranges and tiles. Handed to the attention
+    function unchanged; it is never a tensor, so no layer can use it as one by mistake."""
+
+    split: BatchSplit
+    ranges: RangeMask
+
+
+@dataclass(eq=False)
+class ForwardState:
+    """One forward of a split model, from the pre-hook of the model users call to its hook: whether it computes a
+    loss, whether it runs unsplit (a cache, or only the last positions' logits), and its split once the decoder stack
+    made it."""
+
+    cp: ContextParallel
+    labelled: bool = False
+    unsplit: bool = False
+    split: BatchSplit | None = None
+    entered: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -212,10 +238,11 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     if not getattr(config, "is_causal", True) or getattr(config, "is_encoder_decoder", False):
         return f"{name} does not use causal attention; the load-balanced split assumes a causal mask"
     implementation = attention_implementation(config)
-    if implementation not in INNER_MASK_FORMATS:
+    if not _runs_inside(implementation):
         return (
-            f"{name} uses attn_implementation={implementation!r}; context parallelism runs inside "
-            f'{" or ".join(map(repr, INNER_MASK_FORMATS))} (load the model with `attn_implementation="sdpa"`)'
+            f"{name} uses attn_implementation={implementation!r}, which is not one of Transformers' attention "
+            "implementations that context parallelism runs inside (its tiles replace the attention of a split "
+            'forward; a forward that decodes runs the model\'s own). Load the model with `attn_implementation="sdpa"`'
         )
     layer_types = set(getattr(config, "layer_types", None) or ())
     other = sorted(layer_types - ATTENTION_LAYER_TYPES - TOKENWISE_LAYER_TYPES)
@@ -250,6 +277,16 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     if missing:
         return f"{type(base).__name__}.forward takes no {missing}; the split passes the whole sequence's positions"
     return None
+
+
+def _runs_inside(implementation: str | None) -> bool:
+    """Whether context parallelism can register itself around ``implementation``: ``eager`` or a name Transformers'
+    attention interface holds (``sdpa``, ``flash_attention_2``, ``flex_attention``, ...), not a split's own."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not isinstance(implementation, str) or implementation.startswith(NAME_PREFIX):
+        return False
+    return implementation == "eager" or implementation in ALL_ATTENTION_FUNCTIONS
 
 
 def declares_attention_interface(model: nn.Module) -> bool:
@@ -299,7 +336,8 @@ class ContextParallel:
     ``stack``: the model's decoder stack (:func:`decoder_stack`). ``multiple``: what the padded length must be
     divisible by (``2 x cp``, times ``tp`` under sequence parallelism, which splits each rank's tokens again).
     ``blocks``: the decoder layer classes, each of whose instances must exchange keys and values in the first split
-    forward.
+    forward. What lives longer than a forward is fixed at install (the group, sizes, names) or a check done once (the
+    first split forward's).
     """
 
     def __init__(self, model: nn.Module, stack: nn.Module, mesh: Any, *, multiple: int, blocks: set[type]) -> None:
@@ -309,34 +347,92 @@ class ContextParallel:
         assert multiple % (2 * self.size) == 0, (multiple, self.size)
         self.multiple = multiple
         self.inner = attention_implementation(model.config)
-        self.name = f"{NAME_PREFIX}{next(_names)}"
+        self.name = f"{NAME_PREFIX}{self.inner}"
         self.blocks = blocks
-        self.current: BatchSplit | None = None
-        self.labelled = False
-        self.unsplit = False
-        self.entered = True
-        self.rows_checked = False
         self.stack_name = type(stack).__name__
-        self.checked = False
+        self.rows_checked = False  # the first split forward checks the ranks' rows, then the layers and masks
+        self.layers_checked = False
+        self.warned_packed = False
         self._layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._forward_parameters = inspect.signature(stack.forward).parameters
         self._positions_from_mask = positions_from_mask(stack)
 
     def __deepcopy__(self, memo: dict) -> ContextParallel:
-        """A deep copy of the model (a frozen reference, an EMA copy) shares its split: the same group and sizes, and
-        state that lives for one forward at a time (its config's copy selects the same implementation)."""
-        return self
+        """A deep copy of the model (an EMA or reference model) gets a split of its own: the same group and sizes (a
+        process group is not copied), its own checks; nothing of a forward is shared."""
+        other = copy.copy(self)
+        memo[id(self)] = other
+        other._layouts = dict(self._layouts)
+        return other
+
+    def register(self, owner: nn.Module) -> None:
+        """The attention and mask implementations this split's config selects, registered for ``owner`` (a
+        strategy's teardown gives them up; the next forward takes them again)."""
+        attention, mask = _implementations(self.inner)
+        register_attention_implementation(self.name, attention=attention, mask=mask, owner=owner)
+
+    # --------------------------------------------------------------- the model users call
+
+    def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the model users call: this forward's state. It computes a loss or not; it keeps the
+        logits of its last positions only (``logits_to_keep``: ``generate`` without a cache, per-token
+        log-probabilities of a completion), which are not this rank's to compute, and then runs unsplit."""
+        self.register(module)
+        keep = kwargs.get("logits_to_keep")
+        state = ForwardState(
+            self,
+            labelled=kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None,
+            unsplit=keep is not None and not (isinstance(keep, int) and keep == 0),
+        )
+        _FORWARD.set(state)
+
+    def end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook of the model users call (run even when the forward raised): the forward's state dropped, and
+        for a split forward without labels, which computes no loss, the logits of the whole sequence (padding
+        removed) on every rank, differentiably (a loss computed from them on every rank of the group gets the
+        gradient of one copy once FSDP2 averages). With labels they stay this rank's, the point of the split."""
+        state = _FORWARD.get()
+        _FORWARD.set(None)
+        if state is None or state.cp is not self or output is None:
+            return output
+        if not state.entered:
+            raise ValueError(
+                f"Context parallelism: {type(module).__name__}'s forward did not call {self.stack_name}, whose inputs "
+                "the split cuts; this model's forward is not Transformers' usual one. Run it without `cp_size`."
+            )
+        split = state.split
+        if split is None or state.labelled:
+            return output
+        as_tuple = isinstance(output, tuple)  # `return_dict=False`: the logits come first without a loss
+        logits = output[0] if as_tuple else getattr(output, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.ndim < 2 or logits.shape[SEQUENCE_DIM] != split.local_len:
+            return output
+        if hasattr(logits, "placements"):  # vocabulary-sharded, kept so by `keep_logits_sharded` (every rank alike)
+            raise ValueError(
+                "Context parallelism gathers the logits of a forward without labels; `keep_logits_sharded()` asks for "
+                "vocabulary-sharded ones, which it does not gather. Call the forward outside `keep_logits_sharded()` "
+                "(full logits), or pass `labels` (this rank's tokens, sharded)."
+            )
+        logits = self.gather(logits, split).narrow(SEQUENCE_DIM, 0, split.seq_len)
+        if as_tuple:
+            return (logits, *output[1:])
+        output.logits = logits
+        return output
 
     # --------------------------------------------------------------- the decoder stack's inputs
 
     def split_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of the decoder stack: this rank's tokens, the whole sequence's positions and padding."""
-        self.entered = True
+        state = _FORWARD.get()
+        if state is None or state.cp is not self:  # the stack called directly, not through the model: no labels
+            state = ForwardState(self)
+            _FORWARD.set(state)
+        state.entered = True
         if args:  # called positionally: name the arguments as the forward does
             kwargs = {**dict(zip(self._forward_parameters, args, strict=False)), **kwargs}
             args = ()
-        if any(kwargs.get(name) is not None for name in CACHE_INPUTS) or kwargs.get("use_cache") or self.unsplit:
-            self.current = None  # decoding (a cache, or the last positions' logits): the whole sequence on every rank
+        if any(kwargs.get(name) is not None for name in CACHE_INPUTS) or state.unsplit:
+            state.split = None  # decoding (a cache, or the last positions' logits): the whole sequence on every rank
             return args, kwargs
         if kwargs.get("output_router_logits"):
             raise ValueError(
@@ -369,14 +465,11 @@ class ContextParallel:
         device = tokens.device
         positions, order, gathered = self._layout(padded, device)
         position_ids = _whole_positions(kwargs.get("position_ids"), batch, length, padded, device)
-        doc_ids = None
+        doc_ids = valid = None
         if attention_mask is None:
-            from transformers.masking_utils import find_packed_sequence_indices
-
-            doc_ids = find_packed_sequence_indices(position_ids[:, :length].expand(batch, -1))
-            if doc_ids is not None:  # the padding joins the last sequence
+            doc_ids = self._documents(module, kwargs, position_ids[:, :length].expand(batch, -1))
+            if doc_ids is not None:  # the padding joins the last document
                 doc_ids = _pad_sequence(doc_ids, padded, value=None)
-            whole_mask = torch.ones(batch, padded, dtype=torch.bool, device=device)
         else:
             if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
                 raise ValueError(
@@ -384,33 +477,62 @@ class ContextParallel:
                     f"{(batch, length)}, got {_describe(attention_mask)}: a prepared (4-D or per-layer) mask cannot be "
                     "split. Pass the padding mask, or `position_ids` restarting at 0 for packed sequences."
                 )
-            # The padding at the end is visible (a causal mask hides it from every real token already): no query row
-            # is left without a key.
-            whole_mask = nn.functional.pad(attention_mask.to(torch.bool), (0, padded - length), value=True)
+            # The padding at the end is visible (a causal mask hides it from every real token already).
+            valid = nn.functional.pad(attention_mask.to(torch.bool), (0, padded - length), value=True)
         piece = padded // (2 * self.size)
         starts = piece_starts(padded, self.size, self.rank)
         split = BatchSplit(
+            cp=self,
             seq_len=length,
             padded_len=padded,
             positions=positions,
             order=order,
             gathered=gathered,
             pieces=(Piece(0, starts[0], piece), Piece(piece, starts[1], piece)),
+            position_ids=position_ids,
             doc_ids=doc_ids,
-            padding=attention_mask is not None,
+            valid=valid,
         )
-        self.current = split
+        state.split = split
         if kwargs.get("input_ids") is not None:
             kwargs["input_ids"] = split.local(_pad_sequence(kwargs["input_ids"], padded, value=0))
         else:
             kwargs["inputs_embeds"] = split.local(_pad_sequence(kwargs["inputs_embeds"], padded, value=0.0))
         kwargs["position_ids"] = split.local(position_ids)
-        # The whole sequence's padding mask: Transformers sizes the keys from it (kv_length = padded), and the mask
-        # functions below index it at global positions.
-        kwargs["attention_mask"] = whole_mask
+        # The whole sequence's padding mask: Transformers sizes the keys from it (kv_length = padded), and makes no
+        # packed-document mask of its own (the split's `doc_ids` are).
+        kwargs["attention_mask"] = torch.ones(batch, padded, dtype=torch.bool, device=device) if valid is None else valid
         if "use_cache" in self._forward_parameters:
-            kwargs["use_cache"] = False  # training needs no cache; a cache would hold the local keys only
+            kwargs["use_cache"] = False  # a cache would hold the local keys only
         return args, kwargs
+
+    def _documents(self, stack: nn.Module, kwargs: dict, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """The packed documents of a batch without a padding mask, as one process tells them apart: Transformers
+        does only in a forward that makes no cache (``use_cache`` False, given or the config's); with a cache its
+        forward attends across them, and so does the split's, with one warning."""
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        doc_ids = find_packed_sequence_indices(position_ids)
+        if doc_ids is None:
+            return None
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = bool(getattr(getattr(stack, "config", None), "use_cache", False))
+        if getattr(stack, "gradient_checkpointing", False) and stack.training:
+            use_cache = False  # Transformers turns the cache off under its own gradient checkpointing
+        if not use_cache:
+            return doc_ids
+        if not self.warned_packed:
+            self.warned_packed = True
+            warnings.warn(
+                "Context parallelism: the position ids restart within a row (packed documents), but the forward makes "
+                "a cache (`use_cache=True`, the config's default), and Transformers then attends across the "
+                "documents: on one process and so under `cp_size` too. Pass `use_cache=False` to the model (or set "
+                "`model.config.use_cache = False`) to keep each document to itself; context parallelism then also "
+                "skips the attention between documents.",
+                stacklevel=2,
+            )
+        return None
 
     def _check_same_rows(self, tokens: torch.Tensor) -> None:
         """The first split forward: the ranks of the group must hold the same rows (a loader that splits the data
@@ -433,10 +555,11 @@ class ContextParallel:
 
     def check_layers(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of the decoder stack: after the first split forward, every decoder layer must have exchanged
-        keys and values (a layer that mixes the sequence some other way saw its chunk only). The same on every rank:
-        the structure is."""
-        split = self.current
-        if self.checked or split is None:
+        keys and values (a layer that mixes the sequence some other way saw its chunk only), and every mask must have
+        been one interval of keys per query. The ranks decide together (each checked its own queries)."""
+        state = _FORWARD.get()
+        split = None if state is None or state.cp is not self else state.split
+        if self.layers_checked or split is None:
             return output
         layers = {name: layer for name, layer in module.named_modules() if type(layer) in self.blocks}
         missing = [
@@ -444,16 +567,14 @@ class ContextParallel:
             for name, layer in layers.items()
             if not any(id(m) in split.called for m in layer.modules())
         ]
-        outside = torch.stack(split.outside).any() if split.outside else torch.zeros((), dtype=torch.bool)
-        # One all-reduce, once: whether any rank's pieces met a mask that lets a query see past the keys it was given
-        # (the check runs on each rank's own pieces, so the ranks decide together).
-        flag = outside.to(torch.int32).reshape(1)
+        flag = torch.tensor([int(bool(split.problems))], dtype=torch.int32, device=split.positions.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item():
             raise ValueError(
-                "Context parallelism: this model's attention mask lets a query attend to a later key (it is not "
-                "causal) or to one outside the sliding window its attention declares; the pieces cannot be computed "
-                "against the keys before their end. This model cannot run with `cp_size > 1`."
+                "Context parallelism: this model's attention mask does not let each query see one interval of keys "
+                f"ending at itself ({split.problems[0] if split.problems else 'on another rank of the group'}); "
+                "the split computes causal, sliding-window, chunked and packed-document masks only. This model "
+                "cannot run with `cp_size > 1`."
             )
         if missing:
             raise ValueError(
@@ -462,7 +583,7 @@ class ContextParallel:
                 "sequence alone (linear attention, state-space or convolution layers, or attention code of their "
                 "own). This model cannot run with `cp_size > 1`."
             )
-        self.checked = True
+        self.layers_checked = True
         return output
 
     def _layout(self, padded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -489,61 +610,48 @@ class ContextParallel:
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
-        """The mask interface: in a split forward, the model's mask function evaluated at the global positions of
-        this rank's queries against every key, ``(batch, 1, local_len, padded_len)`` booleans tagged with the split;
-        otherwise the inner implementation's own mask."""
+        """The mask of a split forward (:func:`_mask` calls it): the keys each of this rank's queries sees under
+        ``mask_function``, with the split's padding and packed documents, as a :class:`SplitMask`."""
         from transformers.masking_utils import (
-            ALL_MASK_ATTENTION_FUNCTIONS,
             and_masks,
-            causal_mask_function,
             packed_sequence_mask_function,
-            padding_mask_function,
+            remap_positions_for_packed_sequence,
         )
 
-        split = self.current
-        if split is None:
-            return ALL_MASK_ATTENTION_FUNCTIONS[self.inner](
-                batch_size=batch_size,
-                q_length=q_length,
-                kv_length=kv_length,
-                q_offset=q_offset,
-                kv_offset=kv_offset,
-                mask_function=mask_function,
-                attention_mask=attention_mask,
-                **kwargs,
-            )
+        split = _FORWARD.get().split
         if (q_length, kv_length, q_offset, kv_offset) != (split.local_len, split.padded_len, 0, 0):
             raise ValueError(
                 f"Context parallelism: the model asked for a mask of {q_length} queries (offset {q_offset}) and "
                 f"{kv_length} keys (offset {kv_offset}), where the split has {split.local_len} local queries and "
                 f"{split.padded_len} keys. Its mask code is not Transformers' standard one."
             )
-        device = split.positions.device
-        if mask_function is causal_mask_function and not split.padding and split.doc_ids is None:
-            # Plain causal: no values (a view of one element); each piece's mask follows from the positions.
-            mask = torch.ones((), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
-            setattr(mask, SPLIT_ATTR, MaskTag(split, causal=True))
-            return mask
         function = mask_function
-        if split.padding:  # the whole sequence's padding mask (without one: all ones, nothing to apply)
-            function = and_masks(function, padding_mask_function(attention_mask))
-        if split.doc_ids is not None:
-            function = and_masks(function, packed_sequence_mask_function(split.doc_ids))
-        try:
-            mask = function(
-                torch.arange(batch_size, device=device)[:, None, None, None],
-                torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None],
-                split.positions[None, None, :, None],
-                torch.arange(kv_length, device=device)[None, None, None, :],
+        if split.doc_ids is not None:  # as Transformers does for packed rows: positions within each document
+            function = and_masks(
+                remap_positions_for_packed_sequence(function, split.position_ids),
+                packed_sequence_mask_function(split.doc_ids),
             )
+        try:
+            low = first_keys(function, split.positions, batch=batch_size, key_length=split.padded_len)
+            if not self.layers_checked:  # decided with the other ranks at the end of the first split forward
+                problem = interval_violations(function, split.positions, low, key_length=split.padded_len)
+                if problem is not None:
+                    split.problems.append(problem)
         except Exception as err:  # an overlay that is not index-based (Transformers would vmap it)
             raise ValueError(
                 "Context parallelism evaluates the model's mask functions on index tensors; this model's mask "
                 f"function could not be ({type(err).__name__}: {err})."
             ) from err
-        mask = mask.expand(batch_size, 1, q_length, kv_length)  # a view where the batch does not matter
-        setattr(mask, SPLIT_ATTR, MaskTag(split, causal=False))
-        return mask
+        piece = split.pieces
+        ranges = make_range_mask(
+            positions=split.positions,
+            low=low,
+            valid=split.valid,
+            pieces=[(p.local_start, p.global_start, p.length) for p in piece],
+            key_length=split.padded_len,
+            piece_count=2 * self.size,
+        )
+        return SplitMask(split, ranges)
 
     def attention(
         self,
@@ -551,75 +659,59 @@ class ContextParallel:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        default_attention: Callable[..., Any] | None = None,
+        attention_mask: Any,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        softcap: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        """The attention interface: this rank's queries against the whole sequence's keys and values, piece by piece,
-        through the model's own attention function: Transformers' ``sdpa``, or for ``eager`` the function the layer
-        asked the interface with (``default_attention``, its modeling file's own: see
-        :func:`lightning_tp.compat.pass_attention_default`).
+        """The attention of a split forward (:func:`_attention` calls it): this rank's queries against the whole
+        sequence's keys and values by tiles (:func:`lightning_tp.parallel.blockwise.blockwise_attention`), with the
+        layer's scale, softcapping, sinks and dropout.
 
         Raises:
-            ValueError: under ``eager``, when the layer asked the interface without its eager function (it indexes
-                the registry), which the split then cannot call.
+            ValueError: when the layer passes what the tiles cannot honour (a score bias, attention weights), softcaps
+                under ``sdpa``, or is not causal.
         """
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        tag = getattr(attention_mask, SPLIT_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
-        if tag is None and self.current is not None:
-            raise ValueError(
-                f"Context parallelism: {type(module).__name__} got an attention mask that is not the split one "
-                f"({None if attention_mask is None else tuple(attention_mask.shape)}), so it would attend within "
-                "its chunk only. Its layer prepares masks of its own; run this model without `cp_size`."
-            )
-        inner = ALL_ATTENTION_FUNCTIONS.get_interface(self.inner, default_attention)
-        if inner is None:
-            raise ValueError(
-                f"Context parallelism: {type(module).__name__} looked its attention implementation up without its "
-                "eager function (`ALL_ATTENTION_FUNCTIONS[name]`, not `ALL_ATTENTION_FUNCTIONS.get_interface(name, "
-                "eager_attention_forward)`), so under `eager` the split cannot run the model's own eager attention. "
-                'Load the model with `attn_implementation="sdpa"`, or run it without `cp_size`.'
-            )
-        if tag is None:
-            return inner(module, query, key, value, attention_mask, **kwargs)
+        name = type(module).__name__
         if not getattr(module, "is_causal", True):
             raise ValueError(
-                f"Context parallelism: {type(module).__name__} attends bidirectionally (`is_causal=False`), which the "
-                "load-balanced split does not support."
+                f"Context parallelism: {name} attends bidirectionally (`is_causal=False`), which the load-balanced "
+                "split does not support."
             )
-        split = tag.split
+        unsupported = [arg for arg in UNSUPPORTED_ARGUMENTS if kwargs.get(arg) is not None]
+        if kwargs.get("output_attentions"):
+            unsupported.append("output_attentions")
+        if unsupported:
+            raise ValueError(
+                f"Context parallelism: {name} passes its attention {unsupported}, which the split's tiles do not "
+                "compute (no score matrix is ever whole). Run this model without `cp_size`."
+            )
+        if softcap is not None and self.inner == "sdpa":
+            raise ValueError(
+                f"Context parallelism: {name} softcaps its scores, which `sdpa` does not do (on one process it raises "
+                'too). Load the model with `attn_implementation="eager"`.'
+            )
+        split = attention_mask.split
         if query.shape[KEY_SEQUENCE_DIM] != split.local_len:
             raise ValueError(
-                f"Context parallelism: {type(module).__name__} got {query.shape[KEY_SEQUENCE_DIM]} queries, where this "
-                f"rank holds {split.local_len} tokens."
+                f"Context parallelism: {name} got {query.shape[KEY_SEQUENCE_DIM]} queries, where this rank holds "
+                f"{split.local_len} tokens."
             )
         split.called.add(id(module))
         keys, values = self._gather(key, value, split)
-        window = kwargs.get("sliding_window")
-        if self.inner == "sdpa" and query.device.type == "cpu" and not _SDPA_EXTRAS & kwargs.keys():
-            inner = _grouped_sdpa
-        outputs = []
-        for index, piece in enumerate(split.pieces):
-            rows = slice(piece.local_start, piece.local_start + piece.length)
-            # Keys after the piece are masked for every query in it (causal): not computed at all. With a sliding
-            # window, neither are the keys before it.
-            low = max(0, piece.global_start - int(window) + 1) if isinstance(window, int) and window > 0 else 0
-            if tag.causal and low == 0 and self.inner == "sdpa" and uses_lower_right_kernel(query.device):
-                # CUDA's flash kernel aligns a causal mask to the last key: no mask in memory at all.
-                mask = causal_lower_right(piece.length, piece.global_end)
-            else:
-                mask = self._piece_mask(attention_mask, tag, index, low, query.dtype)
-            out, _ = inner(
-                module,
-                query[:, :, rows],
-                keys[:, :, low : piece.global_end],
-                values[:, :, low : piece.global_end],
-                mask,
-                **kwargs,
-            )
-            outputs.append(out)
-        return torch.cat(outputs, dim=SEQUENCE_DIM), None  # (batch, local_len, heads, head_dim), as the inner returns
+        sinks = next((kwargs[arg] for arg in SINK_ARGUMENTS if kwargs.get(arg) is not None), None)
+        if sinks is not None and self.inner == "sdpa":
+            sinks = None  # Transformers' `sdpa` ignores them: so does the split, to compute what one process does
+        seed = int(torch.empty((), dtype=torch.int64).random_()) if dropout else 0
+        scores = Scores(
+            scale=query.shape[-1] ** -0.5 if scaling is None else float(scaling),
+            softcap=softcap,
+            dropout=float(dropout),
+            seed=seed,
+        )
+        out = blockwise_attention(query, keys, values, attention_mask.ranges, scores=scores, sinks=sinks)
+        return out.transpose(1, 2).contiguous(), None  # (batch, local_len, heads, head_dim), as Transformers' return
 
     def gather(self, local: torch.Tensor, split: BatchSplit, *, dim: int = SEQUENCE_DIM) -> torch.Tensor:
         """The whole (padded) sequence of a tensor holding this rank's tokens on ``dim``, in global order, on every
@@ -633,102 +725,39 @@ class ContextParallel:
             return keys, values
         return self.gather(key, split, dim=KEY_SEQUENCE_DIM), self.gather(value, split, dim=KEY_SEQUENCE_DIM)
 
-    def _piece_mask(self, mask: torch.Tensor, tag: MaskTag, index: int, low: int, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask of one piece against keys ``[low, piece end)``; once per mask, piece and window in a
-        forward (the layers of one type share it). In the first split forward it also records whether the mask lets a
-        query of the piece attend to a key left out (decided with the other ranks in :meth:`check_layers`)."""
-        split = tag.split
-        key = (None if tag.causal else id(mask), index, low, dtype)
-        cached = split.masks.get(key)
-        if cached is not None:
-            return cached
-        piece = split.pieces[index]
-        if tag.causal:
-            queries = torch.arange(piece.global_start, piece.global_end, device=mask.device)
-            keys = torch.arange(low, piece.global_end, device=mask.device)
-            kept = (keys[None, :] <= queries[:, None])[None, None]
-        else:
-            rows = mask[:, :, piece.local_start : piece.local_start + piece.length]
-            if not self.checked:  # decided with the other ranks at the end of the first split forward
-                split.outside.append(torch.cat([rows[..., :low], rows[..., piece.global_end :]], dim=-1).any())
-            kept = rows[..., low : piece.global_end]
-        masked = float("-inf") if INNER_MASK_FORMATS[self.inner] == "-inf" else torch.finfo(dtype).min
-        additive = torch.zeros(kept.shape, dtype=dtype, device=mask.device).masked_fill_(~kept, masked)
-        split.masks[key] = additive
-        return additive
 
-    # --------------------------------------------------------------- the model's outputs
+def _causal_lm_loss(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The causal-LM loss of the whole sequence from this rank's logits in a split forward: labels shifted before the
+    split, normalised by the whole sequence's labelled tokens, the ranks' partial sums added; ``inner`` otherwise. It
+    finds the forward through its state (the loss is called by the model's forward), so a deep copy of the model
+    shares it safely."""
 
-    def note_labels(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of the model users call: whether this forward computes a loss, and whether it keeps the
-        logits of its last positions only (``logits_to_keep``: ``generate`` without a cache, per-token
-        log-probabilities of a completion), which are not this rank's to compute: such a forward runs unsplit."""
-        self.labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
-        keep = kwargs.get("logits_to_keep")
-        self.unsplit = keep is not None and not (isinstance(keep, int) and keep == 0)
-        self.entered = False
-
-    def gather_logits(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """Forward hook of the model users call: a split forward without labels computes no loss, so its caller wants
-        the logits: those of the whole sequence (padding removed), on every rank, differentiably (a loss computed from
-        them on every rank of the group gets the gradient of one copy once FSDP2 averages). With labels they stay
-        this rank's, the point of the split."""
-        self.unsplit = False
-        split, self.current = self.current, None  # the forward is over (a recompute reads its masks' tag)
-        if not self.entered:
+    def context_parallel_loss(
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        vocab_size: int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        state = _FORWARD.get()
+        split = None if state is None else state.split
+        if split is None:
+            return inner(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if shift_labels.shape[-1] != split.seq_len:
             raise ValueError(
-                f"Context parallelism: {type(module).__name__}'s forward did not call {self.stack_name}, whose inputs "
-                "the split cuts; this model's forward is not Transformers' usual one. Run it without `cp_size`."
+                f"Context parallelism: the labels cover {shift_labels.shape[-1]} tokens, the input {split.seq_len}."
             )
-        if split is None or self.labelled:
-            return output
-        as_tuple = isinstance(output, tuple)  # `return_dict=False`: the logits come first without a loss
-        logits = output[0] if as_tuple else getattr(output, "logits", None)
-        if not isinstance(logits, torch.Tensor) or logits.ndim < 2 or logits.shape[SEQUENCE_DIM] != split.local_len:
-            return output
-        if hasattr(logits, "placements"):  # vocabulary-sharded, kept so by `keep_logits_sharded` (every rank alike)
-            raise ValueError(
-                "Context parallelism gathers the logits of a forward without labels; `keep_logits_sharded()` asks for "
-                "vocabulary-sharded ones, which it does not gather. Call the forward outside `keep_logits_sharded()` "
-                "(full logits), or pass `labels` (this rank's tokens, sharded)."
-            )
-        logits = self.gather(logits, split).narrow(SEQUENCE_DIM, 0, split.seq_len)
-        if as_tuple:
-            return (logits, *output[1:])
-        output.logits = logits
-        return output
+        if num_items_in_batch is None:
+            num_items_in_batch = (shift_labels != ignore_index).sum()
+        local = split.local(_pad_sequence(shift_labels, split.padded_len, value=ignore_index))
+        partial = inner(logits, None, vocab_size, num_items_in_batch, ignore_index, local, **kwargs)
+        return SumOverGroup.apply(partial, state.cp.group, state.cp.size)
 
-    # --------------------------------------------------------------- the loss
-
-    def loss(self, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """The causal-LM loss of the whole sequence from this rank's logits: labels shifted before the split,
-        normalised by the whole sequence's labelled tokens, the ranks' partial sums added."""
-
-        def context_parallel_loss(
-            logits: torch.Tensor,
-            labels: torch.Tensor | None,
-            vocab_size: int | None = None,
-            num_items_in_batch: torch.Tensor | int | None = None,
-            ignore_index: int = -100,
-            shift_labels: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> torch.Tensor:
-            split = self.current
-            if split is None:
-                return inner(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
-            if shift_labels is None:
-                shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-            if shift_labels.shape[-1] != split.seq_len:
-                raise ValueError(
-                    f"Context parallelism: the labels cover {shift_labels.shape[-1]} tokens, the input {split.seq_len}."
-                )
-            if num_items_in_batch is None:
-                num_items_in_batch = (shift_labels != ignore_index).sum()
-            local = split.local(_pad_sequence(shift_labels, split.padded_len, value=ignore_index))
-            partial = inner(logits, None, vocab_size, num_items_in_batch, ignore_index, local, **kwargs)
-            return SumOverGroup.apply(partial, self.group, self.size)
-
-        return context_parallel_loss
+    return context_parallel_loss
 
 
 def install_context_parallel(
@@ -738,26 +767,20 @@ def install_context_parallel(
     it, the decoder stack's hooks, the loss, the logits of forwards without labels. ``outer``: the module users call,
     when it wraps ``model`` (a ``PeftModel``, which calls the model's ``forward`` directly, past its hooks).
     ``model`` passed :func:`context_parallel_problem`."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     base = decoder_stack(model, blocks)
     cp = ContextParallel(model, base, mesh, multiple=multiple, blocks=blocks)
-    _SPLITS[cp.name] = cp
-    pass_attention_default(NAME_PREFIX, keyword=DEFAULT_ATTENTION_KEYWORD)  # each layer's eager function, for `eager`
-    AttentionInterface.register(cp.name, functools.partial(_dispatch, cp.name, "attention"))
-    AttentionMaskInterface.register(cp.name, functools.partial(_dispatch, cp.name, "mask"))
+    cp.register(model)
     # The model's modules read the implementation from the config at every forward. A config is often shared (two
     # models built from one object: a policy and its frozen reference), so this model gets its own copy first.
     _own_config(model)
     set_attention_implementation(model.config, cp.name)
-    # The hooks below hold the split (the registries only weakly): it lives and dies with the model.
+    # The hooks below hold the split: it lives and dies with the model (and a deep copy of the model gets its own).
     base.register_forward_pre_hook(cp.split_inputs, with_kwargs=True)
     base.register_forward_hook(cp.check_layers, with_kwargs=True)
-    model.loss_function = cp.loss(model.loss_function)
+    model.loss_function = _causal_lm_loss(model.loss_function)
     outer = model if outer is None else outer
-    outer.register_forward_pre_hook(cp.note_labels, with_kwargs=True)
-    outer.register_forward_hook(cp.gather_logits, with_kwargs=True)
+    outer.register_forward_pre_hook(cp.begin, with_kwargs=True)
+    outer.register_forward_hook(cp.end, with_kwargs=True, always_call=True)
     return cp
 
 
@@ -794,51 +817,86 @@ def _whole_positions(
     return _pad_sequence(position_ids, padded, value=None)
 
 
-#: Keyword arguments of Transformers' ``sdpa_attention_forward`` that do more than torch's SDPA (a bias, softcapping,
-#: attention weights): with one of them the piece goes through Transformers' function.
-_SDPA_EXTRAS = frozenset({"position_bias", "softcap", "s_aux", "sinks", "output_attentions"})
+#: The registered implementations by inner implementation: one pair each, shared by every split model that runs
+#: inside it (each finds its split through the forward's state or its mask).
+_REGISTERED: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
-def _grouped_sdpa(
+def _implementations(inner: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    if inner not in _REGISTERED:
+        _REGISTERED[inner] = (functools.partial(_attention, inner), functools.partial(_mask, inner))
+    return _REGISTERED[inner]
+
+
+def _mask(inner: str, **kwargs: Any) -> Any:
+    """The mask interface: a split forward's :class:`SplitMask`, or the inner implementation's own mask."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    state = _FORWARD.get()
+    if state is None or state.split is None:
+        return ALL_MASK_ATTENTION_FUNCTIONS[inner](**kwargs)
+    return state.cp.mask(**kwargs)
+
+
+def _attention(
+    inner: str,
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    dropout: float = 0.0,
-    scaling: float | None = None,
+    attention_mask: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """One piece through torch's SDPA with its own grouped-query attention, on the CPU. Transformers'
-    ``sdpa_attention_forward`` repeats the KV heads to the query heads whenever a mask is given (CUDA's
-    memory-efficient kernel has no GQA), and SDPA keeps the repeated copy for the backward: for the pieces' keys, the
-    query-head count times the gathered keys, in every layer (in ``benchmarks/context_parallel.py`` at cp 4 and 8k
-    tokens, 75 MiB: more than its masks and gathered keys together). torch's CPU kernels take the mask and the
-    grouping together (same values)."""
-    out = nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
-    return out.transpose(1, 2).contiguous(), None
+    """The attention interface: a split forward's tiles, or (decoding, or a forward keeping the last logits) the inner
+    implementation. ``eager`` is no registered function (each layer passes its own as the default, which a registered
+    name never gets): the same scores as the tiles', on the whole mask."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if isinstance(attention_mask, SplitMask):
+        return attention_mask.split.cp.attention(module, query, key, value, attention_mask, **kwargs)
+    state = _FORWARD.get()
+    if state is not None and state.split is not None:
+        raise ValueError(
+            f"Context parallelism: {type(module).__name__} got an attention mask that is not the split one "
+            f"({_describe(attention_mask)}), so it would attend within its chunk only. Its layer prepares masks of "
+            "its own; run this model without `cp_size`."
+        )
+    if inner != "eager":
+        return ALL_ATTENTION_FUNCTIONS[inner](module, query, key, value, attention_mask, **kwargs)
+    return _eager_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def _dispatch(name: str, method: str, *args: Any, **kwargs: Any) -> Any:
-    split = _SPLITS.get(name)
-    if split is None:  # pragma: no cover - the model that selects the name holds its split
-        raise RuntimeError(f"Context parallelism: the split {name!r} of a freed model was called.")
-    return getattr(split, method)(*args, **kwargs)
-
-
-def uses_lower_right_kernel(device: torch.device) -> bool:
-    """Whether SDPA takes a causal mask aligned to the last key without materialising it on ``device``: CUDA's flash
-    kernel does; on the CPU, torch builds the mask in every call (a cached additive mask costs less there)."""
-    return device.type == "cuda"
+def _eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Eager attention as the split computes it, on a whole (additive or boolean) mask: the layer's scale,
+    softcapping, sinks and dropout, softmax in fp32."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[KEY_SEQUENCE_DIM]]
+        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask.float()
+    sinks = next((kwargs[arg] for arg in SINK_ARGUMENTS if kwargs.get(arg) is not None), None)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    probs = nn.functional.dropout(probs, p=dropout, training=dropout > 0).to(value.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
 def _own_config(model: nn.Module) -> None:
@@ -873,9 +931,10 @@ def _describe(value: Any) -> str:
 
 __all__ = [
     "ATTENTION_LAYER_TYPES",
-    "INNER_MASK_FORMATS",
     "BatchSplit",
     "ContextParallel",
+    "ForwardState",
+    "SplitMask",
     "context_parallel_problem",
     "gathered_positions",
     "install_context_parallel",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_tp.parallel.context_parallel import (
+    ContextParallel,
     NAME_PREFIX,
     UNDECLARED_ATTENTION_INTERFACE,
     context_parallel_problem,
@@ -20,6 +21,7 @@ from lightning_tp.parallel.context_parallel import (
     padded_length,
     positions_from_mask,
 )
+from lightning_tp.parallel import blockwise
 from lightning_tp.plans.structure import block_classes
 from tests.helpers.models import (
     VOCAB,
@@ -76,11 +78,16 @@ def test_what_cannot_be_split_is_refused_by_name(build, fragment: str) -> None:
     assert problem is not None and fragment in problem, problem
 
 
-def test_other_attention_implementations_are_refused_by_name() -> None:
+def test_any_attention_implementation_of_transformers_is_accepted_and_others_refused_by_name() -> None:
+    """A split forward runs its own tiles whatever the model selects; a forward that decodes runs the model's own
+    implementation, which must be one of Transformers' (or `eager`)."""
     model = _meta_model(tiny_config("qwen3"))
-    model.config._attn_implementation = "flex_attention"
+    for name in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
+        model.config._attn_implementation = name
+        assert context_parallel_problem(model) is None, name
+    model.config._attn_implementation = "my_kernel"
     problem = context_parallel_problem(model)
-    assert "attn_implementation='flex_attention'" in problem and "'sdpa' or 'eager'" in problem
+    assert "attn_implementation='my_kernel'" in problem and 'attn_implementation="sdpa"' in problem
 
 
 def test_layers_that_mix_the_sequence_without_attention_are_refused_by_name() -> None:
@@ -144,8 +151,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("tile", [None, 3])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str) -> None:
+def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str, tile: int | None, monkeypatch) -> None:
+    """Every family's masks through the tiles, at the default tile size (one tile a piece here) and at 3 tokens
+    (many tiles: documents, windows, chunks and padding cut some; tiles beyond them are skipped)."""
+    if tile is not None:
+        monkeypatch.setattr(blockwise, "TILE", tile)
     kind, batch = CASES[name]
     batch = batch()
     model = build_causal_lm(tiny_config(kind))
@@ -160,18 +172,6 @@ def test_the_split_on_one_rank_changes_nothing(one_rank_mesh, name: str) -> None
     no_labels = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         torch.testing.assert_close(split(**no_labels).logits, model(**no_labels).logits, atol=1e-5, rtol=0)
-
-
-def test_the_lower_right_causal_kernel_path_gives_the_same_numbers(one_rank_mesh, monkeypatch) -> None:
-    """On CUDA a plain causal piece goes to SDPA as `causal_lower_right` (no mask in memory); torch runs the same on
-    the CPU (materialising it), so the path is checked here."""
-    import lightning_tp.parallel.context_parallel as context_parallel
-
-    monkeypatch.setattr(context_parallel, "uses_lower_right_kernel", lambda device: True)
-    batch = lm_batches(1)[0]
-    model = build_causal_lm(tiny_config("qwen3"))
-    split = _split_copy(model, one_rank_mesh)
-    torch.testing.assert_close(split(**batch).loss, model(**batch).loss, atol=1e-6, rtol=0)
 
 
 def test_the_model_gets_its_own_config(one_rank_mesh) -> None:
@@ -349,54 +349,6 @@ def test_the_listed_families_split_on_one_rank_and_change_nothing(one_rank_mesh,
     torch.testing.assert_close(split(**batch).loss, model(**batch).loss, atol=1e-6, rtol=0)
 
 
-def test_the_interface_hands_the_layers_eager_function_to_the_split_only() -> None:
-    """`get_interface(name, default)` passes the default (a layer's own eager function) on to a split's registered
-    function, as `default_attention`; other names are looked up as Transformers does."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-
-    from lightning_tp.compat import pass_attention_default
-
-    def family_eager(*args, **kwargs):
-        return "eager"
-
-    def registered(*args, default_attention=None, **kwargs):
-        return default_attention
-
-    name = f"{NAME_PREFIX}test_interface"
-    AttentionInterface.register(name, registered)
-    pass_attention_default(NAME_PREFIX, keyword="default_attention")
-    pass_attention_default(NAME_PREFIX, keyword="default_attention")  # once: not wrapped twice
-    assert ALL_ATTENTION_FUNCTIONS.get_interface(name, family_eager)() is family_eager
-    assert ALL_ATTENTION_FUNCTIONS.get_interface("eager", family_eager) is family_eager
-    assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", family_eager) is ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-
-def test_an_eager_layer_that_hands_over_no_eager_function_is_refused_by_name(one_rank_mesh) -> None:
-    """A layer that indexes the registry (`ALL_ATTENTION_FUNCTIONS[name]`) gives the split no eager function of its
-    own to run: under `eager` its first forward raises, naming its class, rather than running another family's."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    config = tiny_config("qwen3")
-    config._attn_implementation = "eager"
-    model = build_causal_lm(config)
-    split = _split_copy(model, one_rank_mesh)
-    attention = split.model.layers[0].self_attn
-    heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
-
-    def indexing_attention(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        batch, length = hidden_states.shape[:2]
-        query = attention.q_proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
-        key = attention.k_proj(hidden_states).view(batch, length, kv_heads, dim).transpose(1, 2)
-        value = attention.v_proj(hidden_states).view(batch, length, kv_heads, dim).transpose(1, 2)
-        function = ALL_ATTENTION_FUNCTIONS[attention.config._attn_implementation]
-        out, _ = function(attention, query, key, value, attention_mask, scaling=attention.scaling)
-        return attention.o_proj(out.reshape(batch, length, -1)), None
-
-    attention.forward = indexing_attention
-    with pytest.raises(ValueError, match="Qwen3Attention looked its attention implementation up without its eager"):
-        split(input_ids=torch.arange(8).reshape(1, 8) + 3)
-
-
 def test_position_tables_that_read_the_mask_are_found_by_structure() -> None:
     """An embedding table directly in the decoder stack whose forward takes `attention_mask` derives its indices from
     the mask (OPT, BioGPT); a plain table, or another module taking the mask (an encoder of layers), does not."""
@@ -421,3 +373,65 @@ def test_position_tables_that_read_the_mask_are_found_by_structure() -> None:
         (tiny_config("gpt2"), None),  # a plain learned table: positions 0 .. length - 1
     ):
         assert positions_from_mask(decoder_stack(_meta_model(config))) == found, config.model_type
+
+
+def _split_of(model) -> ContextParallel:
+    """The split installed on ``model`` (its decoder stack's pre-hook is the split's method)."""
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(getattr(hook, "__self__", None), ContextParallel):
+                return hook.__self__
+    raise AssertionError("no split installed")
+
+
+def test_a_deep_copy_gets_a_split_of_its_own(one_rank_mesh) -> None:
+    """An EMA or reference model made by `copy.deepcopy` of a split model: its own split (the same group), and both
+    compute what the model computes, in turn and interleaved."""
+    batch = packed_lm_batches(1)[0]
+    model = build_causal_lm(tiny_config("qwen3"))
+    split = _split_copy(model, one_rank_mesh)
+    twin = copy.deepcopy(split)
+    assert _split_of(twin) is not _split_of(split) and _split_of(twin).group is _split_of(split).group
+    expected = model(**batch).loss
+    for module in (split, twin, split):
+        torch.testing.assert_close(module(**batch).loss, expected, atol=1e-6, rtol=0)
+    del split
+    torch.testing.assert_close(twin(**batch).loss, expected, atol=1e-6, rtol=0)
+
+
+def test_the_registrations_are_given_up_on_teardown_and_taken_again(one_rank_mesh) -> None:
+    """The attention and mask implementations are registered for the model; a strategy's teardown gives up its
+    process-wide patches (`undo_owned(module, instances=False)`), which removes them; the next forward registers them
+    again."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from lightning_tp.strategies.shared import release_process_wide_patches
+
+    batch = lm_batches(1)[0]
+    model = build_causal_lm(tiny_config("qwen3"))
+    split = _split_copy(model, one_rank_mesh)
+    name = split.config._attn_implementation
+    assert name == "lightning_tp_cp_sdpa"
+    assert name in ALL_ATTENTION_FUNCTIONS and name in ALL_MASK_ATTENTION_FUNCTIONS
+    release_process_wide_patches(split)
+    assert name not in ALL_ATTENTION_FUNCTIONS and name not in ALL_MASK_ATTENTION_FUNCTIONS
+    torch.testing.assert_close(split(**batch).loss, model(**batch).loss, atol=1e-6, rtol=0)
+    assert name in ALL_ATTENTION_FUNCTIONS
+
+
+def test_packed_rows_follow_transformers_rule_with_one_warning(one_rank_mesh) -> None:
+    """One process tells packed documents apart only without a cache (`use_cache=False`); with the config's default
+    cache it attends across them. The split computes the same in both cases, and says so once."""
+    batch = packed_lm_batches(1)[0]
+    model = build_causal_lm(tiny_config("qwen3"))
+    split = _split_copy(model, one_rank_mesh)
+    apart = {**batch, "use_cache": False}
+    across = {k: v for k, v in batch.items() if k != "use_cache"}
+    assert model.config.use_cache
+    torch.testing.assert_close(split(**apart).loss, model(**apart).loss, atol=1e-6, rtol=0)
+    with pytest.warns(UserWarning, match="attends across the documents") as record:
+        torch.testing.assert_close(split(**across).loss, model(**across).loss, atol=1e-6, rtol=0)
+        split(**across)
+    assert len([w for w in record if "attends across" in str(w.message)]) == 1
+    assert (split(**apart).loss - split(**across).loss).abs() > 1e-4  # the two rules differ on this row

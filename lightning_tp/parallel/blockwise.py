@@ -1,0 +1,515 @@
+"""Attention by blocks, with an online-softmax merge: what context parallelism computes for each rank's queries
+against the whole sequence's keys, in memory that grows with the length, not its square.
+
+**Masks as ranges.** Every mask a causal LM's attention uses (causal, sliding window, chunked, packed documents,
+padding) lets a query see an interval of keys that ends at itself, minus the padding keys: query ``i`` sees the key
+``k`` iff ``low[b, i] <= k <= position[i]`` and ``valid[b, k]`` (:class:`RangeMask`). The first key of each query
+(``low``) is found from the model's own mask function by bisection (``log2(L)`` evaluations of it on one index per
+query), never by evaluating it on ``L x L`` indices.
+
+**Tiles.** The queries and keys are cut into tiles on one grid (:data:`TILE` tokens, cut again at the pieces of the
+load-balanced split), and each query tile calls a kernel on the key tiles it can see: a tile wholly before it that
+every query sees whole runs with no mask (``FULL``), its own tile runs with a causal flag and no mask (``CAUSAL``), one
+that a document boundary, a window's edge or padding cuts gets a mask of one tile (``MASKED``), and one that no
+query of the tile can see is **skipped**. A row of packed documents then costs the sum of its documents' own
+attention (``sum(len_i^2)``), not ``L^2``; the masks are one tile each, made at the call and not kept.
+
+**The merge.** Each call returns its outputs and their rows' log-sum-exp; the calls of a tile combine as
+``l = logsumexp(l_i)``, ``o = sum(exp(l_i - l) o_i)``. Attention sinks (gpt-oss) are one more term of the sum with no
+value. The backward recomputes each call's scores from the saved queries, keys, values, merged outputs and
+log-sum-exp (as flash attention does), so a forward keeps ``O(L)`` per layer for the backward, not the scores.
+
+**Kernels.** A fused kernel that returns the log-sum-exp where torch has one (:func:`lightning_tp.compat.
+fused_attention_kernels`: the CPU's flash kernel, CUDA's memory-efficient one), else, and for softcapping and dropout
+(which the fused kernels do not take), scores computed explicitly per call in fp32.
+
+Pure tensor code: no process group, no model. :mod:`lightning_tp.parallel.context_parallel` builds the ranges of each
+forward and calls :func:`blockwise_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_tp.compat import fused_attention_kernels
+
+#: Tokens per query and key tile. Larger tiles make fewer kernel calls; smaller ones skip more of a packed row's
+#: masked area (a document boundary costs at most one tile of keys per query) and make smaller masks.
+TILE = 512
+#: The most scores (batch x heads x queries x keys) one explicit call computes at once; a longer run of keys is cut.
+EXPLICIT_SCORES = 1 << 24
+#: The kinds of kernel call: keys that every query of the tile sees whole; the tile's own keys under a causal mask
+#: (the tiles are on one grid, so the diagonal is square); keys with a mask of one tile.
+FULL, CAUSAL, MASKED = "full", "causal", "masked"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call of a query tile: the keys ``[start, end)`` of the whole sequence and what masks them."""
+
+    start: int
+    end: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class QueryTile:
+    """A tile of a rank's queries: its first local row, the global position of its first query, its length, and its
+    calls."""
+
+    row: int
+    start: int
+    length: int
+    calls: tuple[Call, ...]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row, self.row + self.length)
+
+
+@dataclass(frozen=True, eq=False)
+class RangeMask:
+    """What each of a rank's queries may attend to, as ranges: query ``i``, at global position ``positions[i]``,
+    sees the keys ``k`` with ``low[b, i] <= k <= positions[i]`` and ``valid[b, k]``; and the tiles that follow.
+
+    ``valid``: ``None`` when every key is (no padding). ``empty``: the rows that see no key at all (padding at the
+    start of a row), whose outputs are zeros, as SDPA gives a query whose mask hides every key; ``None`` when there
+    is none."""
+
+    positions: torch.Tensor  # (queries,) long
+    low: torch.Tensor  # (batch, queries) long
+    valid: torch.Tensor | None  # (batch, keys) bool
+    empty: torch.Tensor | None  # (batch, queries) bool
+    key_length: int
+    tiles: tuple[QueryTile, ...]
+
+    def allowed(self, tile: QueryTile, call: Call) -> torch.Tensor:
+        """The boolean mask of one call, ``(batch, 1, tile queries, call keys)``."""
+        keys = torch.arange(call.start, call.end, device=self.low.device)
+        positions = self.positions[tile.rows]
+        allowed = (keys >= self.low[:, tile.rows, None]) & (keys <= positions[:, None])
+        if self.valid is not None:
+            allowed = allowed & self.valid[:, None, call.start : call.end]
+        return allowed.unsqueeze(1)
+
+    def computed(self) -> int:
+        """The (query, key) pairs the calls compute for one batch row and head: what the tiles cost."""
+        return sum(tile.length * (call.end - call.start) for tile in self.tiles for call in tile.calls)
+
+    def visible(self) -> int:
+        """The (query, key) pairs the mask lets attend, summed over the batch: the least any computation costs."""
+        count = self.positions[None, :] - self.low + 1
+        if self.valid is not None:
+            seen = torch.nn.functional.pad(self.valid.long().cumsum(-1), (1, 0))
+            count = seen.gather(1, (self.positions + 1).expand_as(self.low)) - seen.gather(1, self.low)
+        return int(count.clamp(min=0).sum())
+
+
+def grid(length: int, *, pieces: int, tile: int) -> list[tuple[int, int]]:
+    """The key tiles of a sequence of ``length`` tokens cut into ``pieces`` pieces of equal length: each piece in tiles
+    of ``tile`` tokens (the last one shorter), so that every rank's query tiles are key tiles too."""
+    piece = length // pieces
+    assert piece * pieces == length, (length, pieces)
+    return [(s, min(s + tile, p + piece)) for p in range(0, length, piece) for s in range(p, p + piece, tile)]
+
+
+def first_keys(
+    mask_function: Callable[..., torch.Tensor], positions: torch.Tensor, *, batch: int, key_length: int
+) -> torch.Tensor:
+    """The first key each query may see under ``mask_function`` (Transformers' index-based form: ``(batch, head,
+    query, key) -> bool`` on broadcast index tensors), found by bisection: ``(batch, queries)``. Each query's keys must
+    be an interval that ends at itself; :func:`interval_violations` checks the ends.
+
+    Args:
+        mask_function: the mask function, without the padding (its keys are :attr:`RangeMask.valid`).
+        positions: ``(queries,)`` the global position of each query.
+        batch: the batch size.
+        key_length: the number of keys (the whole sequence).
+    """
+    del key_length  # the interval ends at the query: keys after it are never searched
+    b = torch.arange(batch, device=positions.device)[:, None]
+    h = torch.zeros((), dtype=torch.long, device=positions.device)
+    q = positions[None, :].expand(batch, -1)
+    low = torch.zeros_like(q)
+    high = q.clone()
+    while bool((low < high).any()):
+        middle = (low + high) // 2
+        seen = _evaluate(mask_function, b, h, q, middle)
+        high = torch.where(seen, middle, high)
+        low = torch.where(seen, low, middle + 1)
+    return low
+
+
+def interval_violations(
+    mask_function: Callable[..., torch.Tensor], positions: torch.Tensor, low: torch.Tensor, *, key_length: int
+) -> str | None:
+    """Why ``mask_function`` is not an interval of keys ending at each query, as :func:`first_keys` found it, at the
+    ends checked (each query must see itself and its first key, and neither the key before that nor the one after
+    itself), or ``None``. What lies between the ends is taken from the ends: every mask Transformers' causal LMs build
+    (causal, sliding window, chunked, packed documents) is such an interval."""
+    batch = low.shape[0]
+    b = torch.arange(batch, device=positions.device)[:, None]
+    h = torch.zeros((), dtype=torch.long, device=positions.device)
+    q = positions[None, :].expand(batch, -1)
+    if not bool(_evaluate(mask_function, b, h, q, q).all()):
+        return "a query does not see its own key"
+    if not bool(_evaluate(mask_function, b, h, q, low).all()):
+        return "a query does not see every key between the first it sees and itself"
+    later = q + 1
+    inside = later < key_length
+    if bool((_evaluate(mask_function, b, h, q, later.clamp(max=key_length - 1)) & inside).any()):
+        return "a query sees a later key (the mask is not causal)"
+    earlier = low - 1
+    if bool((_evaluate(mask_function, b, h, q, earlier.clamp(min=0)) & (earlier >= 0)).any()):
+        return "a query sees a key before an unseen one (its keys are not one interval)"
+    return None
+
+
+def _evaluate(function: Callable[..., torch.Tensor], b: Any, h: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    out = function(b, h, q, k)
+    return torch.as_tensor(out, device=q.device).to(torch.bool).expand(q.shape)
+
+
+def range_mask(
+    *,
+    positions: torch.Tensor,
+    low: torch.Tensor,
+    valid: torch.Tensor | None,
+    pieces: Sequence[tuple[int, int, int]],
+    key_length: int,
+    piece_count: int,
+    tile: int | None = None,
+) -> RangeMask:
+    """The tiles and calls of a rank's queries under the ranges ``low``/``valid`` (see :class:`RangeMask`).
+
+    Args:
+        positions: ``(queries,)`` the global position of each local query.
+        low: ``(batch, queries)`` the first key each query sees (:func:`first_keys`).
+        valid: ``(batch, key_length)`` the keys that are not padding, or ``None``.
+        pieces: the rank's pieces as ``(first local row, first global position, length)``.
+        key_length: the whole sequence's length.
+        piece_count: the pieces the whole sequence is cut into (every rank's), each a run of tiles.
+        tile: tokens per tile (default :data:`TILE`).
+    """
+    tile = TILE if tile is None else tile
+    keys = grid(key_length, pieces=piece_count, tile=tile)
+    starts = torch.tensor([s for s, _ in keys], dtype=torch.long)
+    ends = torch.tensor([e for _, e in keys], dtype=torch.long)
+    if valid is not None:
+        seen = torch.nn.functional.pad(valid.long().cumsum(-1), (1, 0)).cpu()  # (batch, keys + 1)
+        count = seen[:, ends] - seen[:, starts]  # (batch, tiles)
+        whole = (count == (ends - starts)).all(0).tolist()
+        some = (count > 0).any(0).tolist()
+        count_rows = seen.gather(1, (positions.cpu() + 1)[None, :].expand(low.shape[0], -1)) - seen.gather(
+            1, low.cpu()
+        )
+        empty_rows = count_rows <= 0
+    else:
+        whole = some = [True] * len(keys)
+        empty_rows = low.cpu() > positions.cpu()[None, :]
+    tiles = []
+    bounds = []
+    for row, start, length in pieces:
+        for offset in range(0, length, tile):
+            size = min(tile, length - offset)
+            bounds.append((row + offset, start + offset, size))
+    lows = low.cpu()
+    first = [int(lows[:, r : r + n].min()) for r, _, n in bounds]
+    last = [int(lows[:, r : r + n].max()) for r, _, n in bounds]
+    index = {s: i for i, (s, _) in enumerate(keys)}
+    for (row, start, size), least, most in zip(bounds, first, last, strict=True):
+        assert start in index, (start, tile)
+        calls: list[Call] = []
+        for i in range(index[start] + 1):
+            k0, k1 = keys[i]
+            if k1 <= least or not some[i]:
+                continue  # no query of the tile sees these keys: skipped, not computed and masked
+            unmasked = most <= k0 and whole[i]
+            kind = (CAUSAL if unmasked else MASKED) if k0 == start else (FULL if unmasked else MASKED)
+            if kind == FULL and calls and calls[-1].kind == FULL and calls[-1].end == k0:
+                calls[-1] = Call(calls[-1].start, k1, FULL)  # one call for a run of whole tiles
+            else:
+                calls.append(Call(k0, k1, kind))
+        tiles.append(QueryTile(row, start, size, tuple(calls)))
+    empty = empty_rows.to(low.device) if bool(empty_rows.any()) else None
+    return RangeMask(positions=positions, low=low, valid=valid, empty=empty, key_length=key_length, tiles=tuple(tiles))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The attention
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What the model's attention does to its scores beyond ``softmax(q k^T scale) v``: its scale, softcapping
+    (``cap x tanh(s / cap)``, Gemma 2), dropout (with the seed its masks are drawn from, again in the backward)."""
+
+    scale: float
+    softcap: float | None = None
+    dropout: float = 0.0
+    seed: int = 0
+
+
+def blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: RangeMask,
+    *,
+    scores: Scores,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a rank's queries against the whole sequence's keys and values, tile by tile (see the module's
+    docstring), differentiable in the queries, keys, values and sinks.
+
+    Args:
+        query: ``(batch, heads, queries, head_dim)``.
+        key: ``(batch, kv_heads, key_length, head_dim)``, the whole sequence's in global order; ``heads`` a multiple
+            of ``kv_heads`` (grouped-query attention).
+        value: like ``key`` (its head dim may differ).
+        mask: the ranges and tiles of the queries (:func:`range_mask`).
+        scores: the scale, softcapping and dropout.
+        sinks: ``(heads,)`` attention sinks (one logit per head with no value), or ``None``.
+
+    Returns:
+        ``(batch, heads, queries, value head_dim)``, in the query's dtype.
+    """
+    return _BlockwiseAttention.apply(query, key, value, sinks, mask, scores)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, sinks, mask, scores):  # type: ignore[override]
+        kernel = _kernel(query, scores)
+        out = query.new_zeros((*query.shape[:-1], value.shape[-1]))
+        lse = query.new_full(query.shape[:-1], -math.inf, dtype=_accumulated(query.dtype))
+        for tile in mask.tiles:
+            parts = [
+                kernel.forward(query[:, :, tile.rows], key, value, mask, tile, call, scores, _seed(scores, tile, call))
+                for call in tile.calls
+            ]
+            if not parts:
+                continue
+            logs = torch.stack([log for _, log in parts])
+            total = torch.logsumexp(logs, dim=0)
+            if sinks is not None:
+                total = torch.logaddexp(total, sinks.to(total.dtype)[None, :, None])
+            weights = torch.nan_to_num((logs - total).exp(), nan=0.0)
+            merged = sum(w[..., None] * o.to(w.dtype) for w, (o, _) in zip(weights, parts, strict=True))
+            out[:, :, tile.rows] = merged.to(out.dtype)
+            lse[:, :, tile.rows] = total
+        if mask.empty is not None:
+            out.masked_fill_(mask.empty[:, None, :, None], 0.0)
+        ctx.save_for_backward(query, key, value, sinks, out, lse)
+        ctx.mask, ctx.scores, ctx.kernel = mask, scores, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        query, key, value, sinks, out, lse = ctx.saved_tensors
+        mask, scores, kernel = ctx.mask, ctx.scores, ctx.kernel
+        if mask.empty is not None:
+            grad = grad.masked_fill(mask.empty[:, None, :, None], 0.0)
+        grad = grad.contiguous()
+        acc = _accumulated(query.dtype)
+        grad_query = torch.zeros_like(query, dtype=acc)
+        grad_key = torch.zeros_like(key, dtype=acc)
+        grad_value = torch.zeros_like(value, dtype=acc)
+        for tile in mask.tiles:
+            rows = tile.rows
+            for call in tile.calls:
+                dq, dk, dv = kernel.backward(
+                    grad[:, :, rows],
+                    query[:, :, rows],
+                    key,
+                    value,
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    mask,
+                    tile,
+                    call,
+                    scores,
+                    _seed(scores, tile, call),
+                )
+                grad_query[:, :, rows] += dq
+                grad_key[:, :, call.start : call.end] += dk
+                grad_value[:, :, call.start : call.end] += dv
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d out / d sink = -p_sink out for each row: the sink's share of the softmax times the output's.
+            share = (sinks.to(lse.dtype)[None, :, None] - lse).exp()
+            rowdot = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+            grad_sinks = -(share * rowdot).sum((0, 2)).to(sinks.dtype)
+        return (
+            grad_query.to(query.dtype),
+            grad_key.to(key.dtype),
+            grad_value.to(value.dtype),
+            grad_sinks,
+            None,
+            None,
+        )
+
+
+def _accumulated(dtype: torch.dtype) -> torch.dtype:
+    """What the merge, the log-sum-exp and the gradients accumulate in: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _seed(scores: Scores, tile: QueryTile, call: Call) -> int:
+    """The seed of one call's dropout masks: the forward's seed and the call's place, the same in the backward."""
+    return (scores.seed * 1_000_003 + tile.start * 4_099 + call.start) % (1 << 63)
+
+
+def _kernel(query: torch.Tensor, scores: Scores) -> _Kernel:
+    if scores.softcap is None and scores.dropout == 0.0:
+        fused = fused_attention_kernels(query.device, query.dtype)
+        if fused is not None:
+            return _Fused(*fused)
+    return _Explicit()
+
+
+class _Kernel:
+    def forward(self, q, key, value, mask, tile, call, scores, seed) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def backward(self, grad, q, key, value, out, lse, mask, tile, call, scores, seed):
+        raise NotImplementedError
+
+
+def _additive(mask: RangeMask, tile: QueryTile, call: Call, dtype: torch.dtype) -> torch.Tensor | None:
+    """A call's mask as the fused kernels take it: ``0`` where a key is seen, the dtype's minimum where not (a row
+    that sees no key of the call then gets a log-sum-exp near the minimum, which the merge weighs as zero)."""
+    if call.kind != MASKED:
+        return None
+    allowed = mask.allowed(tile, call)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class _Fused(_Kernel):
+    """torch's fused kernel that returns the log-sum-exp (:func:`lightning_tp.compat.fused_attention_kernels`); a
+    masked call goes to the explicit kernel where the fused one takes no mask."""
+
+    def __init__(self, forward: Callable[..., Any], backward: Callable[..., Any], takes_mask: bool) -> None:
+        self._forward, self._backward, self._takes_mask = forward, backward, takes_mask
+        self._explicit = _Explicit()
+
+    def forward(self, q, key, value, mask, tile, call, scores, seed):
+        if call.kind == MASKED and not self._takes_mask:
+            return self._explicit.forward(q, key, value, mask, tile, call, scores, seed)
+        k, v = key[:, :, call.start : call.end], value[:, :, call.start : call.end]
+        bias = _additive(mask, tile, call, q.dtype)
+        return self._forward(q, k, v, is_causal=call.kind == CAUSAL, bias=bias, scale=scores.scale)
+
+    def backward(self, grad, q, key, value, out, lse, mask, tile, call, scores, seed):
+        if call.kind == MASKED and not self._takes_mask:
+            return self._explicit.backward(grad, q, key, value, out, lse, mask, tile, call, scores, seed)
+        k, v = key[:, :, call.start : call.end], value[:, :, call.start : call.end]
+        bias = _additive(mask, tile, call, q.dtype)
+        dq, dk, dv = self._backward(
+            grad, q, k, v, out, lse, is_causal=call.kind == CAUSAL, bias=bias, scale=scores.scale
+        )
+        return dq, dk, dv
+
+
+class _Explicit(_Kernel):
+    """Scores computed in fp32, per call, cut into runs of keys of at most :data:`EXPLICIT_SCORES` scores: any device,
+    softcapping and dropout. Grouped-query attention without repeating the keys (the query heads of a key head
+    share a matrix product)."""
+
+    def _chunks(self, q: torch.Tensor, call: Call) -> list[Call]:
+        width = max(1, EXPLICIT_SCORES // max(1, q.shape[0] * q.shape[1] * q.shape[2]))
+        if call.kind != FULL or call.end - call.start <= width:
+            return [call]
+        return [Call(s, min(s + width, call.end), FULL) for s in range(call.start, call.end, width)]
+
+    @staticmethod
+    def _scores(q, k, mask, tile, call, scores):
+        """Raw and final scores ``(batch, kv_heads, group, queries, keys)`` in fp32 (or fp64), masked with ``-inf``."""
+        batch, heads, n, dim = q.shape
+        acc = _accumulated(q.dtype)
+        grouped = q.to(acc).reshape(batch, k.shape[1], heads // k.shape[1], n, dim)
+        raw = torch.matmul(grouped, k.to(acc)[:, :, None].transpose(-1, -2)) * scores.scale
+        final = raw if scores.softcap is None else scores.softcap * torch.tanh(raw / scores.softcap)
+        if call.kind == CAUSAL:
+            final = final.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+        elif call.kind == MASKED:
+            final = final.masked_fill(~mask.allowed(tile, call)[:, :, None], -math.inf)
+        return raw, final
+
+    @staticmethod
+    def _keep(shape, dropout, seed, device) -> torch.Tensor:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        return torch.rand(shape, generator=generator, device=device) >= dropout
+
+    def forward(self, q, key, value, mask, tile, call, scores, seed):
+        outs, logs = [], []
+        for part in self._chunks(q, call):
+            k, v = key[:, :, part.start : part.end], value[:, :, part.start : part.end]
+            _, s = self._scores(q, k, mask, tile, part, scores)
+            top = s.amax(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).min)  # a row with no key: -inf
+            p = (s - top).exp()
+            total = p.sum(-1, keepdim=True)
+            if scores.dropout:
+                p = p * self._keep(p.shape, scores.dropout, seed + part.start, q.device) / (1 - scores.dropout)
+            o = torch.matmul(p, v.to(s.dtype)[:, :, None]) / total.clamp(min=torch.finfo(s.dtype).tiny)
+            outs.append(o.flatten(1, 2))
+            logs.append((top + total.log()).squeeze(-1).flatten(1, 2))
+        if len(outs) == 1:
+            return outs[0], logs[0]
+        logs_ = torch.stack(logs)
+        total = torch.logsumexp(logs_, 0)
+        weights = torch.nan_to_num((logs_ - total).exp(), nan=0.0)
+        return sum(w[..., None] * o for w, o in zip(weights, outs, strict=True)), total
+
+    def backward(self, grad, q, key, value, out, lse, mask, tile, call, scores, seed):
+        batch, heads, n, _ = q.shape
+        kv_heads = key.shape[1]
+        groups = heads // kv_heads
+        shape = (batch, kv_heads, groups, n)
+        acc = _accumulated(q.dtype)
+        g = grad.to(acc).reshape(*shape, -1)
+        delta = (g * out.to(acc).reshape(*shape, -1)).sum(-1, keepdim=True)  # rowsum(dO o), o the merged output
+        log = lse.to(acc).reshape(*shape, 1)
+        dq = torch.zeros(*shape, q.shape[-1], dtype=acc, device=q.device)
+        dks, dvs = [], []
+        for part in self._chunks(q, call):
+            k, v = key[:, :, part.start : part.end].to(acc), value[:, :, part.start : part.end].to(acc)
+            raw, s = self._scores(q, k, mask, tile, part, scores)
+            p = torch.nan_to_num((s - log).exp(), nan=0.0)  # the merged softmax's share of each key
+            dp = torch.matmul(g, v[:, :, None].transpose(-1, -2))
+            if scores.dropout:
+                keep = self._keep(p.shape, scores.dropout, seed + part.start, q.device) / (1 - scores.dropout)
+                dv = torch.matmul((p * keep).transpose(-1, -2), g).sum(2)
+                dp = dp * keep
+            else:
+                dv = torch.matmul(p.transpose(-1, -2), g).sum(2)
+            ds = p * (dp - delta)
+            if scores.softcap is not None:
+                ds = ds * (1 - torch.tanh(raw / scores.softcap) ** 2)
+            ds = ds * scores.scale
+            dq += torch.matmul(ds, k[:, :, None])
+            dks.append(torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(*shape, -1)).sum(2))
+            dvs.append(dv)
+        return dq.reshape(batch, heads, n, -1), torch.cat(dks, 2), torch.cat(dvs, 2)
+
+
+__all__ = [
+    "CAUSAL",
+    "FULL",
+    "MASKED",
+    "TILE",
+    "Call",
+    "QueryTile",
+    "RangeMask",
+    "Scores",
+    "blockwise_attention",
+    "first_keys",
+    "grid",
+    "interval_violations",
+    "range_mask",
+]
