@@ -34,6 +34,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -173,6 +174,142 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Long context (--long): packed rows against plain ones, 4k tokens and up, on 2 or 4 processes
+
+
+def documents(length: int, count: int) -> torch.Tensor:
+    """Position ids of one row of ``count`` packed documents of (nearly) equal length, restarting at each."""
+    bounds = [length * i // count for i in range(count + 1)]
+    return torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:], strict=False)]).unsqueeze(0)
+
+
+def long_batch(length: int, *, docs: int, vocab: int, seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, length), generator=generator)
+    batch: dict[str, Any] = {"input_ids": ids, "labels": ids, "use_cache": False}
+    if docs > 1:
+        batch["position_ids"] = documents(length, docs)
+    return batch
+
+
+def skipped_compute(length: int, *, docs: int, cp_size: int) -> dict[str, float]:
+    """What the tiles of a packed row compute against a single document's, on the busiest rank, and the theory:
+    the sum of the documents' squared lengths over the whole row's squared length."""
+    from lightning_tp.parallel.blockwise import first_keys, range_mask
+    from lightning_tp.parallel.context_parallel import local_positions, piece_starts
+
+    positions = documents(length, docs)[0]
+    starts = positions.eq(0).cumsum(0)
+    ratios = []
+    for rank in range(cp_size):
+        local = local_positions(length, cp_size, rank)
+        piece = length // (2 * cp_size)
+        pieces = [(i * piece, start, piece) for i, start in enumerate(piece_starts(length, cp_size, rank))]
+        costs = []
+        for doc_ids in (starts, torch.zeros_like(starts)):
+            low = first_keys(lambda b, h, q, k, d=doc_ids: (k <= q) & (d[q] == d[k]), local, batch=1, key_length=length)
+            mask = range_mask(
+                positions=local, low=low, valid=None, pieces=pieces, key_length=length, piece_count=2 * cp_size
+            )
+            costs.append(mask.computed())
+        ratios.append(costs[0] / costs[1])
+    bounds = [length * i // docs for i in range(docs + 1)]
+    theory = sum((b - a) ** 2 for a, b in zip(bounds, bounds[1:], strict=False)) / length**2
+    return {"computed_over_single_document": max(ratios), "theory": theory}
+
+
+def long_context(args: argparse.Namespace) -> dict[str, Any]:
+    """Saved bytes per token and step time against the length at each cp size the world holds, for a row of
+    ``--docs`` packed documents and for one document of the same length."""
+    import lightning_tp
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    base = build(
+        args.kv_heads, hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, max_positions=1 << 17
+    )
+    rows: list[dict[str, Any]] = []
+    from lightning_tp.parallelize import ParallelOptions
+
+    layouts = [(cp, comm) for cp in args.cp_sizes if world % cp == 0 for comm in (args.cp_comm if cp > 1 else ["-"])]
+    for cp, comm in layouts:
+        options = ParallelOptions(cp_comm=comm if cp > 1 else "all_gather")
+        model = lightning_tp.parallelize(copy.deepcopy(base), tp_size=1, cp_size=cp, options=options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        for length in args.lengths:
+            if cp == 1 and length > args.cp1_max:
+                continue
+            for docs in (args.docs, 1):
+                batch = long_batch(length, docs=docs, vocab=args.vocab, seed=rank // cp)
+                nbytes, loss = saved_bytes(model, batch)
+                loss.backward()
+                optimizer.zero_grad()
+                times = []
+                for _ in range(args.steps):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    model(**batch).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    times.append(largest(time.perf_counter() - start))
+                saved = largest(nbytes)
+                rows.append(
+                    {
+                        "cp": cp,
+                        "comm": comm,
+                        "tokens": length,
+                        "documents": docs,
+                        "saved_mib": saved / 2**20,
+                        "saved_kib_per_token": saved / 1024 / (length / cp),
+                        "step_s": statistics.median(times),
+                    }
+                )
+                if rank == 0:
+                    print(json.dumps(rows[-1]), flush=True)
+        del model, optimizer
+    return {
+        "config": {
+            "model": f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} query / {args.kv_heads} KV heads, "
+            f"vocab {args.vocab}, sdpa, fp32; one row per data-parallel replica, use_cache=False; gloo, {world} "
+            "processes, one thread each",
+            "documents": args.docs,
+            "steps": args.steps,
+        },
+        "rows": rows,
+        "skipped_compute": {
+            str(length): skipped_compute(length, docs=args.docs, cp_size=2) for length in args.lengths if rank == 0
+        },
+    }
+
+
+def plot_long(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    keys = sorted({(row["cp"], row.get("comm", "-"), row["documents"]) for row in report["rows"]})
+    for cp, comm, docs in keys:
+        rows = [row for row in report["rows"] if (row["cp"], row.get("comm", "-"), row["documents"]) == (cp, comm, docs)]
+        ring = ", ring" if comm == "ring" else ""
+        label = f"cp {cp}{ring}, {'one document' if docs == 1 else f'{docs} packed documents'}"
+        style = "-" if docs == 1 else "--"
+        left.plot([r["tokens"] for r in rows], [r["saved_kib_per_token"] for r in rows], style, marker="o", label=label)
+        right.plot([r["tokens"] for r in rows], [r["step_s"] for r in rows], style, marker="o", label=label)
+    for ax, ylabel in ((left, "saved for the backward per local token (KiB)"), (right, "step time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", linewidth=0.3)
+    right.set_yscale("log", base=2)
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=7)
+    fig.suptitle(report["config"]["model"].split(";")[0], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -186,7 +323,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot-only", action="store_true", help="redraw --out's PNG from its JSON, run nothing")
+    parser.add_argument("--long", action="store_true", help="long context: packed rows against one document")
+    parser.add_argument("--docs", type=int, default=6, help="--long: documents packed in a row")
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="--long: those the world holds")
+    parser.add_argument("--cp1-max", type=int, default=16384, help="--long: the longest row cp 1 runs")
+    parser.add_argument("--cp-comm", nargs="+", default=["all_gather"], help="--long: all_gather and/or ring")
     args = parser.parse_args()
+    if args.long:
+        if args.out is not None:
+            require("matplotlib", why="the plot next to --out")
+        if args.plot_only:
+            plot_long(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+            return
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
+        report = long_context(args)
+        if dist.get_rank() == 0 and args.out is not None:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            plot_long(report, args.out.with_suffix(".png"))
+        dist.destroy_process_group()
+        return
     if args.out is not None:  # the plot is drawn next to it, once everything is measured
         require("matplotlib", why="the plot next to --out")
     if args.plot_only:

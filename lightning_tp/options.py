@@ -79,8 +79,18 @@ OPTIONS: tuple[Option, ...] = (
         "between the data-parallel axes and ``tp``; 1/cp of the activations per rank). Attention exchanges keys and "
         "values; ``model(input_ids=..., labels=...).loss`` is the loss of the whole sequence, and the logits and "
         "hidden states of such a forward are this rank's tokens (a forward without labels gathers the logits of the "
-        "whole sequence). FSDP2 shards over ``dp_shard x cp``. Text causal LMs with ``sdpa`` or ``eager`` attention; "
-        "see :mod:`lightning_tp.parallel.context_parallel`.",
+        "whole sequence). FSDP2 shards over ``dp_shard x cp``. Attention runs by tiles, skipping what no query sees "
+        "(another packed document, keys beyond a window). Text causal LMs; see "
+        ":mod:`lightning_tp.parallel.context_parallel`.",
+    ),
+    Option(
+        "cp_comm",
+        'Literal["all_gather", "ring"]',
+        "all_gather",
+        'How context parallelism exchanges keys and values: ``"all_gather"`` (one collective per layer; the '
+        'backward reduce-scatters their gradients) or ``"ring"`` (point to point, each rank\'s passed around the '
+        "group while the tiles of the ones held compute: one layer never holds the whole sequence's keys and "
+        "values, for lengths where they do not fit). Ignored with ``cp_size=1``.",
     ),
     Option(
         "ep_size",

@@ -104,6 +104,8 @@ PRECISION_DTYPES: Mapping[str, torch.dtype | None] = MappingProxyType(
     {"32-true": None, "bf16-mixed": None, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 )
 SUPPORTED_PRECISIONS = tuple(PRECISION_DTYPES)
+#: How context parallelism may exchange keys and values (``cp_comm``; see :mod:`lightning_tp.parallel.ring`).
+CP_COMMS = ("all_gather", "ring")
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class ParallelOptions:
     loss_parallel: bool = False
     activation_checkpointing: bool = False
     compile: bool | Mapping[str, Any] = False
+    cp_comm: Literal["all_gather", "ring"] = "all_gather"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     fsdp_blocks: tuple[str, ...] | None = None
@@ -143,6 +146,11 @@ class ParallelOptions:
             raise ValueError(
                 f"`compile` must be True, False or a dict of `torch.compile` keyword arguments (say "
                 f'{{"fullgraph": True}}), got {self.compile!r}.'
+            )
+        if self.cp_comm not in CP_COMMS:
+            raise ValueError(
+                f"`cp_comm` must be one of {', '.join(map(repr, CP_COMMS))} (how context parallelism exchanges keys and "
+                f"values), got {self.cp_comm!r}."
             )
         if self.pp_split is not None:
             object.__setattr__(self, "pp_split", tuple(self.pp_split))
@@ -182,6 +190,14 @@ class ParallelOptions:
             rank_zero_warn(
                 "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank` and `pp_split` are ignored: pp_size=1 runs no "
                 "pipeline."
+            )
+        if layout.cp_size == 1 and self.cp_comm != "all_gather":
+            rank_zero_warn(f"`cp_comm={self.cp_comm!r}` is ignored: cp_size=1 exchanges no keys and values.")
+        if layout.cp_size > 1 and isinstance(self.compile, Mapping) and self.compile.get("fullgraph"):
+            raise ValueError(
+                f"`compile={{'fullgraph': True}}` with cp_size={layout.cp_size}: context parallelism's attention runs "
+                "its tiles outside the compiled graph (their number and masks follow each batch's documents and "
+                "padding), so a decoder layer is two graphs around it, not one. Drop `fullgraph`, or use cp_size=1."
             )
         if self.cpu_offload and device.type == "cpu":
             raise ValueError(
@@ -615,7 +631,9 @@ def apply_context_parallel(
     for target in targets.models:
         blocks = block_classes(target.module)  # the decoder layers (`fsdp_blocks` may name other classes too)
         outer = wrappers.get(id(target.module))
-        install_context_parallel(target.module, cp_mesh, multiple=multiple, blocks=blocks, outer=outer)
+        install_context_parallel(
+            target.module, cp_mesh, multiple=multiple, blocks=blocks, outer=outer, comm=options.cp_comm
+        )
 
 
 def apply_activation_checkpointing(targets: Targets) -> None:

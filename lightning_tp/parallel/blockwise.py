@@ -285,26 +285,13 @@ def blockwise_attention(
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, sinks, mask, scores):  # type: ignore[override]
-        kernel = _kernel(query, scores)
-        out = query.new_zeros((*query.shape[:-1], value.shape[-1]))
-        lse = query.new_full(query.shape[:-1], -math.inf, dtype=_accumulated(query.dtype))
+        kernel = kernel_for(query, value, scores)
+        merged = Merged.empty(query, value)
         for tile in mask.tiles:
-            parts = [
-                kernel.forward(query[:, :, tile.rows], key, value, mask, tile, call, scores, _seed(scores, tile, call))
-                for call in tile.calls
-            ]
-            if not parts:
-                continue
-            logs = torch.stack([log for _, log in parts])
-            total = torch.logsumexp(logs, dim=0)
-            if sinks is not None:
-                total = torch.logaddexp(total, sinks.to(total.dtype)[None, :, None])
-            weights = torch.nan_to_num((logs - total).exp(), nan=0.0)
-            merged = sum(w[..., None] * o.to(w.dtype) for w, (o, _) in zip(weights, parts, strict=True))
-            out[:, :, tile.rows] = merged.to(out.dtype)
-            lse[:, :, tile.rows] = total
-        if mask.empty is not None:
-            out.masked_fill_(mask.empty[:, None, :, None], 0.0)
+            for call in tile.calls:
+                k, v = key[:, :, call.start : call.end], value[:, :, call.start : call.end]
+                merged.add(tile, *kernel.forward(query[:, :, tile.rows], k, v, mask, tile, call, scores))
+        out, lse = merged.finish(mask, sinks)
         ctx.save_for_backward(query, key, value, sinks, out, lse)
         ctx.mask, ctx.scores, ctx.kernel = mask, scores, kernel
         return out
@@ -313,71 +300,115 @@ class _BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         query, key, value, sinks, out, lse = ctx.saved_tensors
         mask, scores, kernel = ctx.mask, ctx.scores, ctx.kernel
-        if mask.empty is not None:
-            grad = grad.masked_fill(mask.empty[:, None, :, None], 0.0)
-        grad = grad.contiguous()
-        acc = _accumulated(query.dtype)
+        grad = output_grad(grad, mask)
+        acc = accumulation_dtype(query.dtype)
         grad_query = torch.zeros_like(query, dtype=acc)
         grad_key = torch.zeros_like(key, dtype=acc)
         grad_value = torch.zeros_like(value, dtype=acc)
         for tile in mask.tiles:
-            rows = tile.rows
             for call in tile.calls:
+                keys = slice(call.start, call.end)
                 dq, dk, dv = kernel.backward(
-                    grad[:, :, rows],
-                    query[:, :, rows],
-                    key,
-                    value,
-                    out[:, :, rows],
-                    lse[:, :, rows],
+                    grad[:, :, tile.rows],
+                    query[:, :, tile.rows],
+                    key[:, :, keys],
+                    value[:, :, keys],
+                    out[:, :, tile.rows],
+                    lse[:, :, tile.rows],
                     mask,
                     tile,
                     call,
                     scores,
-                    _seed(scores, tile, call),
                 )
-                grad_query[:, :, rows] += dq
-                grad_key[:, :, call.start : call.end] += dk
-                grad_value[:, :, call.start : call.end] += dv
-        grad_sinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            # d out / d sink = -p_sink out for each row: the sink's share of the softmax times the output's.
-            share = (sinks.to(lse.dtype)[None, :, None] - lse).exp()
-            rowdot = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-            grad_sinks = -(share * rowdot).sum((0, 2)).to(sinks.dtype)
+                grad_query[:, :, tile.rows] += dq
+                grad_key[:, :, keys] += dk
+                grad_value[:, :, keys] += dv
         return (
             grad_query.to(query.dtype),
             grad_key.to(key.dtype),
             grad_value.to(value.dtype),
-            grad_sinks,
+            sinks_grad(sinks, lse, grad, out) if ctx.needs_input_grad[3] else None,
             None,
             None,
         )
 
 
-def _accumulated(dtype: torch.dtype) -> torch.dtype:
+class Merged:
+    """The online-softmax merge of a rank's partial outputs: each call's outputs and log-sum-exp folded into running
+    ones (``l = logaddexp(l_acc, l_i)``, ``o = exp(l_acc - l) o_acc + exp(l_i - l) o_i``), in fp32 (fp64 for fp64)."""
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> None:
+        self.out, self.lse, self.dtype = out, lse, dtype
+
+    @classmethod
+    def empty(cls, query: torch.Tensor, value: torch.Tensor) -> Merged:
+        acc = accumulation_dtype(query.dtype)
+        out = query.new_zeros((*query.shape[:-1], value.shape[-1]), dtype=acc)
+        return cls(out, query.new_full(query.shape[:-1], -math.inf, dtype=acc), query.dtype)
+
+    def add(self, tile: QueryTile, out: torch.Tensor, lse: torch.Tensor) -> None:
+        rows = tile.rows
+        before = self.lse[:, :, rows]
+        total = torch.logaddexp(before, lse.to(before.dtype))
+        seen = total > -math.inf
+        keep = torch.where(seen, (before - total).exp(), 0.0)
+        new = torch.where(seen, (lse - total).exp(), 0.0)
+        self.out[:, :, rows] = self.out[:, :, rows] * keep[..., None] + out.to(before.dtype) * new[..., None]
+        self.lse[:, :, rows] = total
+
+    def finish(self, mask: RangeMask, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outputs in the query's dtype and their log-sum-exp, with the sinks' term and the rows that see no key
+        (zeros)."""
+        out, lse = self.out, self.lse
+        if sinks is not None:
+            total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+            out = out * torch.where(total > -math.inf, (lse - total).exp(), 0.0)[..., None]
+            lse = total
+        if mask.empty is not None:
+            out = out.masked_fill(mask.empty[:, None, :, None], 0.0)
+        return out.to(self.dtype), lse
+
+
+def output_grad(grad: torch.Tensor, mask: RangeMask) -> torch.Tensor:
+    """The outputs' gradient as the calls' backward takes it: contiguous, zero on the rows that see no key."""
+    if mask.empty is not None:
+        grad = grad.masked_fill(mask.empty[:, None, :, None], 0.0)
+    return grad.contiguous()
+
+
+def sinks_grad(sinks: torch.Tensor | None, lse: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """The sinks' gradient: ``d out / d sink = -p_sink out`` for each row (the sink's share of the softmax)."""
+    if sinks is None:
+        return None
+    share = (sinks.to(lse.dtype)[None, :, None] - lse).exp()
+    rowdot = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(share * rowdot).sum((0, 2)).to(sinks.dtype)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the merge, the log-sum-exp and the gradients accumulate in: fp32, or fp64 for fp64 inputs."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _seed(scores: Scores, tile: QueryTile, call: Call) -> int:
-    """The seed of one call's dropout masks: the forward's seed and the call's place, the same in the backward."""
-    return (scores.seed * 1_000_003 + tile.start * 4_099 + call.start) % (1 << 63)
-
-
-def _kernel(query: torch.Tensor, scores: Scores) -> _Kernel:
-    if scores.softcap is None and scores.dropout == 0.0:
+def kernel_for(query: torch.Tensor, value: torch.Tensor, scores: Scores) -> Kernel:
+    """The fused kernel where it computes what the layer asks (no softcapping, no dropout, one head dim for queries,
+    keys and values: multi-head latent attention's values are narrower), else the explicit one."""
+    if scores.softcap is None and scores.dropout == 0.0 and value.shape[-1] == query.shape[-1]:
         fused = fused_attention_kernels(query.device, query.dtype)
         if fused is not None:
             return _Fused(*fused)
     return _Explicit()
 
 
-class _Kernel:
-    def forward(self, q, key, value, mask, tile, call, scores, seed) -> tuple[torch.Tensor, torch.Tensor]:
+class Kernel:
+    """One call's attention: ``forward(q, k, v, mask, tile, call, scores) -> (out, lse)`` on the tile's queries and
+    the call's keys and values (``k``, ``v`` hold keys ``[call.start, call.end)``), and its ``backward(grad, q, k, v,
+    out, lse, ...) -> (dq, dk, dv)`` from the merged outputs and log-sum-exp."""
+
+    def forward(self, q, k, v, mask, tile, call, scores) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def backward(self, grad, q, key, value, out, lse, mask, tile, call, scores, seed):
+    def backward(self, grad, q, k, v, out, lse, mask, tile, call, scores):
         raise NotImplementedError
 
 
@@ -390,7 +421,7 @@ def _additive(mask: RangeMask, tile: QueryTile, call: Call, dtype: torch.dtype) 
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-class _Fused(_Kernel):
+class _Fused(Kernel):
     """torch's fused kernel that returns the log-sum-exp (:func:`lightning_tp.compat.fused_attention_kernels`); a
     masked call goes to the explicit kernel where the fused one takes no mask."""
 
@@ -398,25 +429,20 @@ class _Fused(_Kernel):
         self._forward, self._backward, self._takes_mask = forward, backward, takes_mask
         self._explicit = _Explicit()
 
-    def forward(self, q, key, value, mask, tile, call, scores, seed):
+    def forward(self, q, k, v, mask, tile, call, scores):
         if call.kind == MASKED and not self._takes_mask:
-            return self._explicit.forward(q, key, value, mask, tile, call, scores, seed)
-        k, v = key[:, :, call.start : call.end], value[:, :, call.start : call.end]
+            return self._explicit.forward(q, k, v, mask, tile, call, scores)
         bias = _additive(mask, tile, call, q.dtype)
         return self._forward(q, k, v, is_causal=call.kind == CAUSAL, bias=bias, scale=scores.scale)
 
-    def backward(self, grad, q, key, value, out, lse, mask, tile, call, scores, seed):
+    def backward(self, grad, q, k, v, out, lse, mask, tile, call, scores):
         if call.kind == MASKED and not self._takes_mask:
-            return self._explicit.backward(grad, q, key, value, out, lse, mask, tile, call, scores, seed)
-        k, v = key[:, :, call.start : call.end], value[:, :, call.start : call.end]
+            return self._explicit.backward(grad, q, k, v, out, lse, mask, tile, call, scores)
         bias = _additive(mask, tile, call, q.dtype)
-        dq, dk, dv = self._backward(
-            grad, q, k, v, out, lse, is_causal=call.kind == CAUSAL, bias=bias, scale=scores.scale
-        )
-        return dq, dk, dv
+        return self._backward(grad, q, k, v, out, lse, is_causal=call.kind == CAUSAL, bias=bias, scale=scores.scale)
 
 
-class _Explicit(_Kernel):
+class _Explicit(Kernel):
     """Scores computed in fp32, per call, cut into runs of keys of at most :data:`EXPLICIT_SCORES` scores: any device,
     softcapping and dropout. Grouped-query attention without repeating the keys (the query heads of a key head
     share a matrix product)."""
@@ -431,7 +457,7 @@ class _Explicit(_Kernel):
     def _scores(q, k, mask, tile, call, scores):
         """Raw and final scores ``(batch, kv_heads, group, queries, keys)`` in fp32 (or fp64), masked with ``-inf``."""
         batch, heads, n, dim = q.shape
-        acc = _accumulated(q.dtype)
+        acc = accumulation_dtype(q.dtype)
         grouped = q.to(acc).reshape(batch, k.shape[1], heads // k.shape[1], n, dim)
         raw = torch.matmul(grouped, k.to(acc)[:, :, None].transpose(-1, -2)) * scores.scale
         final = raw if scores.softcap is None else scores.softcap * torch.tanh(raw / scores.softcap)
@@ -442,21 +468,25 @@ class _Explicit(_Kernel):
         return raw, final
 
     @staticmethod
-    def _keep(shape, dropout, seed, device) -> torch.Tensor:
+    def _keep(shape, scores: Scores, tile: QueryTile, part: Call, device: torch.device) -> torch.Tensor:
+        """The dropout mask of one part of a call, scaled (``keep / (1 - p)``): drawn from the forward's seed and the
+        part's place (its first query and key), so the backward draws the same."""
+        seed = (scores.seed * 1_000_003 + tile.start * 4_099 + part.start) % (1 << 63)
         generator = torch.Generator(device=device).manual_seed(seed)
-        return torch.rand(shape, generator=generator, device=device) >= dropout
+        keep = torch.rand(shape, generator=generator, device=device) >= scores.dropout
+        return keep / (1 - scores.dropout)
 
-    def forward(self, q, key, value, mask, tile, call, scores, seed):
+    def forward(self, q, k, v, mask, tile, call, scores):
         outs, logs = [], []
         for part in self._chunks(q, call):
-            k, v = key[:, :, part.start : part.end], value[:, :, part.start : part.end]
-            _, s = self._scores(q, k, mask, tile, part, scores)
+            cut = slice(part.start - call.start, part.end - call.start)
+            _, s = self._scores(q, k[:, :, cut], mask, tile, part, scores)
             top = s.amax(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).min)  # a row with no key: -inf
             p = (s - top).exp()
             total = p.sum(-1, keepdim=True)
             if scores.dropout:
-                p = p * self._keep(p.shape, scores.dropout, seed + part.start, q.device) / (1 - scores.dropout)
-            o = torch.matmul(p, v.to(s.dtype)[:, :, None]) / total.clamp(min=torch.finfo(s.dtype).tiny)
+                p = p * self._keep(p.shape, scores, tile, part, q.device)
+            o = torch.matmul(p, v[:, :, cut].to(s.dtype)[:, :, None]) / total.clamp(min=torch.finfo(s.dtype).tiny)
             outs.append(o.flatten(1, 2))
             logs.append((top + total.log()).squeeze(-1).flatten(1, 2))
         if len(outs) == 1:
@@ -466,24 +496,25 @@ class _Explicit(_Kernel):
         weights = torch.nan_to_num((logs_ - total).exp(), nan=0.0)
         return sum(w[..., None] * o for w, o in zip(weights, outs, strict=True)), total
 
-    def backward(self, grad, q, key, value, out, lse, mask, tile, call, scores, seed):
+    def backward(self, grad, q, k, v, out, lse, mask, tile, call, scores):
         batch, heads, n, _ = q.shape
-        kv_heads = key.shape[1]
+        kv_heads = k.shape[1]
         groups = heads // kv_heads
         shape = (batch, kv_heads, groups, n)
-        acc = _accumulated(q.dtype)
+        acc = accumulation_dtype(q.dtype)
         g = grad.to(acc).reshape(*shape, -1)
         delta = (g * out.to(acc).reshape(*shape, -1)).sum(-1, keepdim=True)  # rowsum(dO o), o the merged output
         log = lse.to(acc).reshape(*shape, 1)
         dq = torch.zeros(*shape, q.shape[-1], dtype=acc, device=q.device)
         dks, dvs = [], []
         for part in self._chunks(q, call):
-            k, v = key[:, :, part.start : part.end].to(acc), value[:, :, part.start : part.end].to(acc)
-            raw, s = self._scores(q, k, mask, tile, part, scores)
+            cut = slice(part.start - call.start, part.end - call.start)
+            keys, values = k[:, :, cut].to(acc), v[:, :, cut].to(acc)
+            raw, s = self._scores(q, keys, mask, tile, part, scores)
             p = torch.nan_to_num((s - log).exp(), nan=0.0)  # the merged softmax's share of each key
-            dp = torch.matmul(g, v[:, :, None].transpose(-1, -2))
+            dp = torch.matmul(g, values[:, :, None].transpose(-1, -2))
             if scores.dropout:
-                keep = self._keep(p.shape, scores.dropout, seed + part.start, q.device) / (1 - scores.dropout)
+                keep = self._keep(p.shape, scores, tile, part, q.device)
                 dv = torch.matmul((p * keep).transpose(-1, -2), g).sum(2)
                 dp = dp * keep
             else:
@@ -492,7 +523,7 @@ class _Explicit(_Kernel):
             if scores.softcap is not None:
                 ds = ds * (1 - torch.tanh(raw / scores.softcap) ** 2)
             ds = ds * scores.scale
-            dq += torch.matmul(ds, k[:, :, None])
+            dq += torch.matmul(ds, keys[:, :, None])
             dks.append(torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(*shape, -1)).sum(2))
             dvs.append(dv)
         return dq.reshape(batch, heads, n, -1), torch.cat(dks, 2), torch.cat(dvs, 2)
@@ -504,10 +535,16 @@ __all__ = [
     "MASKED",
     "TILE",
     "Call",
+    "Kernel",
+    "Merged",
     "QueryTile",
     "RangeMask",
     "Scores",
+    "accumulation_dtype",
     "blockwise_attention",
+    "kernel_for",
+    "output_grad",
+    "sinks_grad",
     "first_keys",
     "grid",
     "interval_violations",

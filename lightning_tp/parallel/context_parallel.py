@@ -65,6 +65,7 @@ from lightning_tp.compat import (
 from lightning_tp.parallel.blockwise import RangeMask, Scores, blockwise_attention, first_keys, interval_violations
 from lightning_tp.parallel.blockwise import range_mask as make_range_mask
 from lightning_tp.parallel.collectives import SumOverGroup
+from lightning_tp.parallel.ring import ring_attention
 
 #: Layer types (``config.layer_types``) whose sequence mixing is attention, which the split handles. Any other type
 #: (linear attention, state-space and convolution layers) mixes the sequence without keys and values to exchange.
@@ -340,8 +341,11 @@ class ContextParallel:
     first split forward's).
     """
 
-    def __init__(self, model: nn.Module, stack: nn.Module, mesh: Any, *, multiple: int, blocks: set[type]) -> None:
+    def __init__(
+        self, model: nn.Module, stack: nn.Module, mesh: Any, *, multiple: int, blocks: set[type], comm: str
+    ) -> None:
         self.group = mesh.get_group()
+        self.comm = comm
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         assert multiple % (2 * self.size) == 0, (multiple, self.size)
@@ -699,7 +703,6 @@ class ContextParallel:
                 f"{split.local_len} tokens."
             )
         split.called.add(id(module))
-        keys, values = self._gather(key, value, split)
         sinks = next((kwargs[arg] for arg in SINK_ARGUMENTS if kwargs.get(arg) is not None), None)
         if sinks is not None and self.inner == "sdpa":
             sinks = None  # Transformers' `sdpa` ignores them: so does the split, to compute what one process does
@@ -710,7 +713,17 @@ class ContextParallel:
             dropout=float(dropout),
             seed=seed,
         )
-        out = blockwise_attention(query, keys, values, attention_mask.ranges, scores=scores, sinks=sinks)
+        if self.comm == "ring":
+            piece = split.pieces[0].length
+            pieces = [
+                [(start, piece) for start in piece_starts(split.padded_len, self.size, rank)] for rank in range(self.size)
+            ]
+            out = ring_attention(
+                query, key, value, attention_mask.ranges, scores=scores, sinks=sinks, group=self.group, pieces=pieces
+            )
+        else:
+            keys, values = self._gather(key, value, split)
+            out = blockwise_attention(query, keys, values, attention_mask.ranges, scores=scores, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None  # (batch, local_len, heads, head_dim), as Transformers' return
 
     def gather(self, local: torch.Tensor, split: BatchSplit, *, dim: int = SEQUENCE_DIM) -> torch.Tensor:
@@ -761,14 +774,21 @@ def _causal_lm_loss(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.T
 
 
 def install_context_parallel(
-    model: nn.Module, mesh: Any, *, multiple: int, blocks: set[type], outer: nn.Module | None = None
+    model: nn.Module,
+    mesh: Any,
+    *,
+    multiple: int,
+    blocks: set[type],
+    outer: nn.Module | None = None,
+    comm: str = "all_gather",
 ) -> ContextParallel:
     """Split ``model``'s sequences over the 1-D CP ``mesh``: the attention and mask implementations registered for
     it, the decoder stack's hooks, the loss, the logits of forwards without labels. ``outer``: the module users call,
-    when it wraps ``model`` (a ``PeftModel``, which calls the model's ``forward`` directly, past its hooks).
+    when it wraps ``model`` (a ``PeftModel``, which calls the model's ``forward`` directly, past its hooks). ``comm``:
+    how keys and values are exchanged (``"all_gather"`` or ``"ring"``: :mod:`lightning_tp.parallel.ring`).
     ``model`` passed :func:`context_parallel_problem`."""
     base = decoder_stack(model, blocks)
-    cp = ContextParallel(model, base, mesh, multiple=multiple, blocks=blocks)
+    cp = ContextParallel(model, base, mesh, multiple=multiple, blocks=blocks, comm=comm)
     cp.register(model)
     # The model's modules read the implementation from the config at every forward. A config is often shared (two
     # models built from one object: a policy and its frozen reference), so this model gets its own copy first.
@@ -853,7 +873,7 @@ def _attention(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if isinstance(attention_mask, SplitMask):
-        return attention_mask.split.cp.attention(module, query, key, value, attention_mask, **kwargs)
+        return _split_attention(module, query, key, value, attention_mask, **kwargs)
     state = _FORWARD.get()
     if state is not None and state.split is not None:
         raise ValueError(
@@ -864,6 +884,15 @@ def _attention(
     if inner != "eager":
         return ALL_ATTENTION_FUNCTIONS[inner](module, query, key, value, attention_mask, **kwargs)
     return _eager_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+@torch.compiler.disable
+def _split_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SplitMask, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """A split forward's attention, outside any compiled graph (``compile=True`` compiles each decoder layer around
+    it): the tiles' number and masks follow each batch's documents and padding, and their kernels are fused already."""
+    return mask.split.cp.attention(module, query, key, value, mask, **kwargs)
 
 
 def _eager_attention(

@@ -1,5 +1,6 @@
 """Context parallelism for real: each sequence split over 2 gloo processes (cp 2), and over 4 (cp 2 x tp 2 with and
-without sequence and loss parallelism, cp 2 x dp 2), against one process training the whole sequences. The cases
+without sequence and loss parallelism, cp 2 x dp 2, a ring of cp 4), against one process training the whole
+sequences; with the keys and values all-gathered and passed around a ring (`cp_comm="ring"`). The cases
 live in tests/helpers/cases.py (``CP_CASES``, ``CP_2D_CASES``) and run in the folded launches of
 tests/distributed/conftest.py."""
 
@@ -59,7 +60,9 @@ def test_cp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", CP_2D_CASES)
 @pytest.mark.scenarios("2d", "{name}")
 def test_cp2_with_tp_or_data_parallelism_matches_single_process(two_d_results: list[dict], name: str) -> None:
-    dp_size = 2 if CASES[name].strategy_kwargs.get("tp_size") == 1 else 1
+    sizes = CASES[name].strategy_kwargs
+    tp_size = sizes.get("tp_size")  # None: the ranks CP leaves
+    dp_size = len(two_d_results) // (sizes["cp_size"] * tp_size) if tp_size else 1
     _check(two_d_results, name, dp_size=dp_size)
 
 

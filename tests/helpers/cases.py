@@ -3,6 +3,8 @@ the same case on one process and compare)."""
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -550,7 +552,7 @@ CASES: dict[str, Case] = {
     ),
     # Context parallelism: each sequence split over 2 ranks (2 processes: cp 2; 4 processes: cp 2 x tp 2, cp 2 x dp 2).
     # Foreach AdamW with clipping; left padding with an odd length (padded to the split's multiple); packed sequences
-    # (position ids restarting); Gemma 2's sliding-window layers and softcapping (eager); activation checkpointing
+    # (position ids restarting); Gemma 2's sliding-window layers and softcapping (eager); sinks; activation checkpointing
     # with FSDP2 units that are not decoder layers (the MLPs); LoRA on every linear layer.
     "qwen3_cp2": lm(
         "qwen3", 4, optimizer="adamw", lr=1e-3, opt_kwargs={"foreach": True}, clip=0.5, strategy_kwargs={"cp_size": 2}
@@ -562,6 +564,10 @@ CASES: dict[str, Case] = {
         partial(build_causal_lm, tiny_config("qwen3")), partial(packed_lm_batches, 3), strategy_kwargs={"cp_size": 2}
     ),
     "gemma2_cp2": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2}),
+    # Attention sinks (one logit per head with no value) and sliding windows, on left-padded rows (eager).
+    "granite_swa_cp2_padded": Case(
+        partial(build_causal_lm, tiny_config("granite_swa")), partial(padded_lm_batches, 3), strategy_kwargs={"cp_size": 2}
+    ),
     "qwen3_cp2_activation_checkpointing": lm(
         "qwen3",
         3,
@@ -591,6 +597,18 @@ CASES: dict[str, Case] = {
     ),
     "gemma2_cp2_tp2_lp": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2, "loss_parallel": True}),
     "qwen3_cp2_dp2": lm("qwen3", 3, strategy_kwargs={"cp_size": 2, "tp_size": 1}),
+    # The ring exchange (`cp_comm="ring"`): keys and values passed point to point, their gradients travelling beside
+    # them; on 2 ranks (sinks, windows, left padding) and around a ring of 4 (packed documents).
+    "granite_swa_cp2_ring_padded": Case(
+        partial(build_causal_lm, tiny_config("granite_swa")),
+        partial(padded_lm_batches, 3),
+        strategy_kwargs={"cp_size": 2, "cp_comm": "ring"},
+    ),
+    "qwen3_cp4_ring_packed": Case(
+        partial(build_causal_lm, tiny_config("qwen3")),
+        partial(packed_lm_batches, 3),
+        strategy_kwargs={"cp_size": 4, "tp_size": 1, "cp_comm": "ring"},
+    ),
     # torch.compile per decoder layer: TP 2 with sequence parallelism, each layer one graph (`fullgraph`: a graph
     # break fails the case), foreach AdamW, clipping; in 2-D with activation checkpointing and LoRA (breaks allowed).
     # TP 2 and LoRA compile with the `aot_eager` backend: what they check is the tracing of the sharded layers (with
@@ -808,6 +826,7 @@ TWO_D_CASES = [
     "llama_cp2_tp2_sp_lp",
     "gemma2_cp2_tp2_lp",
     "qwen3_cp2_dp2",
+    "qwen3_cp4_ring_packed",
     # torch.compile in 2-D.
     "qwen3_compile_activation_checkpointing",
     # Pipeline parallelism with TP and with data parallelism.
@@ -835,8 +854,8 @@ FSDP_ONLY_CASES = {"mlp_fsdp_only"}
 #: Cases with tp_size=4: TP over all 4 ranks of the 2-D launch, checked on their own.
 TP4_CASES = {"qwen3_tp4", "qwen3_lora_tp4"}
 #: Context parallelism on 2 processes (cp 2) and on 4 (with TP 2 or dp 2): checked in test_context_parallel.py.
-CP_CASES = [name for name in CASES if "_cp2" in name and name not in TWO_D_CASES]
-CP_2D_CASES = [name for name in CASES if "_cp2" in name and name in TWO_D_CASES]
+CP_CASES = [name for name in CASES if re.search(r"_cp\d", name) and name not in TWO_D_CASES]
+CP_2D_CASES = [name for name in CASES if re.search(r"_cp\d", name) and name in TWO_D_CASES]
 #: Expert parallelism on 2 processes and on 4: checked in test_expert_parallel.py.
 EP_CASES = [name for name in CASES if "_ep" in name and name not in TWO_D_CASES]
 EP_2D_CASES = [name for name in CASES if "_ep" in name and name in TWO_D_CASES]

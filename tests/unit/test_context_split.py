@@ -435,3 +435,30 @@ def test_packed_rows_follow_transformers_rule_with_one_warning(one_rank_mesh) ->
         split(**across)
     assert len([w for w in record if "attends across" in str(w.message)]) == 1
     assert (split(**apart).loss - split(**across).loss).abs() > 1e-4  # the two rules differ on this row
+
+
+def test_compiled_layers_run_the_split_attention_outside_their_graphs(one_rank_mesh) -> None:
+    """`compile=True` compiles each decoder layer in place; the split's attention is a compile boundary (its tiles
+    follow each batch's documents), so the compiled layers give the uncompiled model's loss and gradients. AOTAutograd
+    (`aot_eager`) traces the layers as inductor would, without a C++ build."""
+    batch = {**packed_lm_batches(1)[0]}
+    model = build_causal_lm(tiny_config("qwen3"))
+    split = _split_copy(model, one_rank_mesh)
+    for layer in split.model.layers:
+        layer.compile(backend="aot_eager")
+    out, ref = split(**batch), model(**batch)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for a, b in zip(split.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_fullgraph_compile_with_context_parallelism_is_refused_by_name() -> None:
+    from lightning_tp.layout import ParallelLayout
+    from lightning_tp.parallelize import ParallelOptions
+
+    options = ParallelOptions(compile={"fullgraph": True})
+    with pytest.raises(ValueError, match=r"fullgraph.*cp_size=2.*Drop `fullgraph`"):
+        options.check_layout(ParallelLayout(tp_size=1, cp_size=2), device=torch.device("cpu"))
+    ParallelOptions(compile=True).check_layout(ParallelLayout(tp_size=1, cp_size=2), device=torch.device("cpu"))
