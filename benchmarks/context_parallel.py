@@ -4,6 +4,15 @@ the collectives against the theory, in one 4-process launch.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/context_parallel.py --out benchmarks/context_parallel.json
 
+Long context (``--long``): the bytes saved per local token and the step time from 4k tokens up, on a row of
+``--docs`` packed documents and on one document of the same length, at each cp size the world holds (``--cp-sizes``)
+with each exchange (``--cp-comm all_gather ring``); and what the tiles of a packed row compute against a single
+document's, on the busiest rank of cp 2, beside the theory (the sum of the documents' squared lengths over the row's):
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/context_parallel.py --long --hidden 64 --layers 2 --heads 4 \
+        --kv-heads 2 --vocab 256 --lengths 4096 8192 16384 32768 65536 --steps 1 --cp-sizes 1 2 \
+        --cp-comm all_gather ring --out benchmarks/context_parallel_long.json
+
 The three layouts run on the same 4 processes, so FSDP2 shards the weights over 4 ranks in each and only the
 activations differ: cp 1 is dp 4 (each rank trains a whole sequence: one process's activations), cp 2 is dp 2 x cp 2,
 cp 4 splits one sequence over all 4 ranks. Each data-parallel replica trains one sequence of ``--lengths`` tokens.
@@ -11,7 +20,7 @@ cp 4 splits one sequence over all 4 ranks. Each data-parallel replica trains one
 - **Activation memory**: the bytes of the tensors autograd saves for the backward during one forward (unique storages,
   parameters left out; ``torch.autograd.graph.saved_tensors_hooks``), the largest of the ranks: what the forward
   leaves alive until the backward, exact and independent of the allocator and of the machine's load. The gathered
-  keys and values and the attention masks are in it.
+  keys and values are in it.
 - **Longest sequence in the budget**: the length is doubled from 512 while the activations fit ``--budget-mib``, then
   bisected to 1/16 of the last doubling (every probe measured).
 - **Step time**: forward, backward and SGD step, median of ``--steps`` after a warm-up, the slowest rank; tokens/s per
@@ -74,13 +83,10 @@ def saved_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, 
 
 def predicted_mib(whole_mib: float, tokens: int, cp_size: int, *, layers: int, kv_heads: int, head_dim: int) -> float:
     """What a rank should keep at ``cp_size``: one process's activations over ``cp_size``, plus what the split adds:
-    the attention masks (fp32, once per forward: each of the rank's two pieces of ``c`` queries against the keys up to
-    its end, ``c (r + 1) c`` and ``c (2 cp - r) c`` values, ``4 c^2 (2 cp + 1)`` bytes on every rank) and each layer's
-    gathered keys and values (``2 x tokens x kv_heads x head_dim``, fp32)."""
-    piece = tokens // (2 * cp_size)
-    masks = 4 * piece * piece * (2 * cp_size + 1)
+    each layer's gathered keys and values (``2 x tokens x kv_heads x head_dim``, fp32), kept for the tiles' backward.
+    The tiles keep no scores and no masks (their backward recomputes them)."""
     gathered = layers * 2 * tokens * kv_heads * head_dim * 4
-    return whole_mib / cp_size + (masks + gathered) / 2**20
+    return whole_mib / cp_size + gathered / 2**20
 
 
 def largest(value: float) -> float:
@@ -297,6 +303,13 @@ def plot_long(report: dict, path: Path) -> None:
         style = "-" if docs == 1 else "--"
         left.plot([r["tokens"] for r in rows], [r["saved_kib_per_token"] for r in rows], style, marker="o", label=label)
         right.plot([r["tokens"] for r in rows], [r["step_s"] for r in rows], style, marker="o", label=label)
+    before = report.get("main_before_issue_36", {}).get("rows", [])
+    for docs in sorted({row["documents"] for row in before}):
+        rows = [row for row in before if row["documents"] == docs]
+        label = f"before (masks as tensors), cp 2, {'one document' if docs == 1 else f'{docs} packed documents'}"
+        style = "k-" if docs == 1 else "k--"
+        left.plot([r["tokens"] for r in rows], [r["saved_kib_per_token"] for r in rows], style, marker="x", label=label)
+        right.plot([r["tokens"] for r in rows], [r["step_s"] for r in rows], style, marker="x", label=label)
     for ax, ylabel in ((left, "saved for the backward per local token (KiB)"), (right, "step time (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")

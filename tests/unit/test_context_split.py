@@ -338,8 +338,8 @@ def _biogpt_config():
 @pytest.mark.parametrize("kind", ["stablelm", "biogpt"])
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_the_listed_families_split_on_one_rank_and_change_nothing(one_rank_mesh, kind: str, implementation: str):
-    """The families `UNDECLARED_ATTENTION_INTERFACE` admits run through the split, in eager (their own eager function,
-    handed over by their layers) and sdpa, and change nothing."""
+    """The families `UNDECLARED_ATTENTION_INTERFACE` admits run through the split, in eager and sdpa, and change
+    nothing."""
     config = _biogpt_config() if kind == "biogpt" else tiny_config(kind)
     config._attn_implementation = implementation
     model = build_causal_lm(config)
@@ -462,3 +462,25 @@ def test_fullgraph_compile_with_context_parallelism_is_refused_by_name() -> None
     with pytest.raises(ValueError, match=r"fullgraph.*cp_size=2.*Drop `fullgraph`"):
         options.check_layout(ParallelLayout(tp_size=1, cp_size=2), device=torch.device("cpu"))
     ParallelOptions(compile=True).check_layout(ParallelLayout(tp_size=1, cp_size=2), device=torch.device("cpu"))
+
+
+def test_a_flex_attention_model_trains_split_and_decodes_with_its_own(one_rank_mesh) -> None:
+    """`flex_attention` (CPU, eager): a split forward runs the tiles, at one process's loss and gradients; `generate`
+    with a cache runs the model's own flex attention, at one process's tokens."""
+    config = tiny_config("qwen3")
+    config._attn_implementation = "flex_attention"
+    model = build_causal_lm(config)
+    assert context_parallel_problem(model) is None
+    split = _split_copy(model, one_rank_mesh)
+    batch = packed_lm_batches(1)[0]
+    out, ref = split(**batch), model(**batch)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for a, b in zip(split.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
+    prompt = torch.arange(10).reshape(2, 5) + 3
+    with torch.no_grad():
+        expected = model.eval().generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+        got = split.eval().generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, expected)
