@@ -275,8 +275,8 @@ def long_context(args: argparse.Namespace) -> dict[str, Any]:
         del model, optimizer
     return {
         "config": {
-            "model": f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} query / {args.kv_heads} KV heads, "
-            f"vocab {args.vocab}, sdpa, fp32; one row per data-parallel replica, use_cache=False; gloo, {world} "
+            "model": f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} query / {args.kv_heads} KV "
+            f"heads, vocab {args.vocab}, sdpa, fp32; one row per data-parallel replica, use_cache=False; gloo, {world} "
             "processes, one thread each",
             "documents": args.docs,
             "steps": args.steps,
@@ -297,7 +297,9 @@ def plot_long(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     keys = sorted({(row["cp"], row.get("comm", "-"), row["documents"]) for row in report["rows"]})
     for cp, comm, docs in keys:
-        rows = [row for row in report["rows"] if (row["cp"], row.get("comm", "-"), row["documents"]) == (cp, comm, docs)]
+        rows = [
+            row for row in report["rows"] if (row["cp"], row.get("comm", "-"), row["documents"]) == (cp, comm, docs)
+        ]
         ring = ", ring" if comm == "ring" else ""
         label = f"cp {cp}{ring}, {'one document' if docs == 1 else f'{docs} packed documents'}"
         style = "-" if docs == 1 else "--"

@@ -414,8 +414,21 @@ def fused_attention_kernels(device: torch.device, dtype: torch.dtype) -> tuple[C
             empty = torch.empty(0, dtype=torch.long, device=q.device)
             grad, q, out, lse = (t.contiguous() for t in (grad, q, out, lse))
             dq, dk, dv = flash_backward(
-                grad, q, expand(k).contiguous(), expand(v).contiguous(), out, lse, empty, empty, q.shape[2],
-                k.shape[2], 0.0, is_causal, empty, empty, scale=scale,
+                grad,
+                q,
+                expand(k).contiguous(),
+                expand(v).contiguous(),
+                out,
+                lse,
+                empty,
+                empty,
+                q.shape[2],
+                k.shape[2],
+                0.0,
+                is_causal,
+                empty,
+                empty,
+                scale=scale,
             )
             if groups > 1:
                 dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)

@@ -149,8 +149,8 @@ class ParallelOptions:
             )
         if self.cp_comm not in CP_COMMS:
             raise ValueError(
-                f"`cp_comm` must be one of {', '.join(map(repr, CP_COMMS))} (how context parallelism exchanges keys and "
-                f"values), got {self.cp_comm!r}."
+                f"`cp_comm` must be one of {', '.join(map(repr, CP_COMMS))} (how context parallelism exchanges keys "
+                f"and values), got {self.cp_comm!r}."
             )
         if self.pp_split is not None:
             object.__setattr__(self, "pp_split", tuple(self.pp_split))

@@ -2,7 +2,8 @@
 
 - ``tensor_parallel`` (a resolved plan applied with ``layers``, this package's TP layer for each style name),
   ``blocks`` (head-parallel mixers' packed parameters), ``kv_heads``, ``sequence_parallel``, ``loss_parallel``,
-  ``context_parallel``, ``expert_parallel``, ``pipeline`` (stages on the ``pp`` axis), ``fsdp`` (FSDP2 / HSDP on the
+  ``context_parallel`` (with ``blockwise``, attention by tiles, and ``ring``, its point-to-point exchange),
+  ``expert_parallel``, ``pipeline`` (stages on the ``pp`` axis), ``fsdp`` (FSDP2 / HSDP on the
   data-parallel axes), ``lora`` (adapters sharded with their base);
 - what they share: ``collectives`` (autograd functions), ``hooks``, ``gather`` (whole tensors from shards), ``grad``
   (norms and clipping across meshes), ``rng`` and ``random_init`` (random numbers of sharded tensors),
@@ -13,6 +14,7 @@ May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layo
 
 __all__ = [
     "blocks",
+    "blockwise",
     "collectives",
     "context_parallel",
     "expert_parallel",
@@ -26,6 +28,7 @@ __all__ = [
     "loss_parallel",
     "pipeline",
     "random_init",
+    "ring",
     "rng",
     "router_loss",
     "sequence_parallel",

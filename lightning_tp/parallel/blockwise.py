@@ -205,9 +205,7 @@ def range_mask(
         count = seen[:, ends] - seen[:, starts]  # (batch, tiles)
         whole = (count == (ends - starts)).all(0).tolist()
         some = (count > 0).any(0).tolist()
-        count_rows = seen.gather(1, (positions.cpu() + 1)[None, :].expand(low.shape[0], -1)) - seen.gather(
-            1, low.cpu()
-        )
+        count_rows = seen.gather(1, (positions.cpu() + 1)[None, :].expand(low.shape[0], -1)) - seen.gather(1, low.cpu())
         empty_rows = count_rows <= 0
     else:
         whole = some = [True] * len(keys)
@@ -376,7 +374,9 @@ def output_grad(grad: torch.Tensor, mask: RangeMask) -> torch.Tensor:
     return grad.contiguous()
 
 
-def sinks_grad(sinks: torch.Tensor | None, lse: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+def sinks_grad(
+    sinks: torch.Tensor | None, lse: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor | None:
     """The sinks' gradient: ``d out / d sink = -p_sink out`` for each row (the sink's share of the softmax)."""
     if sinks is None:
         return None

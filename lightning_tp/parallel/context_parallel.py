@@ -435,8 +435,9 @@ class ContextParallel:
         if args:  # called positionally: name the arguments as the forward does
             kwargs = {**dict(zip(self._forward_parameters, args, strict=False)), **kwargs}
             args = ()
-        if any(kwargs.get(name) is not None for name in CACHE_INPUTS) or state.unsplit:
-            state.split = None  # decoding (a cache, or the last positions' logits): the whole sequence on every rank
+        if any(kwargs.get(name) is not None for name in CACHE_INPUTS) or kwargs.get("use_cache") or state.unsplit:
+            # Decoding (a cache, one asked for, or the last positions' logits): the whole sequence on every rank.
+            state.split = None
             return args, kwargs
         if kwargs.get("output_router_logits"):
             raise ValueError(
@@ -505,7 +506,9 @@ class ContextParallel:
         kwargs["position_ids"] = split.local(position_ids)
         # The whole sequence's padding mask: Transformers sizes the keys from it (kv_length = padded), and makes no
         # packed-document mask of its own (the split's `doc_ids` are).
-        kwargs["attention_mask"] = torch.ones(batch, padded, dtype=torch.bool, device=device) if valid is None else valid
+        kwargs["attention_mask"] = (
+            torch.ones(batch, padded, dtype=torch.bool, device=device) if valid is None else valid
+        )
         if "use_cache" in self._forward_parameters:
             kwargs["use_cache"] = False  # a cache would hold the local keys only
         return args, kwargs
@@ -519,7 +522,7 @@ class ContextParallel:
         doc_ids = find_packed_sequence_indices(position_ids)
         if doc_ids is None:
             return None
-        use_cache = kwargs.get("use_cache")
+        use_cache = kwargs.get("use_cache")  # False, or None: not asked for (True runs unsplit), the config's then
         if use_cache is None:
             use_cache = bool(getattr(getattr(stack, "config", None), "use_cache", False))
         if getattr(stack, "gradient_checkpointing", False) and stack.training:
@@ -716,7 +719,8 @@ class ContextParallel:
         if self.comm == "ring":
             piece = split.pieces[0].length
             pieces = [
-                [(start, piece) for start in piece_starts(split.padded_len, self.size, rank)] for rank in range(self.size)
+                [(start, piece) for start in piece_starts(split.padded_len, self.size, rank)]
+                for rank in range(self.size)
             ]
             out = ring_attention(
                 query, key, value, attention_mask.ranges, scores=scores, sinks=sinks, group=self.group, pieces=pieces

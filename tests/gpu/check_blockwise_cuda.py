@@ -33,7 +33,11 @@ def ranges(length: int, docs: int, device: torch.device):
     low = first_keys(lambda b, h, q, k: (k <= q) & (ids[q] == ids[k]), positions, batch=1, key_length=length)
     half = length // 2
     mask = range_mask(
-        positions=positions, low=low, valid=None, pieces=[(0, 0, half), (half, half, half)], key_length=length,
+        positions=positions,
+        low=low,
+        valid=None,
+        pieces=[(0, 0, half), (half, half, half)],
+        key_length=length,
         piece_count=2,
     )
     allowed = (positions[None, :] <= positions[:, None]) & (ids[None, :] == ids[:, None])
@@ -77,11 +81,15 @@ def timing(device: torch.device) -> None:
         for h in (heads, kv_heads, kv_heads)
     )
     results = {}
-    for label, run in (
-        ("sdpa_flash_whole", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
-        ("tiles_one_document", lambda m=ranges(length, 1, device)[0]: blockwise_attention(q, k, v, m, scores=Scores(dim**-0.5))),
-        ("tiles_six_documents", lambda m=ranges(length, 6, device)[0]: blockwise_attention(q, k, v, m, scores=Scores(dim**-0.5))),
-    ):
+    one, six = ranges(length, 1, device)[0], ranges(length, 6, device)[0]
+    runs = {
+        "sdpa_flash_whole": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ),
+        "tiles_one_document": lambda: blockwise_attention(q, k, v, one, scores=Scores(dim**-0.5)),
+        "tiles_six_documents": lambda: blockwise_attention(q, k, v, six, scores=Scores(dim**-0.5)),
+    }
+    for label, run in runs.items():
         run().sum().backward()  # warm-up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -4,7 +4,6 @@ the same case on one process and compare)."""
 from __future__ import annotations
 
 import re
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -552,8 +551,8 @@ CASES: dict[str, Case] = {
     ),
     # Context parallelism: each sequence split over 2 ranks (2 processes: cp 2; 4 processes: cp 2 x tp 2, cp 2 x dp 2).
     # Foreach AdamW with clipping; left padding with an odd length (padded to the split's multiple); packed sequences
-    # (position ids restarting); Gemma 2's sliding-window layers and softcapping (eager); sinks; activation checkpointing
-    # with FSDP2 units that are not decoder layers (the MLPs); LoRA on every linear layer.
+    # (position ids restarting); Gemma 2's sliding-window layers and softcapping (eager); sinks; activation
+    # checkpointing with FSDP2 units that are not decoder layers (the MLPs); LoRA on every linear layer.
     "qwen3_cp2": lm(
         "qwen3", 4, optimizer="adamw", lr=1e-3, opt_kwargs={"foreach": True}, clip=0.5, strategy_kwargs={"cp_size": 2}
     ),
@@ -566,7 +565,9 @@ CASES: dict[str, Case] = {
     "gemma2_cp2": lm("gemma2", 3, lr=0.02, strategy_kwargs={"cp_size": 2}),
     # Attention sinks (one logit per head with no value) and sliding windows, on left-padded rows (eager).
     "granite_swa_cp2_padded": Case(
-        partial(build_causal_lm, tiny_config("granite_swa")), partial(padded_lm_batches, 3), strategy_kwargs={"cp_size": 2}
+        partial(build_causal_lm, tiny_config("granite_swa")),
+        partial(padded_lm_batches, 3),
+        strategy_kwargs={"cp_size": 2},
     ),
     "qwen3_cp2_activation_checkpointing": lm(
         "qwen3",

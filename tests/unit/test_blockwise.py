@@ -60,9 +60,7 @@ def _setup(*, length=96, cp=2, rank=1, batch=2, docs=None, window=None, padding=
         positions=positions, low=low, valid=padding, pieces=pieces, key_length=length, piece_count=2 * cp, tile=tile
     )
     dense = torch.stack(
-        [
-            torch.stack([function(b, 0, positions[:, None], torch.arange(length)[None, :]) for b in range(batch)])
-        ]
+        [torch.stack([function(b, 0, positions[:, None], torch.arange(length)[None, :]) for b in range(batch)])]
     )[0][:, None]
     if padding is not None:
         dense = dense & padding[:, None, None, :]
@@ -95,8 +93,10 @@ CASES = {
     "packed": {"docs": _docs(2, 96, [[30, 61], [7]])},
     "window": {"window": 20},
     "packed_window": {"docs": _docs(2, 96, [[50], [13, 70]]), "window": 9},
-    "padding_left_right": {"padding": torch.arange(96)[None, :].expand(2, -1).ge(torch.tensor([[17], [0]]))
-                           & torch.arange(96)[None, :].lt(torch.tensor([[96], [80]]))},
+    "padding_left_right": {
+        "padding": torch.arange(96)[None, :].expand(2, -1).ge(torch.tensor([[17], [0]]))
+        & torch.arange(96)[None, :].lt(torch.tensor([[96], [80]]))
+    },
     "softcap": {"softcap": 1.5},
     "sinks": {"sinks": True},
     "softcap_sinks_packed": {"softcap": 2.0, "sinks": True, "docs": _docs(2, 96, [[40], [40, 41]])},
@@ -117,7 +117,9 @@ def test_blockwise_matches_dense_attention(name: str, kernel: str, monkeypatch) 
         monkeypatch.setattr(blockwise, "fused_attention_kernels", lambda device, dtype: None)
     mask, allowed = _setup(**case)
     query, key, value = _tensors(2, 4, 2, 48, 96, 8, dtype)
-    sinks = torch.randn(4, dtype=dtype, generator=torch.Generator().manual_seed(3)).requires_grad_() if sinks_on else None
+    sinks = (
+        torch.randn(4, dtype=dtype, generator=torch.Generator().manual_seed(3)).requires_grad_() if sinks_on else None
+    )
     scale = 8**-0.5
     out = blockwise_attention(query, key, value, mask, scores=Scores(scale=scale, softcap=softcap), sinks=sinks)
     grad = torch.randn_like(out)
