@@ -157,7 +157,10 @@ def interval_violations(
     h = torch.zeros((), dtype=torch.long, device=positions.device)
     q = positions[None, :].expand(batch, -1)
     if not bool(_evaluate(mask_function, b, h, q, q).all()):
-        return "a query does not see its own key"
+        return (
+            "a query does not see its own key: a mask that hides every key, such as a sliding window of 0, makes one "
+            "process's eager attention average every key, later ones included"
+        )
     if not bool(_evaluate(mask_function, b, h, q, low).all()):
         return "a query does not see every key between the first it sees and itself"
     later = q + 1

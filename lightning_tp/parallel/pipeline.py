@@ -19,8 +19,9 @@ embedding passes zeros as ``inputs_embeds`` of the right shape.
 ``model(**batch)`` on the pipelined model runs the whole schedule, forward and backward, over the batch's
 micro-batches and returns the step's loss on every rank of the pipeline: the micro-batches' summed token losses
 divided by the batch's labelled tokens, which is one process's loss of the whole batch, so a ``training_step``
-returning ``model(**batch).loss`` is unchanged. In eval mode or under ``torch.no_grad()`` a forward-only schedule
-runs.
+returning ``model(**batch).loss`` is unchanged. Under ``torch.no_grad()`` or inference mode (Lightning's validation,
+test and predict) a forward-only schedule runs; the module's ``.training`` flag decides nothing (a model loaded with
+``from_pretrained`` is in eval mode and trains so, dropout off, as on one process).
 
 The loss's ``backward()`` does one thing: Lightning zeroes the gradients between ``training_step`` and the backward
 of its loss, so the gradients the schedule computed are taken off the parameters when it ends and given back (added to
@@ -535,7 +536,10 @@ class PipelineRunner:
                 f"The batch has {rows} rows, not divisible by pp_microbatches={self.plan.microbatches}: each "
                 "micro-batch of the pipeline takes the same number of rows. Use a batch size divisible by it."
             )
-        training = self.model.training and torch.is_grad_enabled()
+        # Train or evaluate as Lightning does: by the grad mode (validation, test and predict run under `no_grad` or
+        # inference mode), the same on every stage, never by `.training` (a model from `from_pretrained` is in eval
+        # mode, and Lightning keeps a submodule's mode: it trains in eval mode, dropout off, as on one process).
+        training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         if labels is None:
             raise ValueError(
                 "A pipelined model computes its loss on the last stage and returns only that: pass `labels`. For "

@@ -75,6 +75,16 @@ def _from_checkpoint(sharded: bool, kind: str = "qwen3") -> Any:
     return model.train()
 
 
+def _pretrained_as_loaded(kind: str) -> Any:
+    """``from_pretrained`` from a directory, left in the eval mode it returns."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_checkpoint(kind), dtype=torch.float32)
+    assert not model.training
+    return model
+
+
 def _meta_vlm_from_checkpoint(kind: str) -> Any:
     """No ``model_class``: LLaVA's config is not a causal LM's, so ``from_pretrained`` builds it as an
     image-text-to-text model; Gemma 3's causal-LM class is its conditional-generation model."""
@@ -652,6 +662,11 @@ CASES: dict[str, Case] = {
     ),
     "qwen3_pp2_lora": Case(
         partial(_lora, "qwen3", _DEEP_QWEN3), partial(lm_batches, 3), optimizer="adamw", lr=1e-2, strategy_kwargs=_PP2
+    ),
+    # Loaded as the README loads a model: `from_pretrained` from a directory, which returns it in eval mode (Lightning
+    # keeps a submodule's mode): it trains so, as on one process (the reference loads it the same way).
+    "qwen3_pp2_from_pretrained": Case(
+        partial(_pretrained_as_loaded, "qwen3"), partial(lm_batches, 3), strategy_kwargs=_PP2
     ),
     "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
