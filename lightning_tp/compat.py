@@ -369,15 +369,18 @@ def set_attention_implementation(config: Any, name: str) -> None:
     config._attn_implementation = name
 
 
-def fused_attention_kernels(device: torch.device, dtype: torch.dtype) -> tuple[Callable, Callable, bool] | None:
+def fused_attention_kernels(
+    device: torch.device, dtype: torch.dtype, head_dim: int
+) -> tuple[Callable, Callable, bool] | None:
     """torch's fused attention kernels that return the log-sum-exp of each query's scores, which blockwise
     attention (:mod:`lightning_tp.parallel.blockwise`) merges partial results with, for ``device`` and ``dtype``:
     ``(forward, backward, takes_mask)``, or ``None``. SDPA, the public entry, returns the outputs only.
 
     - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (any float dtype, an additive mask of
       the query's dtype, grouped-query attention).
-    - CUDA, fp16/bf16: ``aten._scaled_dot_product_flash_attention`` and its backward (no mask: masked calls take the
-      explicit path); the key heads repeated to the query heads.
+    - CUDA, fp16/bf16, compute capability 8.0 or later: ``aten._scaled_dot_product_flash_attention`` and its backward
+      (no mask: masked calls take the explicit path; head dims of at most 256, a multiple of 8); the key heads repeated
+      to the query heads.
 
     ``forward(q, k, v, *, is_causal, bias, scale) -> (out, lse)`` and ``backward(grad, q, k, v, out, lse, *,
     is_causal, bias, scale) -> (dq, dk, dv)`` on ``(batch, heads, length, head_dim)`` tensors; ``lse`` fp32
@@ -394,7 +397,10 @@ def fused_attention_kernels(device: torch.device, dtype: torch.dtype) -> tuple[C
             return backward_op(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
 
         return cpu_forward, cpu_backward, True
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+    flash = head_dim <= 256 and head_dim % 8 == 0  # what the CUDA kernel takes unpadded (SDPA pads the others)
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash:
+        if torch.cuda.get_device_capability(device) < (8, 0):  # flash attention 2 needs Ampere or later
+            return None
         flash = torch.ops.aten._scaled_dot_product_flash_attention
         flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
 

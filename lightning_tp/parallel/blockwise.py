@@ -20,8 +20,9 @@ value. The backward recomputes each call's scores from the saved queries, keys, 
 log-sum-exp (as flash attention does), so a forward keeps ``O(L)`` per layer for the backward, not the scores.
 
 **Kernels.** A fused kernel that returns the log-sum-exp where torch has one (:func:`lightning_tp.compat.
-fused_attention_kernels`: the CPU's flash kernel, CUDA's memory-efficient one), else, and for softcapping and dropout
-(which the fused kernels do not take), scores computed explicitly per call in fp32.
+fused_attention_kernels`: the CPU's flash kernel; CUDA's flash kernel for unmasked calls in fp16/bf16 on GPUs it runs
+on), else, and for softcapping, dropout and values narrower than the queries (which the fused kernels do not take),
+scores computed explicitly per call in fp32. All of it outside autocast.
 
 Pure tensor code: no process group, no model. :mod:`lightning_tp.parallel.context_parallel` builds the ranges of each
 forward and calls :func:`blockwise_attention`.
@@ -29,6 +30,7 @@ forward and calls :func:`blockwise_attention`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +43,8 @@ from lightning_tp.compat import fused_attention_kernels
 #: Tokens per query and key tile. Larger tiles make fewer kernel calls; smaller ones skip more of a packed row's
 #: masked area (a document boundary costs at most one tile of keys per query) and make smaller masks.
 TILE = 512
-#: The most scores (batch x heads x queries x keys) one explicit call computes at once; a longer run of keys is cut.
+#: The most scores (batch x heads x queries x keys) one explicit call of a run of whole tiles computes at once: a
+#: longer run of keys is cut (a diagonal or masked call is one tile of queries and keys).
 EXPLICIT_SCORES = 1 << 24
 #: The kinds of kernel call: keys that every query of the tile sees whole; the tile's own keys under a causal mask
 #: (the tiles are on one grid, so the diagonal is square); keys with a mask of one tile.
@@ -283,8 +286,23 @@ def blockwise_attention(
     return _BlockwiseAttention.apply(query, key, value, sinks, mask, scores)
 
 
+def no_autocast(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an autograd function's forward or backward outside autocast (``bf16-mixed``): the kernels compute in the
+    dtypes they are given and accumulate in fp32, and the backward recomputes the scores exactly as the forward made
+    them (under autocast the forward's matrix products would run in bf16, the backward's, outside it, in fp32)."""
+
+    @functools.wraps(function)
+    def run(ctx: Any, *args: Any) -> Any:
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        with torch.autocast(device_type=device, enabled=False):
+            return function(ctx, *args)
+
+    return run
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
+    @no_autocast
     def forward(ctx, query, key, value, sinks, mask, scores):  # type: ignore[override]
         kernel = kernel_for(query, value, scores)
         merged = Merged.empty(query, value)
@@ -298,6 +316,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast
     def backward(ctx, grad):  # type: ignore[override]
         query, key, value, sinks, out, lse = ctx.saved_tensors
         mask, scores, kernel = ctx.mask, ctx.scores, ctx.kernel
@@ -397,7 +416,7 @@ def kernel_for(query: torch.Tensor, value: torch.Tensor, scores: Scores) -> Kern
     """The fused kernel where it computes what the layer asks (no softcapping, no dropout, one head dim for queries,
     keys and values: multi-head latent attention's values are narrower), else the explicit one."""
     if scores.softcap is None and scores.dropout == 0.0 and value.shape[-1] == query.shape[-1]:
-        fused = fused_attention_kernels(query.device, query.dtype)
+        fused = fused_attention_kernels(query.device, query.dtype, query.shape[-1])
         if fused is not None:
             return _Fused(*fused)
     return _Explicit()
@@ -474,7 +493,7 @@ class _Explicit(Kernel):
     def _keep(shape, scores: Scores, tile: QueryTile, part: Call, device: torch.device) -> torch.Tensor:
         """The dropout mask of one part of a call, scaled (``keep / (1 - p)``): drawn from the forward's seed and the
         part's place (its first query and key), so the backward draws the same."""
-        seed = (scores.seed * 1_000_003 + tile.start * 4_099 + part.start) % (1 << 63)
+        seed = (scores.seed * 0x9E3779B97F4A7C15 + tile.start * 0xBF58476D1CE4E5B9 + part.start) % (1 << 63)
         generator = torch.Generator(device=device).manual_seed(seed)
         keep = torch.rand(shape, generator=generator, device=device) >= scores.dropout
         return keep / (1 - scores.dropout)
@@ -546,6 +565,7 @@ __all__ = [
     "accumulation_dtype",
     "blockwise_attention",
     "kernel_for",
+    "no_autocast",
     "output_grad",
     "sinks_grad",
     "first_keys",

@@ -186,6 +186,10 @@ class ForwardState:
     unsplit: bool = False
     split: BatchSplit | None = None
     entered: bool = False
+    #: What the context variable held before this forward (restored at its end: a split model's forward may run
+    #: inside another's), and whether the decoder stack made the state (called directly, not through the model).
+    token: contextvars.Token | None = None
+    direct: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -388,7 +392,7 @@ class ContextParallel:
             labelled=kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None,
             unsplit=keep is not None and not (isinstance(keep, int) and keep == 0),
         )
-        _FORWARD.set(state)
+        state.token = _FORWARD.set(state)
 
     def end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of the model users call (run even when the forward raised): the forward's state dropped, and
@@ -396,8 +400,10 @@ class ContextParallel:
         removed) on every rank, differentiably (a loss computed from them on every rank of the group gets the
         gradient of one copy once FSDP2 averages). With labels they stay this rank's, the point of the split."""
         state = _FORWARD.get()
-        _FORWARD.set(None)
-        if state is None or state.cp is not self or output is None:
+        if state is None or state.cp is not self or state.direct:
+            return output
+        _FORWARD.reset(state.token)
+        if output is None:  # the forward raised
             return output
         if not state.entered:
             raise ValueError(
@@ -429,8 +435,9 @@ class ContextParallel:
         """Forward pre-hook of the decoder stack: this rank's tokens, the whole sequence's positions and padding."""
         state = _FORWARD.get()
         if state is None or state.cp is not self:  # the stack called directly, not through the model: no labels
-            state = ForwardState(self)
-            _FORWARD.set(state)
+            self.register(module)
+            state = ForwardState(self, direct=True)
+            state.token = _FORWARD.set(state)
         state.entered = True
         if args:  # called positionally: name the arguments as the forward does
             kwargs = {**dict(zip(self._forward_parameters, args, strict=False)), **kwargs}
@@ -473,8 +480,9 @@ class ContextParallel:
         doc_ids = valid = None
         if attention_mask is None:
             doc_ids = self._documents(module, kwargs, position_ids[:, :length].expand(batch, -1))
-            if doc_ids is not None:  # the padding joins the last document
-                doc_ids = _pad_sequence(doc_ids, padded, value=None)
+            if doc_ids is not None:  # each padding token a document of its own: it sees itself only
+                pad = torch.arange(1, padded - length + 1, device=device)
+                doc_ids = torch.cat([doc_ids, doc_ids[:, -1:] + pad], dim=SEQUENCE_DIM)
         else:
             if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
                 raise ValueError(
@@ -559,6 +567,14 @@ class ContextParallel:
                 "data-parallel ranks only: Lightning's sampler does (`use_distributed_sampler=True`), or use "
                 "`strategy.distributed_sampler_kwargs` / `strategy.dp_mesh`, not the global rank."
             )
+
+    def end_direct(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook of the decoder stack (run even when the forward raised): the state of a stack called
+        directly dropped."""
+        state = _FORWARD.get()
+        if state is not None and state.cp is self and state.direct:
+            _FORWARD.reset(state.token)
+        return output
 
     def check_layers(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of the decoder stack: after the first split forward, every decoder layer must have exchanged
@@ -801,6 +817,7 @@ def install_context_parallel(
     # The hooks below hold the split: it lives and dies with the model (and a deep copy of the model gets its own).
     base.register_forward_pre_hook(cp.split_inputs, with_kwargs=True)
     base.register_forward_hook(cp.check_layers, with_kwargs=True)
+    base.register_forward_hook(cp.end_direct, with_kwargs=True, always_call=True)
     model.loss_function = _causal_lm_loss(model.loss_function)
     outer = model if outer is None else outer
     outer.register_forward_pre_hook(cp.begin, with_kwargs=True)

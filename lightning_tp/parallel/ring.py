@@ -27,6 +27,7 @@ from lightning_tp.parallel.blockwise import (
     Scores,
     accumulation_dtype,
     kernel_for,
+    no_autocast,
     output_grad,
     sinks_grad,
 )
@@ -95,6 +96,7 @@ class _Exchange:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
+    @no_autocast
     def forward(ctx, query, key, value, sinks, mask, scores, group, pieces):  # type: ignore[override]
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         kernel = kernel_for(query, value, scores)
@@ -114,6 +116,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast
     def backward(ctx, grad):  # type: ignore[override]
         query, key, value, sinks, out, lse = ctx.saved_tensors
         mask, scores, kernel, group, pieces = ctx.mask, ctx.scores, ctx.kernel, ctx.group, ctx.pieces

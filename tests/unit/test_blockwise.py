@@ -114,7 +114,7 @@ def test_blockwise_matches_dense_attention(name: str, kernel: str, monkeypatch) 
         pytest.skip("softcapping always takes the explicit kernel")
     dtype = torch.float64 if kernel == "explicit" else torch.float32
     if kernel == "explicit":
-        monkeypatch.setattr(blockwise, "fused_attention_kernels", lambda device, dtype: None)
+        monkeypatch.setattr(blockwise, "fused_attention_kernels", lambda *args: None)
     mask, allowed = _setup(**case)
     query, key, value = _tensors(2, 4, 2, 48, 96, 8, dtype)
     sinks = (
@@ -154,7 +154,7 @@ def test_dropout_gradient_is_the_dropped_forwards() -> None:
     query, key, value = _tensors(1, 2, 1, 48, 96, 4, torch.float64)
     scores = Scores(scale=0.5, dropout=0.3, seed=1234)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(blockwise, "fused_attention_kernels", lambda device, dtype: None)
+        patch.setattr(blockwise, "fused_attention_kernels", lambda *args: None)
         assert torch.autograd.gradcheck(
             lambda q, k, v: blockwise_attention(q, k, v, mask, scores=scores), (query, key, value), eps=1e-6, atol=1e-5
         )
@@ -224,3 +224,21 @@ def test_a_chunked_mask_is_an_interval_found_by_bisection() -> None:
     low = first_keys(function, positions, batch=1, key_length=40)
     assert torch.equal(low[0], positions // 16 * 16)
     assert interval_violations(function, positions, low, key_length=40) is None
+
+
+@pytest.mark.parametrize("kernel", ["explicit", "fused"])
+def test_autocast_changes_nothing_inside_the_tiles(kernel: str, monkeypatch) -> None:
+    """Under `bf16-mixed` (autocast) the tiles compute as without it: the backward recomputes the forward's scores
+    exactly (under autocast the forward's products would run in bf16 and the backward's in fp32)."""
+    if kernel == "explicit":
+        monkeypatch.setattr(blockwise, "fused_attention_kernels", lambda *args: None)
+    mask, _ = _setup(**CASES["packed"])
+    query, key, value = (t.detach().bfloat16().requires_grad_() for t in _tensors(2, 4, 2, 48, 96, 8, torch.float32))
+    scores = Scores(scale=8**-0.5, softcap=2.0 if kernel == "explicit" else None)
+    results = []
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = blockwise_attention(query, key, value, mask, scores=scores)
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), (query, key, value))))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -143,6 +143,11 @@ CASES = {
     "qwen3_odd_length": ("qwen3", lambda: {k: v[:, :13] for k, v in lm_batches(1)[0].items()}),
     "llama_padded": ("llama", lambda: padded_lm_batches(1)[0]),
     "qwen3_packed": ("qwen3", lambda: packed_lm_batches(1)[0]),
+    # 13 tokens padded to 16: three padding tokens after the last document, each a document of its own.
+    "qwen3_packed_odd_length": (
+        "qwen3",
+        lambda: {k: v[:, :13] for k, v in packed_lm_batches(1)[0].items() if k != "use_cache"} | {"use_cache": False},
+    ),
     "gemma2_sliding_softcap": ("gemma2", lambda: lm_batches(1)[0]),
     "granite_swa_sinks_padded": ("granite_swa", lambda: padded_lm_batches(1)[0]),
     "opt": ("opt", lambda: lm_batches(1)[0]),
@@ -483,3 +488,21 @@ def test_a_flex_attention_model_trains_split(one_rank_mesh) -> None:
     ref.loss.backward()
     for a, b in zip(split.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_split_forward_inside_another_restores_its_state(one_rank_mesh) -> None:
+    """A split model called inside another's forward (a reference model's loss computed in a hook) ends its own
+    forward only: the outer forward's state is restored, so its loss is still the whole sequence's."""
+    batch = lm_batches(1)[0]
+    model = build_causal_lm(tiny_config("qwen3"))
+    outer, inner = _split_copy(model, one_rank_mesh), _split_copy(model, one_rank_mesh)
+    inner_losses = []
+    outer.model.layers[0].register_forward_hook(lambda *args: inner_losses.append(inner(**batch).loss.detach()))
+    expected = model(**batch).loss
+    torch.testing.assert_close(outer(**batch).loss, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(inner_losses[0], expected, atol=1e-6, rtol=0)
+    from lightning_tp.parallel.context_parallel import _FORWARD
+
+    assert _FORWARD.get() is None
+    outer.model(input_ids=batch["input_ids"])  # the decoder stack called directly: its state ends with it
+    assert _FORWARD.get() is None
