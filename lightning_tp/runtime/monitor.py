@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
 from lightning_tp.compat import CUDA_FLOPS, logs_this_step
 
@@ -53,8 +54,7 @@ class ThroughputMonitor(L.Callback):
             return
         from lightning.fabric.utilities.throughput import get_available_flops
 
-        # Parameters counted whole (TP and FSDP shards of one replica add up to the model).
-        params = sum(_global_numel(p) for p in pl_module.parameters())
+        params = model_numel(pl_module, pp_group=getattr(trainer.strategy, "pp_group", None), device=device)
         dtype = matmul_dtype(str(trainer.precision))
         self._flops_per_token = 6.0 * params
         self._peak_flops = get_available_flops(device, dtype) or _h200_flops(device, dtype)
@@ -178,8 +178,17 @@ def _count_tokens(batch: Any) -> int | torch.Tensor | None:
     return None
 
 
-def _global_numel(param: torch.Tensor) -> int:
-    return param.numel()  # a DTensor's numel is its global size
+def model_numel(module: torch.nn.Module, *, pp_group: Any | None = None, device: torch.device | None = None) -> int:
+    """The parameters of the whole model ``module`` trains, counted whole: TP and FSDP shards of one replica add up to
+    the model (a DTensor's ``numel`` is its global size), and under pipeline parallelism (``pp_group``, which every
+    rank of it must pass) the other stages' parameters, which other ranks hold, are added (one sum over the group, on
+    ``device``: the group's backend's)."""
+    count = sum(p.numel() for p in module.parameters())
+    if pp_group is None:
+        return count
+    total = torch.tensor(count, dtype=torch.int64, device=device)
+    dist.all_reduce(total, group=pp_group)
+    return int(total.item())
 
 
 def _h200_flops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -75,6 +75,8 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
         held.setdefault(pp_rank, set(split["held"]))
         assert set(split["held"]) == held[pp_rank]
         assert set(split["held"]) < everything
+        # MFU's parameter count is the whole model's on every rank, not its own stages' (a pp-th of it).
+        assert split["model_numel"] == sum(value.numel() for value in reference_of(name)["state"].values())
         # Every rank of the pipeline reports the same loss (the last stage's), a data-parallel rank its own rows'.
         assert r[name]["losses"] == results[rank % (world_size // pp)][name]["losses"]
         assert r[name]["sampler"] == {"num_replicas": dp, "rank": rank % (world_size // pp) // tp}

@@ -200,6 +200,10 @@ def run_case(ctx: Context, name: str) -> dict:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         split["stages"] = [stage.stage for stage in stage_modules_of(base)]
         split["held"] = sorted(n for n, _ in model.named_parameters())
+        # What MFU counts: the whole model's parameters, the other stages' added over the pipeline.
+        from lightning_tp.runtime.monitor import model_numel
+
+        split["model_numel"] = model_numel(model, pp_group=strategy.pp_group, device=torch.device("cpu"))
         model.save_pretrained(out / f"{name}_pretrained")  # every stage's weights (a LoRA model's: its adapters)
         split["pretrained"] = str(out / f"{name}_pretrained")
         model.eval()
