@@ -64,6 +64,7 @@ from lightning_tp.parallel.pipeline import (
     PipelinePlan,
     install_pipeline,
     pipeline_problem,
+    pipeline_runner,
     resolve_pipeline_plan,
     schedule_class,
     stage_modules_of,
@@ -395,6 +396,14 @@ def apply_parallelisms(
     #    slice by slice: no rank ever holds the whole model. With CPU offload FSDP2 keeps the shards on the CPU.
     init_device = torch.device("cpu") if options.cpu_offload else device
     materialized = materialize_and_load(root, targets, device=init_device)
+    # 8b. An embedding tied to the head across pipeline stages: the last stage's copy takes the first stage's values
+    #    now that both are materialised (a meta-built model's were initialised apart); their gradients are summed
+    #    after every step's backward from here on.
+    if layout.pp_size > 1:
+        for target in targets.models:
+            runner = pipeline_runner(target.module)
+            if runner is not None:
+                runner.sync_tied_weights()
     # 9. LoRA adapters of a meta-built model exist only now; PEFT initialises them, every rank drawing the same whole
     #    adapters and keeping its slices. Then the saves that must gather shards (adapters, save_pretrained).
     initialize_and_hook_adapters(root, materialized=materialized, device=init_device)

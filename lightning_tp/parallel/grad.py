@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_tp.compat import foreach_mul_, foreach_norm
+from lightning_tp.parallel.pipeline import counted_on_another_stage
 
 
 def _group_key(grad: torch.Tensor) -> object:
@@ -32,7 +33,7 @@ def grad_norm(
     """The global ``norm_type``-norm of the parameters' gradients, as a plain (replicated) 0-dim tensor.
 
     ``pp_group``: the ranks of this rank's pipeline, each holding other parameters (their stages'): the norm then
-    covers every stage's.
+    covers every stage's, an embedding tied to the head across stages counted once.
 
     Each group's norm is taken on the local shards and reduced over the mesh dimensions the group is sharded on
     (sum of p-th powers, or max for inf), on the mesh's device: with FSDP2's CPU offload the local gradients live on
@@ -42,6 +43,8 @@ def grad_norm(
         parameters = [parameters]
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
+        if pp_group is not None and counted_on_another_stage(p):
+            continue  # the last stage's copy of an embedding tied to the head: the first stage's counts it
         if p.grad is not None:
             groups.setdefault(_group_key(p.grad), []).append(p.grad)
     norm_type = float(norm_type)

@@ -35,6 +35,7 @@ May import: ``compat``, ``layout``, ``patches``, ``plans``.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -180,27 +181,12 @@ def pipeline_problem(model: nn.Module) -> str | None:
             f"{type(model).__name__}.{base_name} holds parameters outside its pipeline plan ({others}), which no "
             "stage would compute. Use pp_size=1"
         )
-    if getattr(config, "tie_word_embeddings", False) and _head_shares_embedding(model, base, parts[0]):
-        return (
-            f"{type(model).__name__} ties its output head to its input embedding (`tie_word_embeddings=True`), which "
-            "the first and last stages would both need. Untie them (`config.tie_word_embeddings=False` before "
-            "building, which gives the head its own copy) or use pp_size=1"
-        )
     if getattr(config, "output_router_logits", False):
         return (
             f"{type(model).__name__} adds its routers' load-balancing loss (`output_router_logits=True`), which "
             "would have to be gathered from every stage. Set `config.output_router_logits=False` or use pp_size=1"
         )
     return None
-
-
-def _head_shares_embedding(model: nn.Module, base: nn.Module, embedding: str) -> bool:
-    weight = getattr(getattr(base, embedding, None), "weight", None)
-    return any(
-        p is weight
-        for name, p in model.named_parameters(remove_duplicate=False)
-        if not name.startswith(f"{base_model_name(model)}.")
-    )
 
 
 def resolve_pipeline_plan(
@@ -497,6 +483,7 @@ class PipelineRunner:
         pp_mesh: DeviceMesh,
         device: torch.device,
         stages: list[nn.Module],
+        tied: TiedAcrossStages | None = None,
     ) -> None:
         self.model, self.plan, self.pp_mesh, self.device = model, plan, pp_mesh, device
         self.stage_modules = stages
@@ -505,6 +492,9 @@ class PipelineRunner:
         self._schedules: dict[tuple, Any] = {}
         self._to_stash: dict[nn.Parameter, torch.Tensor] | None = None
         self._held: dict[nn.Parameter, torch.Tensor] = {}
+        self.tied = tied
+        if tied is not None:
+            _TIED_RUNNERS.add(self)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.custom_loss is not None:
@@ -568,6 +558,46 @@ class PipelineRunner:
         self._to_stash = stash = {}
         return PipelineOutput(_StashedGradients.apply(value.requires_grad_(True), stash))
 
+    def tied_parameter(self) -> nn.Parameter | None:
+        """This rank's copy of an embedding tied to the head across stages: the first stage's embedding weight, or
+        the last stage's head weight; ``None`` on the other ranks, or where one rank holds both stages (one tensor)."""
+        tied = self.tied
+        if tied is None:
+            return None
+        rank = self.pp_mesh.get_local_rank()
+        if rank == tied.first_rank:
+            return self.model.get_submodule(tied.embedding).weight
+        if rank == tied.last_rank:
+            return self.model.get_submodule(tied.head).weight
+        return None
+
+    def _exchange(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` sent to the other holder of the tied weight, and its copy received (point to point: the ranks
+        between them take no part)."""
+        tied, group = self.tied, self.pp_mesh.get_group()
+        assert tied is not None
+        mine = self.pp_mesh.get_local_rank()
+        other = dist.get_global_rank(group, tied.last_rank if mine == tied.first_rank else tied.first_rank)
+        sent = local.detach().contiguous()
+        received = torch.empty_like(sent)
+        for work in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, sent, other, group), dist.P2POp(dist.irecv, received, other, group)]
+        ):
+            work.wait()
+        return received
+
+    def sync_tied_weights(self) -> None:
+        """The last stage's copy of the tied weight takes the first stage's values (once the weights are
+        materialised and sharded: a meta-built model's two copies were initialised apart)."""
+        tied = self.tied_parameter()
+        if tied is None:
+            return
+        local = _local(tied.data)
+        received = self._exchange(local)
+        if self.pp_mesh.get_local_rank() == self.tied.last_rank:
+            with torch.no_grad():
+                local.copy_(received)
+
     def _stage_parameters(self) -> list[nn.Parameter]:
         return [param for module in self.stage_modules for param in module.parameters()]
 
@@ -588,6 +618,16 @@ class PipelineRunner:
         ``run_on_parameter_views``), not the parameters."""
         stash, self._to_stash = self._to_stash, None
         held, self._held = self._held, {}
+        tied = self.tied_parameter()
+        if stash is not None and tied is not None and tied.requires_grad:
+            # The embedding's gradient from the first stage and the head's from the last, summed on both: one
+            # process's gradient of the one tensor (Megatron's embedding group). Here, once the parameters are the
+            # layers' again (during the call the layers may read views of them).
+            with torch.no_grad():
+                grad = tied.grad if tied.grad is not None else torch.zeros_like(tied)
+                local = _local(grad)
+                local += self._exchange(local)
+                tied.grad = grad
         for param in self._stage_parameters():
             if stash is not None and param.grad is not None:
                 stash[param] = param.grad
@@ -614,6 +654,56 @@ class _StashedGradients(torch.autograd.Function):
                 scaled = value if bool(grad == 1) else value * grad.to(value.dtype)
                 param.grad = scaled if param.grad is None else param.grad + scaled
         return None, None
+
+
+@dataclass(frozen=True)
+class TiedAcrossStages:
+    """An input embedding tied to the output head (``tie_word_embeddings``) whose stages two ranks of the pipeline hold:
+    each keeps a copy (the first stage's embedding, the last stage's head), and the two stay equal (their gradients
+    summed after each step's backward, their values synchronised once at setup)."""
+
+    embedding: str  # the input embedding's path in the model
+    head: str  # the output head's path in the model
+    first_rank: int  # the pipeline rank holding the first stage
+    last_rank: int  # the pipeline rank holding the last stage
+
+
+#: The runners of pipelines whose last stage holds a copy of a weight tied across stages (held weakly; a parameter
+#: cannot be: `Module.to` swaps a parameter's tensor, which a weak reference to it forbids).
+_TIED_RUNNERS: weakref.WeakSet[PipelineRunner] = weakref.WeakSet()
+
+
+def counted_on_another_stage(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is the last stage's copy of a weight tied across stages, whose gradient the first
+    stage's copy holds as well (a norm over the pipeline counts it once). Found through the runners, at the call: the
+    copy is whatever parameter the head holds now (sharding replaces it)."""
+    return any(
+        runner.tied is not None
+        and runner.pp_mesh.get_local_rank() == runner.tied.last_rank
+        and runner.tied_parameter() is parameter
+        for runner in list(_TIED_RUNNERS)
+    )
+
+
+def tied_across_stages(model: nn.Module, plan: PipelinePlan, *, pp_size: int) -> TiedAcrossStages | None:
+    """The embedding tied to the head of ``model`` (read while it holds every module), if the first and last stages
+    are on two ranks; ``None`` otherwise."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return None
+    embedding = model.get_submodule(plan.embedding)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(head, "weight", None) is not getattr(embedding, "weight", None):
+        return None
+    head_path = next(name for name, module in model.named_modules() if module is head)
+    owners = {stage: rank for rank in range(pp_size) for stage in plan.stages_of(rank, pp_size)}
+    first, last = owners[0], owners[plan.num_stages - 1]
+    if first == last:
+        return None
+    return TiedAcrossStages(plan.embedding, head_path, first, last)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def labelled_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -647,8 +737,9 @@ def install_pipeline(
     (FSDP2 roots of their own under data parallelism)."""
     stages = plan.stages_of(pp_mesh.get_local_rank(), pp_mesh.size())
     modules = [PipelineStageModule(model, plan, stage) for stage in stages]
+    tied = tied_across_stages(model, plan, pp_size=pp_mesh.size())  # while the model holds both ends
     keep_stages(model, plan, stages)
-    runner = PipelineRunner(model, plan, pp_mesh=pp_mesh, device=device, stages=modules)
+    runner = PipelineRunner(model, plan, pp_mesh=pp_mesh, device=device, stages=modules, tied=tied)
     setattr(model, RUNNER_ATTR, runner)
     # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's. A
     # replacement, not hooks: the model's own forward must not run on a rank that holds only its stages.

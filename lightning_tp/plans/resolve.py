@@ -99,14 +99,17 @@ class ResolvedPlan:
 
     def restricted_to(self, module: nn.Module) -> ResolvedPlan:
         """This plan without the entries of modules and tensors that ``module`` (the one it was resolved on) no
-        longer holds: a rank of a pipeline keeps its stages' modules only."""
+        longer holds: a rank of a pipeline keeps its stages' modules only. A tie whose two ends are not both held (an
+        embedding tied to the head across stages) is no tie on this rank: each end's rank keeps its own copy."""
         present = {name for name, _ in module.named_modules()}
         present |= {name for name, _ in module.named_parameters(remove_duplicate=False)}
         present |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
         changes: dict[str, Any] = {}
         for entry in fields(self):
             value = getattr(self, entry.name)
-            if isinstance(value, dict):
+            if entry.name == "tied":
+                changes[entry.name] = {a: s for a, s in value.items() if a in present and s in present}
+            elif isinstance(value, dict):
                 changes[entry.name] = {name: v for name, v in value.items() if name in present}
             elif isinstance(value, list):
                 changes[entry.name] = [name for name in value if name in present]

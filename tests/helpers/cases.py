@@ -668,6 +668,17 @@ CASES: dict[str, Case] = {
     "qwen3_pp2_from_pretrained": Case(
         partial(_pretrained_as_loaded, "qwen3"), partial(lm_batches, 3), strategy_kwargs=_PP2
     ),
+    # Input embedding tied to the head (`tie_word_embeddings`): the first stage's copy and the last stage's, their
+    # gradients summed, the clipped norm counting it once; Gemma 2 (tied, scaled embedding, softcapping) with AdamW.
+    "tied_pp2_clip": lm("tied", 3, config=_DEEP_QWEN3, optimizer="adamw", lr=1e-3, clip=0.5, strategy_kwargs=_PP2),
+    "gemma2_pp2_tied": lm(
+        "gemma2",
+        3,
+        config={**_DEEP, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        optimizer="adamw",
+        lr=1e-3,
+        strategy_kwargs=_PP2,
+    ),
     "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the

@@ -420,13 +420,18 @@ def vlm_prompt(kind: str) -> dict[str, torch.Tensor]:
 
 
 def tied_embeddings(model: nn.Module) -> bool | None:
-    """Whether the output embedding is the input embedding (one parameter); None for a model without embeddings."""
+    """Whether the output embedding is the input embedding (one parameter, or under pipeline parallelism one copy on
+    each end's rank, kept equal); None for a model without embeddings."""
     if not hasattr(model, "get_output_embeddings"):
         return None
     from lightning_tp.parallel.pipeline import RUNNER_ATTR
 
-    if getattr(model, RUNNER_ATTR, None) is not None:  # a rank of a pipeline holds one of them at most
-        return False
+    runner = getattr(model, RUNNER_ATTR, None)
+    if runner is not None:
+        if runner.tied is not None:
+            return True
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        return head is not None and embedding is not None and head.weight is embedding.weight
     if model.get_output_embeddings() is None:
         return None
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
