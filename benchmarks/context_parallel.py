@@ -214,7 +214,7 @@ def skipped_compute(length: int, *, docs: int, cp_size: int) -> dict[str, float]
         pieces = [(i * piece, start, piece) for i, start in enumerate(piece_starts(length, cp_size, rank))]
         costs = []
         for doc_ids in (starts, torch.zeros_like(starts)):
-            low = first_keys(lambda b, h, q, k, d=doc_ids: (k <= q) & (d[q] == d[k]), local, batch=1, key_length=length)
+            low = first_keys(lambda b, h, q, k, d=doc_ids: (k <= q) & (d[q] == d[k]), local, batch=1)
             mask = range_mask(
                 positions=local, low=low, valid=None, pieces=pieces, key_length=length, piece_count=2 * cp_size
             )
@@ -344,27 +344,21 @@ def main() -> None:
     parser.add_argument("--cp1-max", type=int, default=16384, help="--long: the longest row cp 1 runs")
     parser.add_argument("--cp-comm", nargs="+", default=["all_gather"], help="--long: all_gather and/or ring")
     args = parser.parse_args()
-    if args.long:
-        if args.out is not None:
-            require("matplotlib", why="the plot next to --out")
-        if args.plot_only:
-            plot_long(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
-            return
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
-        report = long_context(args)
-        if dist.get_rank() == 0 and args.out is not None:
-            args.out.write_text(json.dumps(report, indent=2) + "\n")
-            plot_long(report, args.out.with_suffix(".png"))
-        dist.destroy_process_group()
-        return
+    draw = plot_long if args.long else plot
     if args.out is not None:  # the plot is drawn next to it, once everything is measured
         require("matplotlib", why="the plot next to --out")
     if args.plot_only:
-        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        draw(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=1800 if args.long else 900))
+    if args.long:
+        report = long_context(args)
+        if dist.get_rank() == 0 and args.out is not None:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            draw(report, args.out.with_suffix(".png"))
+        dist.destroy_process_group()
+        return
     assert dist.get_world_size() == 4, "launch with --nproc-per-node 4 (cp 1, 2 and 4 on the same ranks)"
     base = build(
         args.kv_heads, hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, max_positions=1 << 17

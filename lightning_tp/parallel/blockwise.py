@@ -121,9 +121,7 @@ def grid(length: int, *, pieces: int, tile: int) -> list[tuple[int, int]]:
     return [(s, min(s + tile, p + piece)) for p in range(0, length, piece) for s in range(p, p + piece, tile)]
 
 
-def first_keys(
-    mask_function: Callable[..., torch.Tensor], positions: torch.Tensor, *, batch: int, key_length: int
-) -> torch.Tensor:
+def first_keys(mask_function: Callable[..., torch.Tensor], positions: torch.Tensor, *, batch: int) -> torch.Tensor:
     """The first key each query may see under ``mask_function`` (Transformers' index-based form: ``(batch, head,
     query, key) -> bool`` on broadcast index tensors), found by bisection: ``(batch, queries)``. Each query's keys must
     be an interval that ends at itself; :func:`interval_violations` checks the ends.
@@ -132,9 +130,7 @@ def first_keys(
         mask_function: the mask function, without the padding (its keys are :attr:`RangeMask.valid`).
         positions: ``(queries,)`` the global position of each query.
         batch: the batch size.
-        key_length: the number of keys (the whole sequence).
     """
-    del key_length  # the interval ends at the query: keys after it are never searched
     b = torch.arange(batch, device=positions.device)[:, None]
     h = torch.zeros((), dtype=torch.long, device=positions.device)
     q = positions[None, :].expand(batch, -1)

@@ -655,7 +655,7 @@ class ContextParallel:
                 packed_sequence_mask_function(split.doc_ids),
             )
         try:
-            low = first_keys(function, split.positions, batch=batch_size, key_length=split.padded_len)
+            low = first_keys(function, split.positions, batch=batch_size)
             if not self.layers_checked:  # decided with the other ranks at the end of the first split forward
                 problem = interval_violations(function, split.positions, low, key_length=split.padded_len)
                 if problem is not None:
@@ -722,7 +722,7 @@ class ContextParallel:
                 f"{split.local_len} tokens."
             )
         split.called.add(id(module))
-        sinks = next((kwargs[arg] for arg in SINK_ARGUMENTS if kwargs.get(arg) is not None), None)
+        sinks = _sinks(kwargs)
         if sinks is not None and self.inner == "sdpa":
             sinks = None  # Transformers' `sdpa` ignores them: so does the split, to compute what one process does
         seed = int(torch.empty((), dtype=torch.int64).random_()) if dropout else 0
@@ -916,6 +916,11 @@ def _split_attention(
     return mask.split.cp.attention(module, query, key, value, mask, **kwargs)
 
 
+def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The attention sinks a layer passes its attention function (:data:`SINK_ARGUMENTS`), or ``None``."""
+    return next((kwargs[arg] for arg in SINK_ARGUMENTS if kwargs.get(arg) is not None), None)
+
+
 def _eager_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -939,7 +944,7 @@ def _eager_attention(
     if attention_mask is not None:
         mask = attention_mask[..., : key.shape[KEY_SEQUENCE_DIM]]
         scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask.float()
-    sinks = next((kwargs[arg] for arg in SINK_ARGUMENTS if kwargs.get(arg) is not None), None)
+    sinks = _sinks(kwargs)
     if sinks is not None:
         scores = torch.cat([scores, sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
     probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)

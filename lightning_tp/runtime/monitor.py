@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_tp.compat import CUDA_FLOPS, logs_this_step
+from lightning_tp.parallel.pipeline import counted_on_another_stage
 
 
 class ThroughputMonitor(L.Callback):
@@ -182,10 +183,11 @@ def model_numel(module: torch.nn.Module, *, pp_group: Any | None = None, device:
     """The parameters of the whole model ``module`` trains, counted whole: TP and FSDP shards of one replica add up to
     the model (a DTensor's ``numel`` is its global size), and under pipeline parallelism (``pp_group``, which every
     rank of it must pass) the other stages' parameters, which other ranks hold, are added (one sum over the group, on
-    ``device``: the group's backend's)."""
-    count = sum(p.numel() for p in module.parameters())
+    ``device``: the group's backend's), an embedding tied to the head across stages counted once, as one process's
+    ``parameters()`` counts it."""
     if pp_group is None:
-        return count
+        return sum(p.numel() for p in module.parameters())
+    count = sum(p.numel() for p in module.parameters() if not counted_on_another_stage(p))
     total = torch.tensor(count, dtype=torch.int64, device=device)
     dist.all_reduce(total, group=pp_group)
     return int(total.item())

@@ -75,8 +75,11 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
         held.setdefault(pp_rank, set(split["held"]))
         assert set(split["held"]) == held[pp_rank]
         assert set(split["held"]) < everything
-        # MFU's parameter count is the whole model's on every rank, not its own stages' (a pp-th of it).
-        assert split["model_numel"] == sum(value.numel() for value in reference_of(name)["state"].values())
+        # MFU's parameter count is the whole model's on every rank, not its own stages' (a pp-th of it); a tied
+        # embedding once, as one process counts its parameters (its state dict holds it under both names).
+        reference = reference_of(name)
+        tied = reference["state"]["lm_head.weight"].numel() if reference["tied"] else 0
+        assert split["model_numel"] == sum(value.numel() for value in reference["state"].values()) - tied
         # Every rank of the pipeline reports the same loss (the last stage's), a data-parallel rank its own rows'.
         assert r[name]["losses"] == results[rank % (world_size // pp)][name]["losses"]
         assert r[name]["sampler"] == {"num_replicas": dp, "rank": rank % (world_size // pp) // tp}

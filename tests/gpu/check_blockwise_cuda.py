@@ -30,7 +30,7 @@ def ranges(length: int, docs: int, device: torch.device):
     """One process's view (cp 1: two pieces), documents of equal length."""
     ids = torch.arange(length, device=device) * docs // length
     positions = torch.arange(length, device=device)
-    low = first_keys(lambda b, h, q, k: (k <= q) & (ids[q] == ids[k]), positions, batch=1, key_length=length)
+    low = first_keys(lambda b, h, q, k: (k <= q) & (ids[q] == ids[k]), positions, batch=1)
     half = length // 2
     mask = range_mask(
         positions=positions,
