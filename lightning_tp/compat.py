@@ -69,6 +69,7 @@ __all__ = [
     "restore_sigterm_broadcast",
     "set_attention_implementation",
     "forget_loader_position",
+    "forward_only_actions",
     "record_module_device",
     "set_device_mesh",
     "remove_transformers_grad_allreduce",
@@ -195,6 +196,19 @@ def install_dtensor_rng_tracker(mesh: DeviceMesh) -> bool:
     if _random._rng_tracker is None and mesh.device_type != "cpu" and _random.is_rng_supported_mesh(mesh):
         _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
     return _random._rng_tracker is not None
+
+
+def forward_only_actions(schedule: Any) -> None:
+    """Keep only the forward actions (and their sends, receives and FSDP2 unshards/reshards) of each rank's list in
+    a V-shaped schedule of torch 2.13 (``ZBVZeroBubble``, ``DualPipeV``). Why: its ``eval()`` still runs the
+    backward actions, and one of them, handing an input gradient to the adjacent stage on the same rank, asserts that
+    the stage has a backward. Its action lists (``pipeline_order_with_comms``) and their kinds are private; no public
+    forward-only mode of these schedules works."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    kept = {Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.UNSHARD, Kind.RESHARD}
+    for rank, actions in schedule.pipeline_order_with_comms.items():
+        schedule.pipeline_order_with_comms[rank] = [a for a in actions if a is not None and a.computation_type in kept]
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:

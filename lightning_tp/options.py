@@ -123,9 +123,10 @@ OPTIONS: tuple[Option, ...] = (
         "pp_schedule",
         "str | None",
         None,
-        "torch's pipeline schedule by name (``1F1B``, ``GPipe``, ``Interleaved1F1B``, ``LoopedBFS``; the zero-bubble "
-        "schedules are refused: their separate weight-gradient pass misses this package's parameters). ``None``: "
-        "``1F1B`` with one stage per rank, ``Interleaved1F1B`` with more.",
+        "torch's pipeline schedule by name: ``1F1B``, ``GPipe``, ``Interleaved1F1B``, ``LoopedBFS``, or the "
+        "zero-bubble ``InterleavedZeroBubble``, ``ZBVZeroBubble`` and ``DualPipeV`` (the last two place 2 stages per "
+        "rank in a V: rank ``r`` holds stages ``r`` and ``2p - 1 - r``). ``None``: ``1F1B`` with one stage per rank, "
+        "``Interleaved1F1B`` with more.",
     ),
     Option(
         "pp_microbatches",

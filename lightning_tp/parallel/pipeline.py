@@ -29,7 +29,7 @@ of its loss, so the gradients the schedule computed are taken off the parameters
 set aside during it and put back after. ``model(...)`` takes ``input_ids``, ``labels``, ``attention_mask`` and
 ``position_ids`` only.
 
-May import: ``compat``, ``layout``, ``patches``, ``plans``.
+May import: ``compat``, ``layout``, ``patches``, ``plans``, ``parallel.hooks``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_tp.compat import forward_only_actions
+from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR
 from lightning_tp.patches import install
 
 if TYPE_CHECKING:
@@ -56,25 +58,24 @@ RUNNER_ATTR = "_lightning_tp_pipeline"
 #: schedules), its interleaved form for more (a bubble ``V`` times smaller).
 DEFAULT_SCHEDULES = {1: "1F1B", 2: "Interleaved1F1B"}
 
-#: Schedules that split the backward into an input-gradient and a later weight-gradient pass. torch 2.13's weight pass
-#: looks each parameter up in the autograd graph, where this package's layers read DTensor parameters through local
-#: views: it finds none and leaves their gradients empty (measured: None gradients, or wrong ones with DualPipeV).
+#: Schedules that split the backward into an input-gradient pass and a later weight-gradient pass, which fills the
+#: bubble (zero-bubble pipelining).
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-#: The schedules ``pp_schedule`` may name (torch's others are its abstract bases or split the backward, above).
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")
+#: Schedules whose stages run down the ranks and back up ("V": with 2 stages per rank, rank r holds stages r and
+#: 2p-1-r, so the first and the last stage are on rank 0); the others place stage s on rank s % p ("loop").
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+#: The schedules ``pp_schedule`` may name.
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD_SCHEDULES)
 
 #: Keyword arguments of ``model(...)`` a pipelined model takes: split by micro-batch and given to every stage.
 _BATCH_KWARGS = ("attention_mask", "position_ids")
 
 
 def schedule_class(name: str) -> type:
-    """torch's schedule class of ``name`` (case-insensitive: ``"1F1B"``, ``"Interleaved1F1B"``, ``"GPipe"``,
-    ``"LoopedBFS"``; ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` and ``"DualPipeV"`` are refused when a plan is
-    resolved, see :data:`SPLIT_BACKWARD_SCHEDULES`)."""
+    """torch's schedule class of ``name`` (case-insensitive, one of :data:`SCHEDULES`)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    known = [*SCHEDULES, *SPLIT_BACKWARD_SCHEDULES]
-    if not isinstance(name, str) or name.lower() not in (n.lower() for n in known):
+    if not isinstance(name, str) or name.lower() not in (n.lower() for n in SCHEDULES):
         raise ValueError(f"`pp_schedule={name!r}` is not one of {list(SCHEDULES)}: unknown schedule name.")
     return get_schedule_class(name)
 
@@ -104,8 +105,15 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return len(self.layers)
 
+    @property
+    def v_shaped(self) -> bool:
+        """Whether the stages go down the ranks and back up (see :data:`V_SCHEDULES`)."""
+        return self.schedule in V_SCHEDULES
+
     def stages_of(self, pp_rank: int, pp_size: int) -> tuple[int, ...]:
-        """The stage indices rank ``pp_rank`` holds, in order."""
+        """The stage indices rank ``pp_rank`` holds, in order (as torch's schedule places them)."""
+        if self.v_shaped:
+            return (pp_rank, self.num_stages - 1 - pp_rank)
         return tuple(pp_rank + k * pp_size for k in range(self.stages_per_rank))
 
     def modules_of(self, stage: int) -> list[str]:
@@ -207,12 +215,6 @@ def resolve_pipeline_plan(
     layers: nn.ModuleList = getattr(base, layer_list)
     name = schedule or DEFAULT_SCHEDULES.get(stages_per_rank, "Interleaved1F1B")
     cls = schedule_class(name)
-    if name.lower() in (n.lower() for n in SPLIT_BACKWARD_SCHEDULES):
-        raise ValueError(
-            f"`pp_schedule={name!r}` computes the weight gradients in a pass of their own, which does not find "
-            "parameters that this package's layers read through DTensor views (torch 2.13): their gradients would "
-            f"be missing. Use one of {list(SCHEDULES)}."
-        )
     single = is_single_stage_schedule(cls)
     if single and stages_per_rank != 1:
         raise ValueError(
@@ -223,6 +225,17 @@ def resolve_pipeline_plan(
     microbatches = num_stages if microbatches is None else microbatches
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"`pp_microbatches` must be a positive integer or None, got {microbatches!r}.")
+    short = cls.__name__.removeprefix("Schedule")
+    if short in V_SCHEDULES and stages_per_rank != 2:
+        raise ValueError(
+            f"`pp_schedule={name!r}` places exactly 2 stages on each rank (down the ranks and back up), but "
+            f"pp_stages_per_rank={stages_per_rank}. Use pp_stages_per_rank=2."
+        )
+    if short == "DualPipeV" and microbatches < num_stages:
+        raise ValueError(
+            f"`pp_schedule='DualPipeV'` needs at least as many micro-batches as stages ({num_stages}), got "
+            f"pp_microbatches={microbatches}. Use more micro-batches."
+        )
     if cls.__name__ == "Schedule1F1B" and microbatches < num_stages:
         raise ValueError(
             f"`pp_schedule='1F1B'` needs at least as many micro-batches as stages ({num_stages}), got "
@@ -503,11 +516,14 @@ class PipelineRunner:
             logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=self._num_items
         )
 
-    def _schedule(self, key: tuple) -> Any:
+    def _schedule(self, key: tuple, *, training: bool) -> Any:
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
-            cls = schedule_class(self.plan.schedule)
+            # A V-shaped schedule evaluates with ZBV's order, forwards only (DualPipeV's overlapped actions pair each
+            # forward with a backward; torch runs the backward actions of either in `eval()`).
+            name = "ZBVZeroBubble" if self.plan.v_shaped and not training else self.plan.schedule
+            cls = schedule_class(name)
             group = self.pp_mesh.get_group()
             stages = [
                 PipelineStage(module, module.stage, self.plan.num_stages, self.device, group=group)
@@ -516,6 +532,8 @@ class PipelineRunner:
             # The loss is a sum over micro-batches, each divided by the batch's labelled tokens: no scaling after.
             kwargs = dict(n_microbatches=self.plan.microbatches, loss_fn=self._loss, scale_grads=False)
             schedule = cls(stages[0], **kwargs) if is_single_stage_schedule(cls) else cls(stages, **kwargs)
+            if self.plan.v_shaped and not training:
+                forward_only_actions(schedule)
             self._schedules[key] = schedule
         return self._schedules[key]
 
@@ -538,7 +556,7 @@ class PipelineRunner:
         self._num_items = labelled_tokens(labels).to(self.device)
         shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
         key = (*shapes, training, torch.is_inference_mode_enabled())
-        schedule = self._schedule(key)
+        schedule = self._schedule(key, training=training)
         losses: list[torch.Tensor] = []
         first = any(m.is_first for m in self.stage_modules)
         args = (input_ids.to(self.device),) if first else ()
@@ -741,6 +759,7 @@ def install_pipeline(
     keep_stages(model, plan, stages)
     runner = PipelineRunner(model, plan, pp_mesh=pp_mesh, device=device, stages=modules, tied=tied)
     setattr(model, RUNNER_ATTR, runner)
+    setattr(model, RUNS_NO_PARAMETERS_ATTR, True)  # its call runs the schedule; the stages call the modules
     # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's. A
     # replacement, not hooks: the model's own forward must not run on a rank that holds only its stages.
     install(model, "forward", pipelined_forward(runner), owner=model)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from lightning_tp.compat import distributed_is_initialized, parameter_dict, remove_transformers_grad_allreduce
 from lightning_tp.parallel.blocks import apply_blocks
 from lightning_tp.parallel.collectives import SumGradients
-from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
+from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR, on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import kv_head_layout, localize_kv_groups
 from lightning_tp.parallel.layers import APPLIED_ELSEWHERE, LAYERS, RowParallel, shard_parameter
 from lightning_tp.parallel.random_init import record_local_size
@@ -428,7 +428,7 @@ def _run_replicated_subtrees_on_views(module: nn.Module, replicated: set[int], s
             child_whole, child_holders = visit(f"{name}.{child_name}" if name else child_name, child)
             whole = whole and child_whole
             inside += child_holders
-        if whole and inside:
+        if whole and inside and not getattr(submodule, RUNS_NO_PARAMETERS_ATTR, False):
             _swap_subtree_on_call(submodule, inside)
         return whole, holders + inside
 

@@ -70,8 +70,12 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
     for rank, r in enumerate(results):
         split = r[name]["split"]
         pp_rank = rank // (world_size // pp)  # `pp` is the outermost axis
-        # Each rank holds its stages (interleaved: pp_rank, pp_rank + pp, ...) and their parameters only.
-        assert split["stages"] == [pp_rank + k * pp for k in range(stages_per_rank)], split["stages"]
+        # Each rank holds its stages (interleaved: pp_rank, pp_rank + pp, ...; V-shaped: pp_rank and 2 pp - 1 -
+        # pp_rank) and their parameters only.
+        if kwargs.get("pp_schedule") in ("ZBVZeroBubble", "DualPipeV"):
+            assert split["stages"] == [pp_rank, 2 * pp - 1 - pp_rank], split["stages"]
+        else:
+            assert split["stages"] == [pp_rank + k * pp for k in range(stages_per_rank)], split["stages"]
         held.setdefault(pp_rank, set(split["held"]))
         assert set(split["held"]) == held[pp_rank]
         assert set(split["held"]) < everything

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import re
 import time
 import traceback
@@ -527,6 +528,8 @@ def main() -> None:
             results[name] = SCENARIOS.run(name, ctx)
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
+            # Printed as well: if another rank then hangs in the barrier below, this is the launch's only trace of it.
+            print(f"[rank{rank}] {name} crashed:\n{results[name]['crash']}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.barrier()  # every rank reached the end of the case: none is left hanging
         if rank == 0:  # read by tests/helpers/launch.py: the slowest scenarios close the run's summary

@@ -679,6 +679,15 @@ CASES: dict[str, Case] = {
         lr=1e-3,
         strategy_kwargs=_PP2,
     ),
+    "llama_pp2_zbv": lm(
+        "llama", 3, config=_DEEP, strategy_kwargs={**_PP2, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2}
+    ),
+    "qwen3_pp2_dualpipev": lm(
+        "qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "pp_schedule": "DualPipeV", "pp_stages_per_rank": 2}
+    ),
+    "llama_pp2_tp2_zero_bubble": lm(
+        "llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2, "pp_schedule": "InterleavedZeroBubble", "pp_stages_per_rank": 2}
+    ),
     "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
@@ -852,6 +861,7 @@ TWO_D_CASES = [
     "qwen3_compile_activation_checkpointing",
     # Pipeline parallelism with TP and with data parallelism.
     "llama_pp2_tp2",
+    "llama_pp2_tp2_zero_bubble",
     "qwen3_pp2_dp2",
     # Expert parallelism with TP and data parallelism.
     "qwen3_moe_ep2_tp2",

@@ -66,6 +66,10 @@ def test_plan_names_the_stages_modules_and_schedules():
     assert interleaved.schedule == "Interleaved1F1B" and interleaved.stages_of(0, 2) == (0, 2)
     assert _plan(model, schedule="LoopedBFS", stages_per_rank=2).stages_of(1, 2) == (1, 3)
     assert [len(r) for r in _plan(model, split=[1, 3]).layers] == [1, 3]
+    # The V-shaped schedules place stages down the ranks and back up: the first and the last on rank 0.
+    v = _plan(model, schedule="ZBVZeroBubble", stages_per_rank=2)
+    assert v.v_shaped and (v.stages_of(0, 2), v.stages_of(1, 2)) == ((0, 3), (1, 2))
+    assert not _plan(model, schedule="InterleavedZeroBubble", stages_per_rank=2).v_shaped
 
 
 @pytest.mark.parametrize(
@@ -75,8 +79,9 @@ def test_plan_names_the_stages_modules_and_schedules():
         ({"schedule": "PipelineScheduleSingle"}, "unknown schedule name"),
         ({"schedule": "1F1B", "microbatches": 1}, "at least as many micro-batches as stages"),
         ({"schedule": "1F1B", "stages_per_rank": 2}, "runs one stage per rank"),
-        ({"schedule": "ZBVZeroBubble", "stages_per_rank": 2}, "weight gradients in a pass of their own"),
-        ({"schedule": "DualPipeV", "stages_per_rank": 2}, "weight gradients in a pass of their own"),
+        ({"schedule": "ZBVZeroBubble"}, "exactly 2 stages on each rank"),
+        ({"schedule": "DualPipeV", "stages_per_rank": 3}, "exactly 2 stages on each rank"),
+        ({"schedule": "DualPipeV", "stages_per_rank": 2, "microbatches": 2}, "DualPipeV.*at least as many"),
         ({"stages_per_rank": 2, "microbatches": 3}, "divisible by pp_size=2"),
         ({"split": [2, 1]}, r"pp_split=\[2, 1\].*add up to the model's 4 layers"),
         ({"stages_per_rank": 4}, "has 4 decoder layers, fewer than its 8 pipeline stages"),
