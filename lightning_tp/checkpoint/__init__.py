@@ -5,7 +5,8 @@ read already sharded, and standard Hugging Face directories written from a shard
   not write; ``trust``: checkpoints are untrusted input (no arbitrary unpickling by default); ``validation``: clear
   errors before a load; ``rng_state``: random states saved and restored;
 - ``state``: the whole training state saved and loaded (the strategies' ``save_checkpoint``/``load_checkpoint``);
-  ``dcp_layouts``: layouts DCP writes wrongly, saved plainly; ``readers``: checkpoints read one tensor at a time;
+  ``aliases``: one name for a tensor with several (tied weights); ``dcp_layouts``: layouts DCP writes wrongly, saved
+  plainly; ``readers``: checkpoints read one tensor at a time;
   ``remote``: fsspec URLs; ``safetensors``: the format written one tensor at a time;
 - ``loading``: pretrained safetensors read as each rank's slices; ``hf_saves``: ``save_pretrained``, the adapter save
   and ``save_merged`` of a sharded model.
@@ -14,6 +15,7 @@ May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layo
 """
 
 __all__ = [
+    "aliases",
     "dcp_layouts",
     "format",
     "hf_saves",

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.checkpoint import remote
+from lightning_tp.checkpoint.aliases import parameter_aliases, parameter_names, renamed
 from lightning_tp.checkpoint.dcp_layouts import dcp_layouts, misplaced_by_dcp, restore_layouts
 from lightning_tp.checkpoint.format import META_FILENAME, MODELS_KEY, RNG_KEY, flat_optimizer_state
 from lightning_tp.checkpoint.publish import (
@@ -358,14 +359,20 @@ def _load_distributed(
         module.load_state_dict(restore_layouts(state[key], wanted), strict=False)  # completeness was checked above
     saved_pp = metadata.get(RNG_KEY, {}).get("layout", {}).get("pp", 1)
     flat = flat_optimizer_state(saved_pp)
+    aliases = parameter_aliases(model)
     for key, optimizer in optimizers.items():
-        wanted = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        # Read under the names the checkpoint was written with (a tensor with several names under its canonical one,
+        # see `checkpoint.aliases`), handed to torch under the names it asked for.
+        asked = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        wanted = renamed(asked, aliases)
+        present = parameter_names(asked)
+        back = {canonical: alias for alias, canonical in aliases.items() if alias in present}
         state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)
         set_optimizer_state_dict(
             model,
             optimizer,
-            optim_state_dict=restore_layouts(state[key], wanted),
+            optim_state_dict=renamed(restore_layouts(state[key], wanted), back),
             options=StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=flat),
         )
     return metadata

@@ -11,7 +11,6 @@ from torch import nn
 
 from lightning_tp.compat import parameter_dict
 
-
 #: Set on a module whose call computes nothing with the parameters below it: a pipelined model, whose forward runs the
 #: schedule while its stages call the modules themselves. Nothing swaps views in for its whole call, which spans the
 #: schedule's backward passes too (a zero-bubble weight pass looks up the stages' parameters then, and must find them).

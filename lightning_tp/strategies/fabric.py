@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tp.checkpoint import state as checkpoint_io
+from lightning_tp.checkpoint.aliases import optimizer_state_dict
 from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
 from lightning_tp.compat import (
     BackwardSyncControl,
@@ -292,7 +293,6 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
-            get_optimizer_state_dict,
         )
 
         options = StateDictOptions(
@@ -309,7 +309,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         checkpoint[FABRIC_KEY] = {"model": module_key, "optimizers": list(optimizers)}
         checkpoint[MODEL_KEY] = get_model_state_dict(module, options=options)
         for key, optimizer in optimizers.items():
-            checkpoint[key] = get_optimizer_state_dict(module, optimizer, options=options)
+            checkpoint[key] = optimizer_state_dict(module, optimizer, options=options)
         checkpoint_io.save_checkpoint(
             checkpoint,
             path,

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tp.checkpoint import state as checkpoint_io
+from lightning_tp.checkpoint.aliases import optimizer_state_dict
 from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
 from lightning_tp.checkpoint.rng_state import set_rng_state
 from lightning_tp.compat import (
@@ -307,17 +308,20 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Lightning's, flat under pipeline parallelism (see
-        :func:`lightning_tp.checkpoint.format.flat_optimizer_state`)."""
-        if not flat_optimizer_state(self.layout.pp_size):
+        """Lightning's; in a distributed checkpoint, flat under pipeline parallelism (see
+        :func:`lightning_tp.checkpoint.format.flat_optimizer_state`) and a tied weight's state under its canonical
+        name (:mod:`lightning_tp.checkpoint.aliases`)."""
+        if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        options = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-        return get_optimizer_state_dict(self.model, optimizer, options=options)
+        options = StateDictOptions(
+            cpu_offload=True, flatten_optimizer_state_dict=flat_optimizer_state(self.layout.pp_size)
+        )
+        return optimizer_state_dict(self.model, optimizer, options=options)
 
     @override
     def save_checkpoint(

@@ -229,6 +229,30 @@ def pipeline_parallel(ctx: Context) -> dict[str, Any]:
     }
 
 
+@SCENARIOS.register("tied_resume")
+def tied_resume(ctx: Context) -> dict[str, Any]:
+    """A model with tied embeddings (one tensor under two names) resumed mid-run on TP 2; pp 2 (the tensor's copies on
+    the first and the last stage) checkpoints at the end of epoch 0, resumed on pp 2 and on TP 2 (pp 1), and TP 2's
+    epoch-0 checkpoint on pp 2."""
+    out = ctx.out
+    module = ResumeModule(kind="tied")  # a stateful loader: the resume mid-epoch continues where the save was
+    fit(module, callbacks=[SaveAt(steps={6: out / "tied_mid"})])
+    fit(ResumeModule(kind="tied", stateful_data=False), callbacks=[SaveAt(epochs={0: out / "tied_tp2_epoch0"})])
+    pipelined = ResumeModule(kind="tied", stateful_data=False)
+    fit(pipelined, pp_size=2, tp_size=1, callbacks=[SaveAt(epochs={0: out / "tied_pp2_epoch0"})])
+    pp = {"pp_size": 2, "tp_size": 1}
+    return {
+        "tied_resume": {
+            "uninterrupted": module.losses,
+            "pp_uninterrupted": pipelined.losses,
+            "mid": resumed_losses(out / "tied_mid", kind="tied"),
+            "pp_to_pp": resumed_losses(out / "tied_pp2_epoch0", kind="tied", stateful_data=False, **pp),
+            "pp_to_tp2": resumed_losses(out / "tied_pp2_epoch0", kind="tied", stateful_data=False),
+            "tp2_to_pp": resumed_losses(out / "tied_tp2_epoch0", kind="tied", stateful_data=False, **pp),
+        }
+    }
+
+
 @SCENARIOS.register("cp_2d")
 def context_parallel_2d(ctx: Context) -> dict[str, Any]:
     """A TP 2 checkpoint (``--from``) resumed on cp 2 x tp 2."""

@@ -37,7 +37,7 @@ from tests.helpers.tolerances import fp32_logits_gap, fp32_roundings
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 #: The scenarios of the TP 2 launch (tests/distributed/checkpoint_worker.py), in the order a full run runs them.
 TP2_SCENARIOS = [
-    *["dropout", "full", "final", "from_single", "lora", "tied", "vlm", "cp", "pp", "ep", "compiled"],
+    *["dropout", "full", "final", "from_single", "lora", "tied", "tied_resume", "vlm", "cp", "pp", "ep", "compiled"],
     *[f"mixers:{kind}" for kind in MIXER_KINDS],
 ]
 #: The same layout resuming its own checkpoint: a save and a load change no value, and the resumed steps run the
@@ -111,6 +111,16 @@ def single_moe(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) 
     resumed = _single_process_fit(out / "epoch0.ckpt", kind="qwen3_moe")
     fp32_resume_counts("qwen3_moe", resumed.model.state_dict())
     return {"uninterrupted": uninterrupted.losses, "resumed": resumed.losses, "checkpoint": out / "epoch0.ckpt"}
+
+
+@pytest.fixture(scope="module")
+def single_tied(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> dict[str, Any]:
+    """:func:`single` for the tiny model with tied embeddings."""
+    out = tmp_path_factory.mktemp("single_tied")
+    uninterrupted = _single_process_fit(callbacks=[SaveAt(epochs={0: out / "epoch0.ckpt"})], kind="tied")
+    resumed = _single_process_fit(out / "epoch0.ckpt", kind="tied")
+    fp32_resume_counts("tied", resumed.model.state_dict())
+    return {"uninterrupted": uninterrupted.losses, "resumed": resumed.losses}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +218,20 @@ def test_pipeline_checkpoints_resume_across_pp_sizes(
             _assert_close(result[resumed], single["resumed"], fp32_loss_bounds(single["resumed"]))
         assert "single-file checkpoint" in result["single_file_refused"], result["single_file_refused"]
     _assert_close(one_process["from_pp2"]["resumed"], single["resumed"], fp32_loss_bounds(single["resumed"]))
+
+
+@pytest.mark.scenarios("ckpt_tp2", "tied_resume")
+def test_tied_embeddings_resume_exactly_and_across_pp_sizes(tp2: dict[str, Any], single_tied: dict[str, Any]) -> None:
+    """One tensor under two names (the input embedding and the head): TP 2 resumes its own mid-run checkpoint bit for
+    bit (the tensor's optimizer state included); pp 2, whose first and last stages each hold a copy, trains as one
+    process does, and its checkpoint resumes on pp 2 and on TP 2, and TP 2's on pp 2, as one process resumes its own."""
+    bounds = fp32_loss_bounds(single_tied["resumed"], kind="tied")
+    for result in tp2["ranks"]:
+        _assert_close(result["tied_resume"]["mid"], _after(result["tied_resume"]["uninterrupted"], 6), IDENTICAL)
+        expected = single_tied["uninterrupted"]
+        _assert_close(result["tied_resume"]["pp_uninterrupted"], expected, fp32_loss_bounds(expected, kind="tied"))
+        for resumed in ("pp_to_pp", "pp_to_tp2", "tp2_to_pp"):
+            _assert_close(result["tied_resume"][resumed], single_tied["resumed"], bounds)
 
 
 @pytest.mark.scenarios("ckpt_tp2", "compiled")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import re
+import sys
 import time
 import traceback
 import warnings

@@ -686,7 +686,10 @@ CASES: dict[str, Case] = {
         "qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "pp_schedule": "DualPipeV", "pp_stages_per_rank": 2}
     ),
     "llama_pp2_tp2_zero_bubble": lm(
-        "llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2, "pp_schedule": "InterleavedZeroBubble", "pp_stages_per_rank": 2}
+        "llama",
+        3,
+        config=_DEEP,
+        strategy_kwargs={"tp_size": 2, "pp_size": 2, "pp_schedule": "InterleavedZeroBubble", "pp_stages_per_rank": 2},
     ),
     "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
