@@ -16,7 +16,7 @@ May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -180,12 +180,10 @@ class ParallelOptions:
         """What depends on the layout and the device: decided on every rank from the configuration alone, before the
         process group starts."""
         if layout.pp_size > 1:
-            asked = [name for name in ("sequence_parallel", "loss_parallel", "cpu_offload") if getattr(self, name)]
-            if asked:
+            if self.cpu_offload:
                 raise ValueError(
-                    f"pp_size={layout.pp_size} does not support {', '.join(f'{n}=True' for n in asked)} yet: the "
-                    "stages exchange whole activations and the last stage computes the loss on whole logits. Drop "
-                    f"{' and '.join(asked)}, or use pp_size=1."
+                    f"pp_size={layout.pp_size} does not support cpu_offload=True yet: torch's pipeline stages keep "
+                    "their parameters where they run. Drop cpu_offload, or use pp_size=1."
                 )
         elif (self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank, self.pp_split) != (None, None, 1, None):
             rank_zero_warn(
@@ -537,7 +535,13 @@ def resolve_targets(
                 )
             plan = extend_plan_to_adapters(module, plan)
         plan = rewrite_for_regions(
-            module, plan, presharded=presharded_mesh is not None, layout=layout, dp_mesh=dp_mesh, options=options
+            module,
+            plan,
+            presharded=presharded_mesh is not None,
+            layout=layout,
+            dp_mesh=dp_mesh,
+            options=options,
+            stages=pipeline.layers if pipeline is not None else (),
         )
         targets.models.append(Target(module, plan, presharded_mesh, pipeline))
     targets.extras.extend(
@@ -564,9 +568,11 @@ def rewrite_for_regions(
     layout: ParallelLayout,
     dp_mesh: DeviceMesh | None,
     options: ParallelOptions,
+    stages: Sequence[range] = (),
 ) -> ResolvedPlan:
     """Dense decoder layers with one input DTensor per attention/MLP (2 backward all-reduces per layer instead of 5),
-    sequence parallelism when asked, and the vocabulary-sharded ``lm_head`` of loss parallelism."""
+    sequence parallelism when asked (``stages``: the decoder layers of each pipeline stage), and the
+    vocabulary-sharded ``lm_head`` of loss parallelism."""
     asked = ", ".join(f"{name}=True" for name in ("sequence_parallel", "loss_parallel") if getattr(options, name))
     if not is_transformers_model(module) or presharded:
         if asked and not is_transformers_model(module):
@@ -585,7 +591,9 @@ def rewrite_for_regions(
         raise ValueError("sequence_parallel=True does not support PEFT adapters yet; drop one of them.")
     blocks = block_classes(module, options.fsdp_blocks)
     if options.sequence_parallel:
-        plan = sequence_parallel_plan(module, plan, blocks=blocks, recomputed=options.activation_checkpointing)
+        plan = sequence_parallel_plan(
+            module, plan, blocks=blocks, recomputed=options.activation_checkpointing, stages=stages
+        )
     elif not has_peft(module):  # PEFT's LoRA layers take plain-tensor inputs
         plan = dense_layers_plan(module, plan, blocks=blocks)
     if options.loss_parallel:

@@ -26,6 +26,7 @@ With loss parallelism ``lm_head`` keeps its output sharded on the vocabulary and
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -121,8 +122,9 @@ class ScatterSequence(ParallelStyle):
 
 
 class GatherOutput(ParallelStyle):
-    """The final norm's output, sequence shards, is gathered into the whole sequence (a plain tensor, its padding cut
-    off): the model's ``last_hidden_state``, ``logits_to_keep`` and the head then see every position."""
+    """The module's output (the final norm's, or a pipeline stage's last decoder layer's: the first element of a
+    tuple), sequence shards, is gathered into the whole sequence (a plain tensor, its padding cut off): the model's
+    ``last_hidden_state``, ``logits_to_keep`` and the head, or the next pipeline stage, then see every position."""
 
     def __init__(self, split: SequenceSplit) -> None:
         super().__init__()
@@ -130,6 +132,8 @@ class GatherOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(module: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, tuple):
+                return (gather(module, args, output[0]), *output[1:])
             whole = DTensor.from_local(output, device_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
             local = whole.redistribute(device_mesh, [Replicate()]).to_local()
             return local.narrow(SEQUENCE_DIM, 0, self.split.length) if self.split.padding else local
@@ -187,27 +191,59 @@ class FollowSplit(ParallelStyle):
         return module
 
 
+class Several(ParallelStyle):
+    """Several styles applied to one module, in order."""
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            module = parallelize_module(module, device_mesh, style)
+        return module
+
+
 def _pad_sequence(hidden: torch.Tensor, rows: int) -> torch.Tensor:
     """``hidden`` ([batch, sequence, ...]) with ``rows`` zero rows added at the end of its sequence."""
     return torch.cat([hidden, hidden.new_zeros(hidden.shape[0], rows, *hidden.shape[2:])], dim=SEQUENCE_DIM)
 
 
 def sequence_parallel_plan(
-    model: nn.Module, plan: ResolvedPlan, *, blocks: set[type], recomputed: bool = False
+    model: nn.Module,
+    plan: ResolvedPlan,
+    *,
+    blocks: set[type],
+    recomputed: bool = False,
+    stages: Sequence[range] = (),
 ) -> ResolvedPlan:
     """``plan`` rewritten for sequence parallelism (see the module docstring) with this module's styles, all sharing
     one :class:`SequenceSplit` (:func:`lightning_tp.plans.rewrite.rewrite_for_sequence_parallel`). ``blocks``: the
     classes of the decoder layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite.
     Any sequence length splits (see :class:`SequenceSplit`). ``recomputed``: the layers are recomputed in the backward
-    (activation checkpointing), so each later layer follows the split its input was made with."""
+    (activation checkpointing), so each later layer follows the split its input was made with. ``stages``: the
+    decoder layers of each pipeline stage: the activations between stages are whole (each stage's last layer gathers
+    its output, the next stage's first layer cuts it again), so every stage computes its masks and positions from the
+    whole sequence, as the first does."""
     split = SequenceSplit()
+
+    def layer(*, first: bool, last: bool) -> ParallelStyle | None:
+        styles: list[ParallelStyle] = []
+        if first:
+            styles.append(ShardSequence(split))
+        elif recomputed:
+            styles.append(FollowSplit(split))
+        if last:
+            styles.append(GatherOutput(split))
+        return None if not styles else styles[0] if len(styles) == 1 else Several(*styles)
+
     return rewrite_for_sequence_parallel(
         model,
         plan,
         blocks=blocks,
         rowwise=lambda: ScatterSequence(split),
         region=lambda: GatherSequence(split),
-        first_layer=lambda: ShardSequence(split),
+        layer=layer,
         final_norm=lambda: GatherOutput(split),
-        later_layer=(lambda: FollowSplit(split)) if recomputed else None,
+        stages=stages,
     )

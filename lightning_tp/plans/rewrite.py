@@ -7,7 +7,7 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -97,16 +97,19 @@ def rewrite_for_sequence_parallel(
     blocks: set[type],
     rowwise: StyleFactory,
     region: StyleFactory,
-    first_layer: StyleFactory,
+    layer: Callable[..., Any],
     final_norm: StyleFactory,
-    later_layer: StyleFactory | None = None,
+    stages: Sequence[range] = (),
 ) -> ResolvedPlan:
     """``plan`` rewritten for sequence parallelism (:mod:`lightning_tp.parallel.sequence_parallel`): each text decoder
     layer's column-/row-wise pairs with torch's styles, ``rowwise()`` exits (the reduce-scatter), ``region()`` on each
-    attention and MLP (the all-gather), ``first_layer()`` on the first layer (cuts the sequence), ``later_layer()``
-    (where given) on the others, ``final_norm()`` on the norm after the layers (gathers it); the parameters outside
-    the regions (the norms) get their gradients summed over the TP group. ``blocks``: the classes of the decoder
-    layers. Refuses, naming the module and style, what sequence parallelism cannot rewrite."""
+    attention and MLP (the all-gather), ``layer(first=..., last=...)`` on each decoder layer (``first``: it cuts the
+    sequence, the first layer of the model or of a pipeline stage; ``last``: it gathers it, the last layer of a
+    pipeline stage before the last, whose output goes to the next stage whole; ``None`` for nothing),
+    ``final_norm()`` on the norm after the layers (gathers it); the parameters outside the regions (the norms) get
+    their gradients summed over the TP group. ``blocks``: the classes of the decoder layers; ``stages``: the decoder
+    layers of each pipeline stage (none: one stage). Refuses, naming the module and style, what sequence parallelism
+    cannot rewrite."""
     styles: dict[str, Any] = dict(plan.styles)
     grad_allreduce = list(plan.grad_allreduce)
     # The language model's stack only: a vision tower planned too runs on its patches with plain TP.
@@ -122,15 +125,16 @@ def rewrite_for_sequence_parallel(
         problems = [problem for layer in layers if (problem := _outside_regions(model, styles, layer))]
     if problems:
         raise ValueError(f"sequence_parallel=True rewrites column-wise/row-wise pairs, but {problems[0]}.")
-    for index, layer in enumerate(layers):
-        regions = rewrite_layer_styles(styles, layer, rowwise=rowwise, region=region)
-        if index == 0:
-            styles[layer] = first_layer()
-        elif later_layer is not None:
-            styles[layer] = later_layer()
+    firsts = {stage.start for stage in stages} | {0}
+    lasts = {stage.stop - 1 for stage in stages[:-1]}
+    for index, path in enumerate(layers):
+        regions = rewrite_layer_styles(styles, path, rowwise=rowwise, region=region)
+        style = layer(first=index in firsts, last=index in lasts)
+        if style is not None:
+            styles[path] = style
         # Replicated parameters outside the regions (the norms) see one sequence shard each.
-        inside = layer_entries(plan.styles, layer)
-        for name, module in model.get_submodule(layer).named_modules(prefix=layer):
+        inside = layer_entries(plan.styles, path)
+        for name, module in model.get_submodule(path).named_modules(prefix=path):
             if any(name == r or name.startswith(f"{r}.") for r in regions) or name in inside:
                 continue
             if any(True for _ in module.parameters(recurse=False)):

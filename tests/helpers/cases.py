@@ -692,6 +692,31 @@ CASES: dict[str, Case] = {
         strategy_kwargs={"tp_size": 2, "pp_size": 2, "pp_schedule": "InterleavedZeroBubble", "pp_stages_per_rank": 2},
     ),
     "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
+    "llama_pp2_tp2_sp": lm(
+        "llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2, "sequence_parallel": True}
+    ),
+    # Interleaved: stages of one layer each, which cuts the sequence and gathers it again.
+    "qwen3_pp2_tp2_sp_lp_interleaved": lm(
+        "qwen3",
+        3,
+        config=_DEEP_QWEN3,
+        strategy_kwargs={
+            "tp_size": 2,
+            "pp_size": 2,
+            "pp_stages_per_rank": 2,
+            "sequence_parallel": True,
+            "loss_parallel": True,
+        },
+    ),
+    "qwen3_pp2_tp2_lp": lm(
+        "tied",
+        3,
+        config=_DEEP_QWEN3,
+        optimizer="adamw",
+        lr=1e-3,
+        clip=0.5,
+        strategy_kwargs={"tp_size": 2, "pp_size": 2, "loss_parallel": True},
+    ),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
     # data-parallel ranks (tp 1: the experts' FSDP2 has one rank each; the router's load-balancing loss over the whole
@@ -865,6 +890,9 @@ TWO_D_CASES = [
     # Pipeline parallelism with TP and with data parallelism.
     "llama_pp2_tp2",
     "llama_pp2_tp2_zero_bubble",
+    "qwen3_pp2_tp2_lp",
+    "llama_pp2_tp2_sp",
+    "qwen3_pp2_tp2_sp_lp_interleaved",
     "qwen3_pp2_dp2",
     # Expert parallelism with TP and data parallelism.
     "qwen3_moe_ep2_tp2",

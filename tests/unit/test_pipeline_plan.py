@@ -103,8 +103,9 @@ def test_models_a_pipeline_cannot_cut_are_refused_by_name():
 
 def test_options_that_pp_does_not_support_yet_are_refused_before_processes():
     layout = ParallelLayout.resolve(4, tp_size=2, pp_size=2)
-    with pytest.raises(ValueError, match="does not support sequence_parallel=True"):
-        ParallelOptions(sequence_parallel=True).check_layout(layout, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="does not support cpu_offload=True"):
+        ParallelOptions(cpu_offload=True).check_layout(layout, device=torch.device("cpu"))
+    ParallelOptions(sequence_parallel=True, loss_parallel=True).check_layout(layout, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="needs `save_distributed_checkpoint=True`"):
         StrategyOptions.build(
             tp_size=2,
