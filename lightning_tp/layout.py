@@ -64,8 +64,8 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        if self.pp_size > 1 and (self.cp_size > 1 or self.ep_size > 1):
-            other = "cp_size" if self.cp_size > 1 else "ep_size"
+        if self.pp_size > 1 and self.cp_size > 1:
+            other = "cp_size"
             raise ValueError(
                 f"pp_size={self.pp_size} with {other}={getattr(self, other)} is not supported yet: a pipeline stage "
                 f"sends one activation per micro-batch, which context and expert parallelism would have to split and "
@@ -230,22 +230,26 @@ class ParallelLayout:
         return mesh, dp_mesh
 
     def build_expert_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
-        """The expert mesh (``dp_replicate``, ``efsdp``, ``ep``) over the same ranks as the dense one, for
-        ``ep_size > 1``: the ranks below ``dp_replicate`` laid out again, ``ep`` innermost (contiguous ranks, so that an
-        EP group holds whole TP groups and, with ``ep_size == tp_size``, is the TP group). Every rank must call it;
+        """The expert mesh (``dp_replicate``, ``efsdp``, ``ep``; ``pp`` outermost under pipeline parallelism, as in
+        the dense mesh) over the same ranks as the dense one, for ``ep_size > 1``: the ranks below ``dp_replicate``
+        laid out again, ``ep`` innermost (contiguous ranks, so that an EP group holds whole TP groups and, with
+        ``ep_size == tp_size``, is the TP group; it never spans two pipeline stages). Every rank must call it;
         ``timeout`` as in :meth:`build_device_mesh`."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.ep_size == 1:
             raise ValueError("`build_expert_mesh` builds the mesh of expert parallelism: this layout has ep_size=1.")
         shape = (self.dp_replicate_size, self.efsdp_size, self.ep_size)
+        names = EXPERT_MESH_AXES
+        if self.pp_size > 1:
+            shape, names = (self.pp_size, *shape), (PP_AXIS, *names)
         options = group_options(timeout)
         override = (
-            {name: options for name, size in zip(EXPERT_MESH_AXES, shape, strict=True) if size != self.world_size}
+            {name: options for name, size in zip(names, shape, strict=True) if size != self.world_size}
             if options
             else None
         )
-        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_AXES, backend_override=override or None)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
 
     def __str__(self) -> str:
         cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""

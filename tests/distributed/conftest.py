@@ -79,6 +79,14 @@ def two_d_results(
     return _launch(request, tmp_path_factory.mktemp("2d"), "2d", 4, "--tp-size", "2")
 
 
+@pytest.fixture(scope="session")
+def three_d_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None
+) -> list[dict]:
+    """3-D cases on 8 processes: pp 2 x dp_shard 2 x tp 2."""
+    return _launch(request, tmp_path_factory.mktemp("3d"), "3d", 8, "--tp-size", "2")
+
+
 @pytest.fixture
 def layout_results(request: pytest.FixtureRequest, layout: str) -> list[dict]:
     """The launch of the test's ``layout`` parameter ("tp2" or "2d") only: the other one is not started."""

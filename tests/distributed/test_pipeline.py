@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cases import CASES, PP_2D_CASES, PP_CASES
+from tests.helpers.cases import CASES, PP_2D_CASES, PP_CASES, THREE_D_CASES
 from tests.helpers.models import PP_PROBE
 from tests.helpers.parity import assert_parity, reference_of
 from tests.helpers.selection import scenario_result as _result
@@ -108,3 +108,9 @@ def test_pp2_matches_single_process(tp2_results: list[dict], name: str) -> None:
 @pytest.mark.scenarios("2d", "{name}")
 def test_pp2_on_4_ranks_matches_single_process(two_d_results: list[dict], name: str) -> None:
     _check(two_d_results, name, world_size=4)
+
+
+@pytest.mark.parametrize("name", THREE_D_CASES)
+@pytest.mark.scenarios("3d", "{name}")
+def test_pp2_tp2_dp2_on_8_ranks_matches_single_process(three_d_results: list[dict], name: str) -> None:
+    _check(three_d_results, name, world_size=8)

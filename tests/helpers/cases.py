@@ -692,6 +692,16 @@ CASES: dict[str, Case] = {
         strategy_kwargs={"tp_size": 2, "pp_size": 2, "pp_schedule": "InterleavedZeroBubble", "pp_stages_per_rank": 2},
     ),
     "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
+    # The 3-D layout on 8 processes: 2 stages, each over dp_shard 2 x tp 2 (FSDP2 over TP shards), AdamW and clipping.
+    "llama_pp2_tp2_dp2": lm(
+        "llama",
+        3,
+        config=_DEEP,
+        optimizer="adamw",
+        lr=1e-3,
+        clip=0.5,
+        strategy_kwargs={"tp_size": 2, "pp_size": 2, "dp_shard_size": 2},
+    ),
     "llama_pp2_tp2_sp": lm(
         "llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2, "sequence_parallel": True}
     ),
@@ -718,6 +728,12 @@ CASES: dict[str, Case] = {
         strategy_kwargs={"tp_size": 2, "pp_size": 2, "loss_parallel": True},
     ),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
+    # HSDP on each stage (dp_replicate 2: each stage's FSDP2 root replicated over 2 ranks, sharded over 1), and expert
+    # parallelism inside each stage (ep 2 over the stage's 2 data-parallel ranks; the experts' FSDP2 on 1 rank each).
+    "qwen3_pp2_hsdp": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "dp_replicate_size": 2}),
+    "qwen3_moe_pp2_expert_parallel": lm(
+        "qwen3_moe", 3, config={"num_hidden_layers": 4}, strategy_kwargs={**_PP2, "ep_size": 2}
+    ),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
     # data-parallel ranks (tp 1: the experts' FSDP2 has one rank each; the router's load-balancing loss over the whole
     # batch), ep 2 over the TP group (the ranks share one batch and each sends half of it), LoRA on the attention.
@@ -894,6 +910,8 @@ TWO_D_CASES = [
     "llama_pp2_tp2_sp",
     "qwen3_pp2_tp2_sp_lp_interleaved",
     "qwen3_pp2_dp2",
+    "qwen3_pp2_hsdp",
+    "qwen3_moe_pp2_expert_parallel",
     # Expert parallelism with TP and data parallelism.
     "qwen3_moe_ep2_tp2",
     "mixtral_ep4_tp2",
@@ -922,7 +940,9 @@ CP_2D_CASES = [name for name in CASES if re.search(r"_cp\d", name) and name in T
 EP_CASES = [name for name in CASES if "_ep" in name and name not in TWO_D_CASES]
 EP_2D_CASES = [name for name in CASES if "_ep" in name and name in TWO_D_CASES]
 #: Pipeline parallelism on 2 processes and on 4: checked in test_pipeline.py.
-PP_CASES = [name for name in CASES if "_pp2" in name and name not in TWO_D_CASES]
+#: On 8 processes (pp 2 x dp_shard 2 x tp 2).
+THREE_D_CASES = ["llama_pp2_tp2_dp2"]
+PP_CASES = [name for name in CASES if "_pp2" in name and name not in TWO_D_CASES and name not in THREE_D_CASES]
 PP_2D_CASES = [name for name in CASES if "_pp2" in name and name in TWO_D_CASES]
 TP_PARITY_CASES = [
     name
@@ -931,6 +951,7 @@ TP_PARITY_CASES = [
     not in DP_ONLY_CASES
     | set(PP_CASES)
     | set(PP_2D_CASES)
+    | set(THREE_D_CASES)
     | FSDP_ONLY_CASES
     | TP4_CASES
     | set(CP_CASES)
@@ -957,4 +978,5 @@ TP_CASES = [
 LAUNCHES: dict[str, tuple[str, list[str]]] = {
     "tp2": ("tp2_results", TP_CASES),
     "2d": ("two_d_results", [*TWO_D_CASES, "group_timeouts", "whole_tensors"]),
+    "3d": ("three_d_results", THREE_D_CASES),
 }
