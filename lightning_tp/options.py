@@ -117,7 +117,8 @@ OPTIONS: tuple[Option, ...] = (
         "``base_model_pp_plan`` (the embedding on the first, the norm and head on the last, the decoder layers "
         "balanced by parameters between them). Every rank of a pipeline reads the same rows; ``model(**batch).loss`` "
         "runs the schedule over the batch's micro-batches, backward included, and returns one process's loss of the "
-        "batch. Transformers causal LMs with untied embeddings; not with ``cp_size`` or ``ep_size``.",
+        "batch. Transformers causal LMs, tied embeddings included; with TP, sequence and loss parallelism, FSDP2, "
+        "HSDP and ``ep_size``; not with ``cp_size`` yet.",
     ),
     Option(
         "pp_schedule",
