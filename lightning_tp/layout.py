@@ -64,13 +64,6 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        if self.pp_size > 1 and self.cp_size > 1:
-            other = "cp_size"
-            raise ValueError(
-                f"pp_size={self.pp_size} with {other}={getattr(self, other)} is not supported yet: a pipeline stage "
-                f"sends one activation per micro-batch, which context and expert parallelism would have to split and "
-                f"route across the stages. Use pipeline parallelism with TP and data parallelism, or {other}=1."
-            )
         if self.ep_size > 1:
             below = self.dp_shard_size * self.cp_size * self.tp_size
             good = [n for n in range(self.tp_size, below + 1, self.tp_size) if below % n == 0]

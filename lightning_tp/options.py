@@ -118,7 +118,7 @@ OPTIONS: tuple[Option, ...] = (
         "balanced by parameters between them). Every rank of a pipeline reads the same rows; ``model(**batch).loss`` "
         "runs the schedule over the batch's micro-batches, backward included, and returns one process's loss of the "
         "batch. Transformers causal LMs, tied embeddings included; with TP, sequence and loss parallelism, FSDP2, "
-        "HSDP and ``ep_size``; not with ``cp_size`` yet.",
+        "HSDP, ``cp_size`` and ``ep_size`` inside each stage.",
     ),
     Option(
         "pp_schedule",

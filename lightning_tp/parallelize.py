@@ -647,9 +647,13 @@ def apply_context_parallel(
     wrappers = {id(peft_model.get_base_model()): peft_model for peft_model in peft_models(root)}
     for target in targets.models:
         blocks = block_classes(target.module)  # the decoder layers (`fsdp_blocks` may name other classes too)
-        outer = wrappers.get(id(target.module))
+        # What calls the model's forward: its pipeline stages (the model's own call runs the schedule), a PEFT
+        # wrapper (which calls the model's `forward` past its hooks), or the model.
+        stages = stage_modules_of(target.module)
+        wrapper = wrappers.get(id(target.module))
+        outers = tuple(stages) if stages else (wrapper,) if wrapper is not None else ()
         install_context_parallel(
-            target.module, cp_mesh, multiple=multiple, blocks=blocks, outer=outer, comm=options.cp_comm
+            target.module, cp_mesh, multiple=multiple, blocks=blocks, outers=outers, comm=options.cp_comm
         )
 
 

@@ -799,13 +799,14 @@ def install_context_parallel(
     *,
     multiple: int,
     blocks: set[type],
-    outer: nn.Module | None = None,
+    outers: tuple[nn.Module, ...] = (),
     comm: str = "all_gather",
 ) -> ContextParallel:
     """Split ``model``'s sequences over the 1-D CP ``mesh``: the attention and mask implementations registered for
-    it, the decoder stack's hooks, the loss, the logits of forwards without labels. ``outer``: the module users call,
-    when it wraps ``model`` (a ``PeftModel``, which calls the model's ``forward`` directly, past its hooks). ``comm``:
-    how keys and values are exchanged (``"all_gather"`` or ``"ring"``: :mod:`lightning_tp.parallel.ring`).
+    it, the decoder stack's hooks, the loss, the logits of forwards without labels. ``outers``: the modules whose
+    calls run the model's forward (default: the model), when others do: a ``PeftModel``, which calls the model's
+    ``forward`` directly, past its hooks; a pipeline's stages, each of which runs the model's forward on its layers.
+    ``comm``: how keys and values are exchanged (``"all_gather"`` or ``"ring"``: :mod:`lightning_tp.parallel.ring`).
     ``model`` passed :func:`context_parallel_problem`."""
     base = decoder_stack(model, blocks)
     cp = ContextParallel(model, base, mesh, multiple=multiple, blocks=blocks, comm=comm)
@@ -819,9 +820,9 @@ def install_context_parallel(
     base.register_forward_hook(cp.check_layers, with_kwargs=True)
     base.register_forward_hook(cp.end_direct, with_kwargs=True, always_call=True)
     model.loss_function = _causal_lm_loss(model.loss_function)
-    outer = model if outer is None else outer
-    outer.register_forward_pre_hook(cp.begin, with_kwargs=True)
-    outer.register_forward_hook(cp.end, with_kwargs=True, always_call=True)
+    for outer in outers or (model,):
+        outer.register_forward_pre_hook(cp.begin, with_kwargs=True)
+        outer.register_forward_hook(cp.end, with_kwargs=True, always_call=True)
     return cp
 
 

@@ -26,8 +26,8 @@ test and predict) a forward-only schedule runs; the module's ``.training`` flag 
 The loss's ``backward()`` does one thing: Lightning zeroes the gradients between ``training_step`` and the backward
 of its loss, so the gradients the schedule computed are taken off the parameters when it ends and given back (added to
 ``.grad``, times the loss's incoming gradient) by that backward; gradients the parameters held before the call are
-set aside during it and put back after. ``model(...)`` takes ``input_ids``, ``labels``, ``attention_mask`` and
-``position_ids`` only.
+set aside during it and put back after. ``model(...)`` takes ``input_ids``, ``labels``, ``attention_mask``,
+``position_ids`` and ``use_cache`` only.
 
 May import: ``compat``, ``layout``, ``patches``, ``plans``, ``parallel.hooks``.
 """
@@ -69,6 +69,14 @@ SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD_SC
 
 #: Keyword arguments of ``model(...)`` a pipelined model takes: split by micro-batch and given to every stage.
 _BATCH_KWARGS = ("attention_mask", "position_ids")
+#: Keyword arguments given to every stage's model forward as they are: ``use_cache`` decides whether packed documents
+#: are told apart, as on one process (Transformers does only in a forward that makes no cache).
+_PLAIN_KWARGS = ("use_cache",)
+#: What the runner gives every stage besides them, split by micro-batch as well: the micro-batch's token ids (a stage
+#: after the first sizes the model's inputs by the whole sequence, which it receives cut by sequence or context
+#: parallelism), its labels and the batch's labelled tokens, one copy per row (the last stage's model computes the
+#: loss).
+_TOKENS, _LABELS, _ITEMS = "stage_input_ids", "labels", "num_items_in_batch"
 
 
 def schedule_class(name: str) -> type:
@@ -262,7 +270,8 @@ def resolve_pipeline_plan(
         sizes = split
     else:
         per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-        sizes = balanced_split(per_layer, num_stages)
+        owners = generate_owners(pp_size, num_stages, v_shaped=cls.__name__.removeprefix("Schedule") in V_SCHEDULES)
+        sizes = balanced_split(per_layer, num_stages, owners=owners)
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     head = tuple(
         name for name, child in model.named_children() if name != base_name and any(True for _ in child.parameters())
@@ -279,10 +288,20 @@ def resolve_pipeline_plan(
     )
 
 
-def balanced_split(per_layer: Sequence[int], num_stages: int) -> list[int]:
+def generate_owners(pp_size: int, num_stages: int, *, v_shaped: bool) -> list[int]:
+    """The pipeline rank holding each stage: stage ``s`` on rank ``s % p`` ("loop"), or down the ranks and back up
+    ("V", 2 stages per rank)."""
+    if v_shaped:
+        return [s if s < pp_size else num_stages - 1 - s for s in range(num_stages)]
+    return [s % pp_size for s in range(num_stages)]
+
+
+def balanced_split(per_layer: Sequence[int], num_stages: int, *, owners: Sequence[int] | None = None) -> list[int]:
     """Layers per stage, contiguous, at least one each, minimising the heaviest stage, where the first and the last
     stage also carry one average layer's weight (the embedding, and the norm and head): torchtitan's default weights.
-    Ties go to the earlier cut."""
+    Ties go to the earlier cut. ``owners`` (the rank of each stage): where a rank holds several stages, the cuts are
+    then moved one layer at a time while that lowers the heaviest rank's load (a V-shaped placement puts the first and
+    the last stage, with the embedding and the head, on one rank)."""
     count = len(per_layer)
     average = sum(per_layer) / count
     prefix = [0.0]
@@ -309,6 +328,31 @@ def balanced_split(per_layer: Sequence[int], num_stages: int) -> list[int]:
         end = cut[stage][start]
         sizes.append(end - start)
         start = end
+    if owners is None or len(set(owners)) == num_stages:
+        return sizes
+
+    def cost(sizes: list[int]) -> tuple[float, float]:
+        """The heaviest rank's load, then the heaviest stage's."""
+        starts = [sum(sizes[:s]) for s in range(num_stages)]
+        stages = [load(s, starts[s], starts[s] + sizes[s]) for s in range(num_stages)]
+        ranks: dict[int, float] = {}
+        for stage, rank in enumerate(owners):
+            ranks[rank] = ranks.get(rank, 0.0) + stages[stage]
+        return max(ranks.values()), max(stages)
+
+    best_cost = cost(sizes)
+    improved = True
+    while improved:
+        improved = False
+        for boundary in range(num_stages - 1):  # move one layer across the cut after stage `boundary`
+            for step in (1, -1):
+                moved = list(sizes)
+                moved[boundary] += step
+                moved[boundary + 1] -= step
+                if min(moved) < 1:
+                    continue
+                if (value := cost(moved)) < best_cost:
+                    sizes, best_cost, improved = moved, value, True
     return sizes
 
 
@@ -394,9 +438,10 @@ class _Receiver(nn.Module):
 class PipelineStageModule(nn.Module):
     """One stage of a pipelined model, the module torch's ``PipelineStage`` runs: ``forward(x, **batch_kwargs)``
     takes the stage's input (the micro-batch's ``input_ids`` on the first stage, the previous stage's activation on the
-    others) and returns the next stage's input, or the logits on the last stage. Its parameters are the stage's own
-    (registered here too, for FSDP2 and torch's stage); the model keeps them under their
-    own names."""
+    others) and returns the next stage's input, or on the last stage the micro-batch's share of the loss as the
+    model's forward computes it from ``labels`` (its loss function, with what sequence, context and loss parallelism
+    installed there), or the logits without labels (a custom pipeline loss). Its parameters are the stage's own
+    (registered here too, for FSDP2 and torch's stage); the model keeps them under their own names."""
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, stage: int) -> None:
         super().__init__()
@@ -411,6 +456,9 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         model, plan = self.model, self.plan
+        tokens = kwargs.pop(_TOKENS, None)
+        labels = kwargs.pop(_LABELS, None)
+        items = kwargs.pop(_ITEMS, None)
         layers = model.get_submodule(plan.layer_list)
         held = plan.layers[self.stage]
         # The layer list's slots (`None` for the layers other ranks hold), replaced for the call and put back after.
@@ -425,12 +473,19 @@ class PipelineStageModule(nn.Module):
         if self.is_first:
             inputs = {"input_ids": x}
         else:
-            inputs = {"inputs_embeds": torch.zeros(x.shape, dtype=x.dtype, device=x.device)}
+            # Stand-in embeddings of the whole sequence (the received activation replaces them at the first layer):
+            # the model computes masks and positions from them, and cuts them as it cut the first stage's.
+            shape = x.shape if tokens is None else (*tokens.shape[:2], *x.shape[2:])
+            inputs = {"inputs_embeds": torch.zeros(shape, dtype=x.dtype, device=x.device)}
         try:
             if self.is_last:
-                # The causal LM's own forward (its class's: the instance's runs the pipeline) gives the logits as one
-                # process computes them (scaling, soft-capping).
-                return type(model).forward(model, **inputs, **kwargs).logits
+                # The causal LM's own forward (its class's: the instance's runs the pipeline) gives the logits, and
+                # the loss, as one process computes them (scaling, soft-capping, the loss function's wrappers).
+                if labels is None:
+                    return type(model).forward(model, **inputs, **kwargs).logits
+                loss_kwargs = {_LABELS: labels, _ITEMS: items[0] if items is not None else None}
+                # One element, not a scalar: torch's evaluation concatenates the micro-batches' outputs.
+                return type(model).forward(model, **inputs, **kwargs, **loss_kwargs).loss.reshape(1)
             base = model.get_submodule(plan.layer_list.rpartition(".")[0])
             base(**inputs, **kwargs)
         except _StageDone as done:
@@ -509,12 +564,12 @@ class PipelineRunner:
         if tied is not None:
             _TIED_RUNNERS.add(self)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """torch's ``loss_fn``: the last stage's output is the loss its model computed, or the logits for a custom
+        pipeline loss."""
         if self.custom_loss is not None:
-            return self.custom_loss(logits, labels, num_items_in_batch=self._num_items)
-        return self.model.loss_function(
-            logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=self._num_items
-        )
+            return self.custom_loss(output, labels, num_items_in_batch=self._num_items)
+        return output.sum()  # its one element, as a new tensor (torch's split backward detaches it in place)
 
     def _schedule(self, key: tuple, *, training: bool) -> Any:
         if key not in self._schedules:
@@ -554,14 +609,19 @@ class PipelineRunner:
                 "predictions, export the model (`lightning_tp.export`) and run it with pp_size=1."
             )
         self._num_items = labelled_tokens(labels).to(self.device)
-        shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
+        target = labels.to(self.device)
+        kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        kwargs[_TOKENS] = input_ids.to(self.device)
+        if self.custom_loss is None:  # the last stage's model computes the loss
+            kwargs[_LABELS] = target
+            kwargs[_ITEMS] = self._num_items.expand(rows)
+        described = ((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())
+        shapes = (tuple(input_ids.shape), tuple(sorted(described)))
         key = (*shapes, training, torch.is_inference_mode_enabled())
         schedule = self._schedule(key, training=training)
         losses: list[torch.Tensor] = []
         first = any(m.is_first for m in self.stage_modules)
         args = (input_ids.to(self.device),) if first else ()
-        kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
-        target = labels.to(self.device)
         if training:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
@@ -735,12 +795,13 @@ def pipelined_forward(runner: PipelineRunner) -> Callable[..., PipelineOutput]:
     runs the schedule."""
 
     def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
-        other = sorted(k for k, v in kwargs.items() if k not in _BATCH_KWARGS and v is not None)
+        taken = (*_BATCH_KWARGS, *_PLAIN_KWARGS)
+        other = sorted(k for k, v in kwargs.items() if k not in taken and v is not None)
         if input_ids is None or other:
             given = other if input_ids is not None else ["input_ids (missing)", *other]
             raise ValueError(
-                f"A pipelined model takes `input_ids`, `labels` and {', '.join(_BATCH_KWARGS)}; got {given}. Pass "
-                "those only, or use pp_size=1."
+                f"A pipelined model takes `input_ids`, `labels` and {', '.join(taken)}; got {given}. Pass those only, "
+                "or use pp_size=1."
             )
         batch = {k: v for k, v in kwargs.items() if v is not None}
         return runner.run(input_ids, labels, **batch)

@@ -62,9 +62,9 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
     case = CASES[name]
     assert_parity(_result(results, name), reference_of(name), name)
     kwargs = case.strategy_kwargs
-    pp, tp = kwargs["pp_size"], kwargs.get("tp_size", 2)
+    pp, tp, cp = kwargs["pp_size"], kwargs.get("tp_size", 2), kwargs.get("cp_size", 1)
     stages_per_rank = kwargs.get("pp_stages_per_rank", 1)
-    dp = world_size // pp // tp
+    dp = world_size // pp // tp // cp
     everything = set(reference_of(name)["state"])
     held: dict[int, set[str]] = {}
     for rank, r in enumerate(results):
@@ -86,7 +86,7 @@ def _check(results: list[dict], name: str, *, world_size: int) -> None:
         assert split["model_numel"] == sum(value.numel() for value in reference["state"].values()) - tied
         # Every rank of the pipeline reports the same loss (the last stage's), a data-parallel rank its own rows'.
         assert r[name]["losses"] == results[rank % (world_size // pp)][name]["losses"]
-        assert r[name]["sampler"] == {"num_replicas": dp, "rank": rank % (world_size // pp) // tp}
+        assert r[name]["sampler"] == {"num_replicas": dp, "rank": rank % (world_size // pp) // (cp * tp)}
     # The stages together hold every parameter, each once.
     assert set.union(*held.values()) == everything
     assert not set.intersection(*held.values())

@@ -186,9 +186,9 @@ def run_case(ctx: Context, name: str) -> dict:
         "frozen_with_grad": sum(p.grad is not None for p in module.parameters() if not p.requires_grad),
     }
     result["split"] = split = {}
-    if re.search(
-        r"_cp\d", name
-    ):  # the logits of a forward without labels (gathered over the CP group), and the token counts
+    if re.search(r"_cp\d", name) and "_pp2" not in name:
+        # The logits of a forward without labels (gathered over the CP group), and the token counts; a pipeline
+        # returns its loss only.
         model.eval()
         with torch.no_grad():
             split["logits"] = model(input_ids=PROBE).logits.detach().cpu().clone()

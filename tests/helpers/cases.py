@@ -728,6 +728,21 @@ CASES: dict[str, Case] = {
         strategy_kwargs={"tp_size": 2, "pp_size": 2, "loss_parallel": True},
     ),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
+    # Context parallelism inside each stage: cp 2 (padded rows at an odd length, AdamW, clipping), and a ring over
+    # packed documents with Interleaved1F1B.
+    "llama_pp2_cp2_padded": Case(
+        partial(build_causal_lm, tiny_config("llama", **_DEEP)),
+        partial(padded_lm_batches, 3),
+        optimizer="adamw",
+        lr=1e-3,
+        clip=0.5,
+        strategy_kwargs={**_PP2, "cp_size": 2},
+    ),
+    "qwen3_pp2_cp2_ring_packed": Case(
+        partial(build_causal_lm, tiny_config("qwen3", **_DEEP_QWEN3)),
+        partial(packed_lm_batches, 3),
+        strategy_kwargs={**_PP2, "cp_size": 2, "cp_comm": "ring"},
+    ),
     # HSDP on each stage (dp_replicate 2: each stage's FSDP2 root replicated over 2 ranks, sharded over 1), and expert
     # parallelism inside each stage (ep 2 over the stage's 2 data-parallel ranks; the experts' FSDP2 on 1 rank each).
     "qwen3_pp2_hsdp": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "dp_replicate_size": 2}),
@@ -911,6 +926,8 @@ TWO_D_CASES = [
     "qwen3_pp2_tp2_sp_lp_interleaved",
     "qwen3_pp2_dp2",
     "qwen3_pp2_hsdp",
+    "llama_pp2_cp2_padded",
+    "qwen3_pp2_cp2_ring_packed",
     "qwen3_moe_pp2_expert_parallel",
     # Expert parallelism with TP and data parallelism.
     "qwen3_moe_ep2_tp2",
@@ -934,8 +951,9 @@ FSDP_ONLY_CASES = {"mlp_fsdp_only"}
 #: Cases with tp_size=4: TP over all 4 ranks of the 2-D launch, checked on their own.
 TP4_CASES = {"qwen3_tp4", "qwen3_lora_tp4"}
 #: Context parallelism on 2 processes (cp 2) and on 4 (with TP 2 or dp 2): checked in test_context_parallel.py.
-CP_CASES = [name for name in CASES if re.search(r"_cp\d", name) and name not in TWO_D_CASES]
-CP_2D_CASES = [name for name in CASES if re.search(r"_cp\d", name) and name in TWO_D_CASES]
+#: (Context parallelism inside pipeline stages is checked with the pipelines.)
+CP_CASES = [name for name in CASES if re.search(r"_cp\d", name) and "_pp" not in name and name not in TWO_D_CASES]
+CP_2D_CASES = [name for name in CASES if re.search(r"_cp\d", name) and "_pp" not in name and name in TWO_D_CASES]
 #: Expert parallelism on 2 processes and on 4: checked in test_expert_parallel.py.
 EP_CASES = [name for name in CASES if "_ep" in name and name not in TWO_D_CASES]
 EP_2D_CASES = [name for name in CASES if "_ep" in name and name in TWO_D_CASES]

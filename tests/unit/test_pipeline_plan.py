@@ -12,6 +12,7 @@ from lightning_tp.parallel.pipeline import (
     PipelineOutput,
     PipelineStageModule,
     balanced_split,
+    generate_owners,
     keep_stages,
     labelled_tokens,
     pipeline_problem,
@@ -43,8 +44,9 @@ def test_layout_puts_pp_outermost_and_splits_the_rest():
     assert str(layout).startswith("pp=2 x ")
     with pytest.raises(ValueError, match="not divisible by pp_size=3"):
         ParallelLayout.resolve(4, pp_size=3)
-    with pytest.raises(ValueError, match="pp_size=2 with cp_size=2 is not supported"):
-        ParallelLayout.resolve(8, tp_size=1, cp_size=2, pp_size=2)
+    # Every axis composes with pp: cp and ep inside each stage.
+    both = ParallelLayout.resolve(8, tp_size=1, cp_size=2, ep_size=2, pp_size=2)
+    assert (both.pp_size, both.dp_shard_size, both.cp_size, both.ep_size) == (2, 2, 2, 2)
 
 
 def test_balanced_split_gives_the_first_and_last_stage_fewer_layers():
@@ -54,6 +56,22 @@ def test_balanced_split_gives_the_first_and_last_stage_fewer_layers():
     sizes = balanced_split([1, 1, 1, 100, 1, 1], 3)
     assert sum(sizes) == 6 and min(sizes) >= 1
     assert balanced_split([5, 5], 2) == [1, 1]
+
+
+def test_a_v_shaped_split_balances_the_ranks_not_the_stages():
+    # 32 equal layers over 4 stages on 2 ranks, V-shaped: rank 0 holds stages 0 and 3 (with the embedding and the head).
+    owners = generate_owners(2, 4, v_shaped=True)
+    assert owners == [0, 1, 1, 0] and generate_owners(2, 4, v_shaped=False) == [0, 1, 0, 1]
+
+    def rank_loads(sizes: list[int]) -> list[int]:
+        stages = [size + (s in (0, 3)) for s, size in enumerate(sizes)]  # in layers; the extras weigh one each
+        return [stages[0] + stages[3], stages[1] + stages[2]]
+
+    by_stage = balanced_split([10] * 32, 4)
+    by_rank = balanced_split([10] * 32, 4, owners=owners)
+    assert sum(by_rank) == 32 and min(by_rank) >= 1
+    assert max(rank_loads(by_rank)) < max(rank_loads(by_stage)), (by_rank, by_stage)
+    assert rank_loads(by_rank) == [17, 17]
 
 
 def test_plan_names_the_stages_modules_and_schedules():
