@@ -10,9 +10,17 @@ at two model sizes: step time, the model state each rank holds, and the measured
   (torchrun's ``OMP_NUM_THREADS=1``), so one process computes at one core's speed and 2 ranks at two.
 - **Model state per rank**: the bytes of the parameters, their gradients and SGD's momentum one rank holds (exact,
   from the tensors; the activations are left out: with 1F1B a stage keeps at most ``p`` micro-batches' in flight).
-- **Bubble**: ``1 - T1 / (p x Tpp)``, where ``T1`` is one process's step time and ``Tpp`` the pipeline's: the share of
-  the ``p`` ranks' time not spent on one process's work (the schedule's idle time, plus the point-to-point sends and
-  the per-micro-batch overheads). Theory for ``v`` stages per rank: ``(p - 1) / (v m + p - 1)`` of the step.
+- **Bubble from step times**: ``1 - T1 / (p x Tpp)``, where ``T1`` is one process's step time and ``Tpp`` the
+  pipeline's: the share of the ``p`` ranks' time not spent on one process's work (the schedule's idle time, plus the
+  point-to-point sends and the per-micro-batch overheads, and micro-batches' lower efficiency). Theory for ``v`` stages
+  per rank: ``(p - 1) / (v m + p - 1)`` of the step.
+- **Bubble measured as idle time** (``bubble_idle``): each rank's schedule actions are timed (torch's stage methods
+  ``forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk``, wrapped for the run); a step's
+  window runs from the first action of any rank to the last action of any rank, and a rank's idle share is the window
+  less the time inside its actions (waiting on a receive counts as idle, the sends it posts as busy), over the window,
+  averaged over the ranks and the timed steps. ``stage_imbalance``: the busiest rank's action time over the ranks'
+  mean (the theory assumes 1).
+  ``--bubble`` runs this alone, for 1F1B, Interleaved1F1B and the zero-bubble schedules at each ``--microbatches``.
 """
 
 from __future__ import annotations
@@ -62,6 +70,49 @@ def state_bytes(model) -> int:
     return total
 
 
+class ActionTimer:
+    """Times each rank's pipeline actions: torch's ``PipelineStage`` compute methods wrapped while the context is
+    open (class attributes, put back on exit), each call's ``(start, end)`` kept for the current step."""
+
+    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self.saved: dict[str, object] = {}
+
+    def __enter__(self) -> ActionTimer:
+        from torch.distributed.pipelining.stage import _PipelineStageBase as Stage  # noqa: PLC2701 (a benchmark)
+
+        def timed(method):
+            def call(stage, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return method(stage, *args, **kwargs)
+                finally:
+                    self.spans.append((start, time.perf_counter()))
+
+            return call
+
+        for name in self.METHODS:
+            self.saved[name] = getattr(Stage, name)
+            setattr(Stage, name, timed(self.saved[name]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from torch.distributed.pipelining.stage import _PipelineStageBase as Stage  # noqa: PLC2701
+
+        for name, method in self.saved.items():
+            setattr(Stage, name, method)
+
+    def step(self) -> tuple[float, float, float]:
+        """This step's first action's start, last action's end and the time inside its actions (``perf_counter``:
+        one monotonic clock for the processes of one machine); clears the spans."""
+        spans, self.spans = self.spans, []
+        if not spans:
+            return 0.0, 0.0, 0.0
+        return min(start for start, _ in spans), max(end for _, end in spans), sum(end - start for start, end in spans)
+
+
 def run(layout: dict, *, size: str, args: argparse.Namespace, batch: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -81,48 +132,102 @@ def run(layout: dict, *, size: str, args: argparse.Namespace, batch: dict) -> di
     dp = layout.get("dp_shard_size", 1) or 1
     if dp > 1:
         batch = {k: v.chunk(dp)[rank % dp] for k, v in batch.items()}
-    times = []
+    times, actions = [], torch.zeros(args.steps, 3, dtype=torch.float64)
     if not single or rank == 0:
-        for step in range(args.steps + 1):
-            start = time.perf_counter()
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if step:
-                times.append(time.perf_counter() - start)
+        with ActionTimer() as timer:
+            for step in range(args.steps + 1):
+                start = time.perf_counter()
+                model(**batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                first, last, busy = timer.step()
+                if step:
+                    times.append(time.perf_counter() - start)
+                    actions[step - 1] = torch.tensor([first, last, busy], dtype=torch.float64)
     held = state_bytes(model) if (not single or rank == 0) else 0
     result = torch.tensor([statistics.median(times) if times else 0.0, float(held)])
     gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, result.double())
+    every = [torch.zeros_like(actions) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, actions)
     del model, optimizer
     values = gathered[:1] if single else gathered
-    return {
+    out = {
         "step_s": max(v[0].item() for v in values),
         "state_mib_per_rank": max(v[1].item() for v in values) / 2**20,
         "rows": rows,
     }
+    if layout.get("pp_size", 1) > 1:
+        # Each step's window: from the first action of any rank to the last action of any rank (the pipeline's fill
+        # and drain are idle time of the ranks that wait in them); a rank's idle share is the window less its busy time.
+        stacked = torch.stack(every)  # (ranks, steps, 3)
+        window = stacked[..., 1].max(dim=0).values - stacked[..., 0].min(dim=0).values
+        out["bubble_idle"] = (1 - stacked[..., 2] / window).mean().item()
+        # How uneven the stages are (the theory assumes equal ones): the busiest rank's time over the mean.
+        busy = stacked[..., 2].mean(dim=1)
+        out["stage_imbalance"] = (busy.max() / busy.mean()).item()
+    return out
+
+
+#: The schedules of ``--bubble`` with their stages per rank.
+BUBBLE_SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "InterleavedZeroBubble": 2}
 
 
 def layouts(args: argparse.Namespace) -> list[dict]:
-    out = [
-        {"name": "one process"},
-        {"name": "tp 2", "tp_size": 2},
-        {"name": "fsdp2 over 2", "tp_size": 1, "dp_shard_size": 2},
-    ]
-    for m in args.microbatches:
-        out.append({"name": f"pp 2, 1F1B, m={m}", "tp_size": 1, "pp_size": 2, "options": {"pp_microbatches": m}})
-    for m in [m for m in args.microbatches if m % 2 == 0 and m >= 4]:
-        options = {"pp_microbatches": m, "pp_stages_per_rank": 2}
-        out.append({"name": f"pp 2, Interleaved1F1B, v=2, m={m}", "tp_size": 1, "pp_size": 2, "options": options})
+    out = (
+        []
+        if args.bubble
+        else [
+            {"name": "one process"},
+            {"name": "tp 2", "tp_size": 2},
+            {"name": "fsdp2 over 2", "tp_size": 1, "dp_shard_size": 2},
+        ]
+    )
+    schedules = BUBBLE_SCHEDULES if args.bubble else {"1F1B": 1, "Interleaved1F1B": 2}
+    schedules = {name: v for name, v in schedules.items() if args.schedules is None or name in args.schedules}
+    for schedule, v in schedules.items():
+        for m in args.microbatches:
+            if v > 1 and (m % 2 or m < 4):
+                continue
+            options = {"pp_microbatches": m, "pp_stages_per_rank": v, "pp_schedule": schedule}
+            name = f"pp 2, {schedule}, m={m}" if v == 1 else f"pp 2, {schedule}, v={v}, m={m}"
+            out.append({"name": name, "tp_size": 1, "pp_size": 2, "options": options})
     return out
 
 
 def theory(layout: dict) -> float | None:
+    """The idle share of 1F1B and interleaved 1F1B, ``(p - 1) / (v m + p - 1)``; ``None`` for the zero-bubble
+    schedules (theirs depends on the ratio of the forward, input-gradient and weight-gradient times) and the others."""
     options = layout.get("options", {})
-    if "pp_microbatches" not in options:
+    if "pp_microbatches" not in options or "ZeroBubble" in options["pp_schedule"]:
         return None
     p, m, v = layout["pp_size"], options["pp_microbatches"], options.get("pp_stages_per_rank", 1)
     return (p - 1) / (v * m + p - 1)
+
+
+def plot_bubble(report: dict, path: Path) -> None:
+    """The measured idle share against the micro-batches, per schedule, beside the theory of 1F1B and interleaved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for size, rows in report["results"].items():
+        for schedule in BUBBLE_SCHEDULES:
+            points = sorted((r["microbatches"], r["bubble_idle"]) for r in rows.values() if r["schedule"] == schedule)
+            if points:
+                axis.plot(*zip(*points, strict=True), marker="o", label=f"{size}, {schedule}, measured idle")
+    ms = sorted({r["microbatches"] for rows in report["results"].values() for r in rows.values()})
+    axis.plot(ms, [1 / (m + 1) for m in ms], "k--", label="theory, 1F1B: (p-1)/(m+p-1)")
+    axis.plot(ms, [1 / (2 * m + 1) for m in ms], "k:", label="theory, interleaved v=2")
+    axis.set_xlabel("micro-batches m")
+    axis.set_ylabel("idle share of each rank's step")
+    axis.set_xscale("log", base=2)
+    axis.legend(fontsize=7)
+    axis.set_title("pp 2: idle time between the schedule's actions")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -168,11 +273,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot-only", action="store_true", help="redraw --out's PNG from its JSON, run nothing")
+    parser.add_argument("--bubble", action="store_true", help="only the pipelines' idle time, for every schedule")
+    parser.add_argument("--schedules", nargs="+", default=None, help="only these pipeline schedules")
     args = parser.parse_args()
     if args.out is not None:
         require("matplotlib", why="the plot next to --out")
     if args.plot_only:
-        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        (plot_bubble if args.bubble else plot)(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return
 
     import torch
@@ -189,17 +296,26 @@ def main() -> None:
         for layout in layouts(args):
             row = run(layout, size=size, args=args, batch=batch)
             expected = theory(layout)
-            if expected is not None:
-                row["schedule"] = "Interleaved1F1B" if "Interleaved" in layout["name"] else "1F1B"
+            if "options" in layout:
+                row["schedule"] = layout["options"]["pp_schedule"]
                 row["microbatches"] = layout["options"]["pp_microbatches"]
                 row["bubble_theory"] = expected
             rows[layout["name"]] = row
             if dist.get_rank() == 0:
-                print(f"{size:6s} {layout['name']:34s} {row['step_s']:.3f} s  {row['state_mib_per_rank']:.1f} MiB")
-        one = rows["one process"]["step_s"]
-        for row in rows.values():
-            if "microbatches" in row:
-                row["bubble"] = 1 - one / (2 * row["step_s"])
+                idle = (
+                    f"  idle {row['bubble_idle']:.3f} imbalance {row['stage_imbalance']:.2f}"
+                    if "bubble_idle" in row
+                    else ""
+                )
+                idle += f" (theory {expected:.3f})" if expected is not None else ""
+                print(
+                    f"{size:6s} {layout['name']:44s} {row['step_s']:.3f} s  {row['state_mib_per_rank']:.1f} MiB{idle}"
+                )
+        if "one process" in rows:
+            one = rows["one process"]["step_s"]
+            for row in rows.values():
+                if "microbatches" in row:
+                    row["bubble"] = 1 - one / (2 * row["step_s"])
         results[size] = rows
     if dist.get_rank() == 0 and args.out is not None:
         report = {
@@ -209,7 +325,7 @@ def main() -> None:
             "results": results,
         }
         args.out.write_text(json.dumps(report, indent=1, default=str))
-        plot(report, args.out.with_suffix(".png"))
+        (plot_bubble if args.bubble else plot)(report, args.out.with_suffix(".png"))
     dist.destroy_process_group()
 
 
