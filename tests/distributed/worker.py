@@ -207,10 +207,10 @@ def run_case(ctx: Context, name: str) -> dict:
         split["model_numel"] = model_numel(model, pp_group=strategy.pp_group, device=torch.device("cpu"))
         model.save_pretrained(out / f"{name}_pretrained")  # every stage's weights (a LoRA model's: its adapters)
         split["pretrained"] = str(out / f"{name}_pretrained")
-        model.eval()
-        with torch.no_grad():
-            split["eval_loss"] = model(input_ids=PP_PROBE, labels=PP_PROBE).loss.item()
-        model.train()
+        # `Trainer.validate` (inference mode: a forward-only schedule, through FSDP2 under data parallelism), every
+        # rank given the whole probe batch.
+        t.validate(module, DataLoader([{"input_ids": PP_PROBE, "labels": PP_PROBE}], batch_size=None), verbose=False)
+        split["eval_loss"] = module.val_losses[-1]
     if "_ep" in name:  # what each rank holds of the experts, their last load, the model exported on every rank
         split["expert_numel"] = sum(
             p.to_local().numel() for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n

@@ -587,6 +587,7 @@ class ParityModule(L.LightningModule):
         self.opt_kwargs = opt_kwargs
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.val_losses: list[float] = []
         #: Per optimizer step, the parameters whose gradient is not laid out as the parameter, and how many were
         #: checked (sharded parameters with a gradient).
         self.grad_layouts: list[dict[str, Any]] = []
@@ -622,6 +623,10 @@ class ParityModule(L.LightningModule):
         else:
             self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """The loss of the whole batch on every rank (``Trainer.validate``: inference mode)."""
+        self.val_losses.append(self.compute_loss(batch).item())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pp_group = getattr(self._trainer.strategy, "pp_group", None) if self._trainer is not None else None
