@@ -858,15 +858,40 @@ def pipeline_runner(module: nn.Module) -> PipelineRunner | None:
 def gather_stages(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """Under pipeline parallelism, every stage's entries of ``state`` (each rank's whole tensors of its own stages),
     merged on the first rank of each pipeline (rank 0 among them), ``{}`` on the others; without it, ``state``. Every
-    rank must call it."""
+    rank must call it.
+
+    Streamed: the ranks first share what they hold (names, shapes, dtypes: plain values), then each tensor goes to the
+    first rank point to point, one at a time, through the pipeline's device (NCCL sends device tensors), and lands on
+    its CPU. A tensor held under several names (a tied weight) is sent once and kept as one object."""
     runner = pipeline_runner(module)
     if runner is None:
         return state
-    group = runner.pp_mesh.get_group()
-    first = runner.pp_mesh.get_local_rank() == 0
-    parts: list[Any] | None = [None] * runner.pp_mesh.size() if first else None
-    dist.gather_object(state, parts, group=group, group_dst=0)
-    return {key: value for part in parts for key, value in part.items()} if parts is not None else {}
+    group, mine, size = runner.pp_mesh.get_group(), runner.pp_mesh.get_local_rank(), runner.pp_mesh.size()
+    names: dict[int, list[str]] = {}
+    for name, value in state.items():
+        assert isinstance(value, torch.Tensor), f"gather_stages of a non-tensor entry {name!r}"
+        names.setdefault(id(value), []).append(name)
+    listing = [
+        (keys, tuple(state[keys[0]].shape), str(state[keys[0]].dtype).removeprefix("torch."))
+        for keys in names.values()
+    ]
+    listings: list[Any] = [None] * size
+    dist.all_gather_object(listings, listing, group=group)
+    merged = dict(state) if mine == 0 else {}
+    first = dist.get_global_rank(group, 0)
+    for rank in range(1, size):
+        if mine not in (0, rank):
+            continue
+        for keys, shape, dtype in listings[rank]:
+            if mine == rank:
+                dist.send(state[keys[0]].detach().to(runner.device).contiguous(), dst=first, group=group)
+                continue
+            received = torch.empty(shape, dtype=getattr(torch, dtype), device=runner.device)
+            dist.recv(received, src=dist.get_global_rank(group, rank), group=group)
+            received = received.cpu()
+            for key in keys:
+                merged[key] = received
+    return merged
 
 
 def modules_and_stages(module: nn.Module) -> list[nn.Module]:
