@@ -173,6 +173,33 @@ def run(layout: dict, *, size: str, args: argparse.Namespace, batch: dict) -> di
 BUBBLE_SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "InterleavedZeroBubble": 2}
 
 
+def rebuild_cost(args: argparse.Namespace, *, size: str) -> dict:
+    """What a new batch shape costs under pp 2 (1F1B, 4 micro-batches): torch's stages fix their buffers' shapes, so
+    the first step of each shape builds a new set of stages and schedule and runs an extra forward to infer the
+    shapes. The first step at ``--seq`` (warm-up), then the first and the second step at three quarters of it."""
+    import torch
+    import torch.distributed as dist
+
+    import lightning_tp
+    from lightning_tp.parallelize import ParallelOptions
+
+    model = build(size, layers=args.layers, vocab=args.vocab)
+    lightning_tp.parallelize(model, tp_size=1, pp_size=2, options=ParallelOptions(pp_microbatches=4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    times = []
+    for seq in (args.seq, args.seq, args.seq * 3 // 4, args.seq * 3 // 4):
+        ids = torch.randint(0, args.vocab, (args.batch, seq), generator=generator)
+        dist.barrier()
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    first_new, steady = times[2], times[3]
+    return {"first_step_new_shape_s": first_new, "steady_step_s": steady, "ratio": first_new / steady}
+
+
 def layouts(args: argparse.Namespace) -> list[dict]:
     out = (
         []
@@ -275,6 +302,7 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="redraw --out's PNG from its JSON, run nothing")
     parser.add_argument("--bubble", action="store_true", help="only the pipelines' idle time, for every schedule")
     parser.add_argument("--schedules", nargs="+", default=None, help="only these pipeline schedules")
+    parser.add_argument("--rebuild", action="store_true", help="only the cost of a new batch shape (pp 2, 1F1B)")
     args = parser.parse_args()
     if args.out is not None:
         require("matplotlib", why="the plot next to --out")
@@ -290,6 +318,13 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     batch = {"input_ids": ids, "labels": ids.clone()}
+    if args.rebuild:
+        for size in args.sizes:
+            cost = rebuild_cost(args, size=size)
+            if dist.get_rank() == 0:
+                print(f"{size}: {json.dumps(cost)}")
+        dist.destroy_process_group()
+        return
     results: dict[str, dict] = {}
     for size in args.sizes:
         rows = {}
