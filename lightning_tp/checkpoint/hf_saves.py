@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_tp.checkpoint.publish import is_main, publish_directory, run_on_main_and_share_failure
@@ -160,17 +161,30 @@ def install_pipelined_adapter_save(peft_model: nn.Module) -> None:
     install(peft_model, "save_pretrained", save_pretrained, owner=peft_model)
 
 
-def _gather_base_state(peft_model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, str]]:
-    """The LoRA layers of the base model, its state dict whole on the CPU of rank 0 (empty elsewhere), and the names
-    under which a tensor is seen again (tied weights: ``{"lm_head.weight": "model.embed_tokens.weight"}``), gathered
-    once. Every rank must call it (gathering a shard is a collective); what can be wrong is checked before, on every
-    rank."""
+def _gather_base_state(
+    peft_model: nn.Module, *, keep: bool
+) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, str]]:
+    """The LoRA layers of the base model, its state dict whole on the CPU where ``keep`` (empty elsewhere), and the
+    names under which a tensor is seen again (tied weights: ``{"lm_head.weight": "model.embed_tokens.weight"}``),
+    gathered once. Every rank must call it (gathering a shard is a collective); what can be wrong is checked before,
+    on every rank (under pipeline parallelism each rank checks its stages' layers, and every rank raises the first
+    problem found)."""
     from peft.tuners.lora import LoraLayer
 
-    keep = is_main()
     base = peft_model.get_base_model()
     layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
-    check_mergeable(layers)
+    if pipeline_runner(peft_model) is None:
+        check_mergeable(layers)
+    else:
+        try:
+            check_mergeable(layers)
+            problem = None
+        except ValueError as error:
+            problem = str(error)
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        if (problem := next((p for p in problems if p is not None), None)) is not None:
+            raise ValueError(problem)
     full: dict[str, Any] = {}
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -205,17 +219,18 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     ``AutoModelForCausalLM.from_pretrained`` on one process, without changing the sharded model that keeps training.
     Call it on every rank: they gather one tensor at a time; rank 0 merges and writes, and a failure there raises on
     every rank."""
-    if pipeline_runner(peft_model) is not None:
-        raise ValueError(
-            "`save_merged` is not supported under pipeline parallelism (pp_size > 1) yet: each rank holds the LoRA "
-            "layers of its stages only. Save the adapter (`save_pretrained`, which gathers every stage's) and the "
-            "base model, and merge on one process, or export a checkpoint and merge there."
-        )
-    layers, full, aliases = _gather_base_state(peft_model)
     main = is_main()
+    if pipeline_runner(peft_model) is not None:
+        # Each rank merges its own stages' adapters into their base weights; the first rank gathers every stage's
+        # merged tensors, one at a time.
+        layers, full, aliases = _gather_base_state(peft_model, keep=True)
+        merged = gather_stages(peft_model, _merge(layers, full, aliases))
+    else:
+        layers, full, aliases = _gather_base_state(peft_model, keep=main)
+        merged = None
 
     def write() -> None:
-        state = _merge(layers, full, aliases)
+        state = merged if merged is not None else _merge(layers, full, aliases)
         with publish_directory(directory) as tmp:
             peft_model.get_base_model().save_pretrained(tmp, state_dict=state, is_main_process=True, **save_kwargs)
 

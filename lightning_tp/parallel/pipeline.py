@@ -872,8 +872,7 @@ def gather_stages(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         assert isinstance(value, torch.Tensor), f"gather_stages of a non-tensor entry {name!r}"
         names.setdefault(id(value), []).append(name)
     listing = [
-        (keys, tuple(state[keys[0]].shape), str(state[keys[0]].dtype).removeprefix("torch."))
-        for keys in names.values()
+        (keys, tuple(state[keys[0]].shape), str(state[keys[0]].dtype).removeprefix("torch.")) for keys in names.values()
     ]
     listings: list[Any] = [None] * size
     dist.all_gather_object(listings, listing, group=group)

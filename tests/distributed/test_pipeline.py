@@ -40,6 +40,7 @@ def _reference_eval_loss(name: str) -> tuple[float, float]:
 
 def _check_pretrained(name: str, result: dict) -> None:
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     directory = Path(result["split"]["pretrained"])
     if "lora" in name:
@@ -48,8 +49,16 @@ def _check_pretrained(name: str, result: dict) -> None:
         assert saved.keys() == lora.keys(), (sorted(saved)[:2], sorted(lora)[:2])
         for key, value in lora.items():
             torch.testing.assert_close(saved[key], value, atol=0, rtol=0)
+        # save_merged: the trained run's weights merged as PEFT merges them on one process.
+        reference = CASES[name].module(reference=True)
+        reference.configure_model()
+        reference.model.load_state_dict(result["state"])
+        expected = reference.model.merge_and_unload().state_dict()
+        merged = AutoModelForCausalLM.from_pretrained(result["split"]["merged"], dtype=torch.float32).state_dict()
+        assert merged.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(merged[key], value, atol=0, rtol=0)
         return
-    from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
     trained = result["state"]

@@ -207,6 +207,9 @@ def run_case(ctx: Context, name: str) -> dict:
         split["model_numel"] = model_numel(model, pp_group=strategy.pp_group, device=torch.device("cpu"))
         model.save_pretrained(out / f"{name}_pretrained")  # every stage's weights (a LoRA model's: its adapters)
         split["pretrained"] = str(out / f"{name}_pretrained")
+        if "lora" in name:  # every stage's adapters merged into its base weights, gathered on rank 0
+            lightning_tp.save_merged(model, out / f"{name}_merged")
+            split["merged"] = str(out / f"{name}_merged")
         # `Trainer.validate` (inference mode: a forward-only schedule, through FSDP2 under data parallelism), every
         # rank given the whole probe batch.
         t.validate(module, DataLoader([{"input_ids": PP_PROBE, "labels": PP_PROBE}], batch_size=None), verbose=False)
