@@ -140,7 +140,8 @@ OPTIONS: tuple[Option, ...] = (
         "pp_stages_per_rank",
         "int",
         1,
-        "Stages each pipeline rank holds (``V``): 2 or more for the interleaved schedules.",
+        "Stages each pipeline rank holds (``V``): 2 or more for the interleaved schedules, exactly 2 for "
+        "``ZBVZeroBubble`` and ``DualPipeV``.",
     ),
     Option(
         "pp_split",

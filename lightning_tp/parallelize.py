@@ -61,6 +61,7 @@ from lightning_tp.parallel.fsdp import fsdp_units as check_fsdp_units
 from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft, initialize_adapters
 from lightning_tp.parallel.loss_parallel import install_loss_parallel, loss_parallel_plan
 from lightning_tp.parallel.pipeline import (
+    SPLIT_BACKWARD_SCHEDULES,
     PipelinePlan,
     install_pipeline,
     pipeline_problem,
@@ -68,6 +69,7 @@ from lightning_tp.parallel.pipeline import (
     resolve_pipeline_plan,
     schedule_class,
     stage_modules_of,
+    tied_head,
 )
 from lightning_tp.parallel.random_init import random_state_of_rank_zero
 from lightning_tp.parallel.rng import prepare_dtensor_random, warn_repeated_dropout
@@ -184,6 +186,13 @@ class ParallelOptions:
                 raise ValueError(
                     f"pp_size={layout.pp_size} does not support cpu_offload=True yet: torch's pipeline stages keep "
                     "their parameters where they run. Drop cpu_offload, or use pp_size=1."
+                )
+            split_backward = {name.lower() for name in SPLIT_BACKWARD_SCHEDULES}
+            if self.compile is not False and str(self.pp_schedule).lower() in split_backward:
+                raise ValueError(
+                    f"`pp_schedule={self.pp_schedule!r}` with `compile`: the zero-bubble schedules split each "
+                    "backward into an input- and a weight-gradient pass, which torch does not support through "
+                    "compiled layers. Drop `compile`, or use a schedule without the split (1F1B, Interleaved1F1B)."
                 )
         elif (self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank, self.pp_split) != (None, None, 1, None):
             rank_zero_warn(
@@ -347,7 +356,21 @@ def apply_parallelisms(
     if layout.pp_size > 1:
         for index, target in enumerate(targets.models):
             assert target.pipeline is not None, "a model without a pipeline plan under pp"
-            install_pipeline(target.module, target.pipeline, pp_mesh=mesh[PP_AXIS], device=device)
+            # The logits a custom pipeline loss would get are this rank's share under CP or loss parallelism.
+            custom_loss_refusal = (
+                f"context parallelism (cp_size={layout.cp_size}) gives the last stage its rank's chunk of the sequence"
+                if layout.cp_size > 1
+                else "loss parallelism keeps the last stage's logits vocabulary-sharded"
+                if options.loss_parallel and layout.tp_size > 1
+                else None
+            )
+            install_pipeline(
+                target.module,
+                target.pipeline,
+                pp_mesh=mesh[PP_AXIS],
+                device=device,
+                custom_loss_refusal=custom_loss_refusal,
+            )
             targets.models[index] = replace(target, plan=target.plan.restricted_to(target.module))
     # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss
     #    parallelism with it, since it changes what the TP'd `lm_head` returns.
@@ -498,6 +521,14 @@ def resolve_targets(
                 stages_per_rank=options.pp_stages_per_rank,
                 split=options.pp_split,
             )
+            if pipeline.v_shaped and layout.fsdp_size > 1 and tied_head(module, pipeline) is not None:
+                raise ValueError(
+                    f"`pp_schedule={pipeline.schedule!r}` places the first and the last stage on one rank, so "
+                    f"{type(module).__name__}'s embedding tied to its head is one parameter in two stages; FSDP2 "
+                    f"(over {layout.fsdp_size} ranks of data parallelism) shards each stage on its own and would split "
+                    "it into two. Use a loop schedule (Interleaved1F1B, InterleavedZeroBubble), no data parallelism, "
+                    "or untie the embeddings."
+                )
         if layout.ep_size > 1:
             problem = expert_parallel_problem(
                 module,

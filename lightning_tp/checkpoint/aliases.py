@@ -1,23 +1,23 @@
 """One name in a checkpoint for a tensor that has several: an input embedding tied to the head
 (``tie_word_embeddings``) is one parameter under two names, and under pipeline parallelism the last stage's head holds
-a copy of the first stage's embedding.
+a copy of the first stage's embedding under the head's name.
 
-torch's ``get_optimizer_state_dict`` keeps a shared parameter's state under one of its names, picked from a ``set``:
-the pick follows the process's string hashes, so two processes (the run that saves, the run that resumes; two ranks of
-one run) may pick differently, and a resume then asks for a name the checkpoint does not hold. Here every alias is
-written and read under the *canonical* name, the first of ``named_parameters()``'s (the input embedding's, as one
-process's ``model.parameters()`` keeps it), which any layout and any process agree on.
+torch's ``get_optimizer_state_dict`` names a shared parameter's state by the first of its names in
+``named_parameters()`` (the embedding's). A pipeline's last stage holds only the head, so its copy's state would be
+written and asked for under the head's name, which a checkpoint of one process or of TP does not hold (a resume from
+it on pp 2 fails with "Missing key"), and the other way round. Here every alias is written and read under the
+*canonical* name, the first of ``named_parameters()`` on a rank holding the whole model, which every layout agrees on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_tp.parallel.pipeline import pipeline_runner
+from lightning_tp.parallel.pipeline import RUNNER_ATTR
 
 #: The prefixes of a flat optimizer state dict's keys (``StateDictOptions(flatten_optimizer_state_dict=True)``):
 #: ``state.<parameter>.<entry>`` and ``param_groups.<parameter>.<hyperparameter>``.
@@ -33,12 +33,25 @@ def parameter_aliases(root: nn.Module) -> dict[str, str]:
         names.setdefault(id(param), []).append(name)
     aliases = {alias: every[0] for every in names.values() for alias in every[1:]}
     for path, module in root.named_modules():
-        runner = pipeline_runner(module)
+        runner = getattr(module, RUNNER_ATTR, None)  # the pipelined model itself, not its ancestors
         tied = runner.tied if runner is not None else None
         if tied is not None:
             prefix = f"{path}." if path else ""
             aliases[f"{prefix}{tied.head}.weight"] = f"{prefix}{tied.embedding}.weight"
     return aliases
+
+
+def _flat_name(key: str, names: Iterable[str]) -> tuple[str, str, str] | None:
+    """``(prefix, name, rest)`` of a flat state dict's key (``state.<name>.<entry...>`` or
+    ``param_groups.<name>.<hyperparameter>``) whose parameter is one of ``names`` (a parameter's name has dots, and so
+    may an entry of a nested optimizer state, so the names are matched, not the dots counted); else ``None``."""
+    for prefix in _FLAT_PREFIXES:
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            for name in names:
+                if rest.startswith(f"{name}."):
+                    return prefix, name, rest[len(name) :]
+    return None
 
 
 def renamed(state: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
@@ -48,23 +61,22 @@ def renamed(state: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any
     if isinstance(state.get("state"), Mapping):  # nested: {"state": {name: ...}, "param_groups": [{"params": [...]}]}
         groups = [{**group, "params": [names.get(n, n) for n in group["params"]]} for group in state["param_groups"]]
         return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()}, "param_groups": groups}
+    longest_first = sorted(names, key=len, reverse=True)
     out = {}
     for key, value in state.items():
-        prefix = next((p for p in _FLAT_PREFIXES if key.startswith(p)), None)
-        if prefix is not None:
-            name, _, entry = key[len(prefix) :].rpartition(".")
-            key = f"{prefix}{names.get(name, name)}.{entry}"
+        found = _flat_name(key, longest_first)
+        if found is not None:
+            prefix, name, rest = found
+            key = f"{prefix}{names[name]}{rest}"
         out[key] = value
     return out
 
 
-def parameter_names(state: Mapping[str, Any]) -> set[str]:
-    """The parameter names an optimizer state dict (nested or flat) holds."""
+def holds(state: Mapping[str, Any], name: str) -> bool:
+    """Whether an optimizer state dict (nested or flat) holds parameter ``name``."""
     if isinstance(state.get("state"), Mapping):
-        return set(state["state"]) | {n for group in state["param_groups"] for n in group["params"]}
-    return {
-        key[len(prefix) :].rpartition(".")[0] for key in state for prefix in _FLAT_PREFIXES if key.startswith(prefix)
-    }
+        return name in state["state"] or any(name in group["params"] for group in state["param_groups"])
+    return any(_flat_name(key, (name,)) is not None for key in state)
 
 
 def optimizer_state_dict(root: nn.Module, optimizer: torch.optim.Optimizer, *, options: Any) -> dict[str, Any]:

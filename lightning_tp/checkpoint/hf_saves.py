@@ -176,15 +176,7 @@ def _gather_base_state(
     if pipeline_runner(peft_model) is None:
         check_mergeable(layers)
     else:
-        try:
-            check_mergeable(layers)
-            problem = None
-        except ValueError as error:
-            problem = str(error)
-        problems: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        if (problem := next((p for p in problems if p is not None), None)) is not None:
-            raise ValueError(problem)
+        on_every_rank(lambda: check_mergeable(layers))
     full: dict[str, Any] = {}
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -197,6 +189,25 @@ def _gather_base_state(
         if keep:
             full[name] = whole
     return layers, full, aliases
+
+
+def on_every_rank(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on every rank, where each rank's part differs (its pipeline stages): a failure on any rank raises
+    on every rank (the first rank's error, as a ``ValueError`` if it was one, else a ``RuntimeError`` naming it),
+    before the collectives that follow. Every rank must call it."""
+    try:
+        result, problem = fn(), None
+    except Exception as error:  # noqa: BLE001 (shared with the other ranks, then raised on every rank)
+        result, problem = None, (type(error).__name__, str(error))
+    problems: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, found in enumerate(problems):
+        if found is not None:
+            kind, message = found
+            if kind == "ValueError":
+                raise ValueError(message)
+            raise RuntimeError(f"save_merged failed on rank {rank}: {kind}: {message}")
+    return result
 
 
 def _merge(layers: dict[str, nn.Module], full: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
@@ -217,14 +228,14 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     """Write the model with its LoRA adapters merged (:func:`merged_weight`: PEFT's own delta, ``Conv1D`` included)
     as a standard Transformers directory (``config.json``, safetensors), loadable with
     ``AutoModelForCausalLM.from_pretrained`` on one process, without changing the sharded model that keeps training.
-    Call it on every rank: they gather one tensor at a time; rank 0 merges and writes, and a failure there raises on
-    every rank."""
+    Call it on every rank: they gather one tensor at a time; rank 0 merges and writes (under pipeline parallelism each
+    rank merges its stages' and rank 0 gathers the merged tensors), and a failure raises on every rank."""
     main = is_main()
     if pipeline_runner(peft_model) is not None:
         # Each rank merges its own stages' adapters into their base weights; the first rank gathers every stage's
         # merged tensors, one at a time.
         layers, full, aliases = _gather_base_state(peft_model, keep=True)
-        merged = gather_stages(peft_model, _merge(layers, full, aliases))
+        merged = gather_stages(peft_model, on_every_rank(lambda: _merge(layers, full, aliases)))
     else:
         layers, full, aliases = _gather_base_state(peft_model, keep=main)
         merged = None

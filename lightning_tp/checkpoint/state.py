@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.checkpoint import remote
-from lightning_tp.checkpoint.aliases import parameter_aliases, parameter_names, renamed
+from lightning_tp.checkpoint.aliases import holds, parameter_aliases, renamed
 from lightning_tp.checkpoint.dcp_layouts import dcp_layouts, misplaced_by_dcp, restore_layouts
 from lightning_tp.checkpoint.format import META_FILENAME, MODELS_KEY, RNG_KEY, flat_optimizer_state
 from lightning_tp.checkpoint.publish import (
@@ -365,8 +365,7 @@ def _load_distributed(
         # see `checkpoint.aliases`), handed to torch under the names it asked for.
         asked = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
         wanted = renamed(asked, aliases)
-        present = parameter_names(asked)
-        back = {canonical: alias for alias, canonical in aliases.items() if alias in present}
+        back = {canonical: alias for alias, canonical in aliases.items() if holds(asked, alias)}
         state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)
         set_optimizer_state_dict(

@@ -120,9 +120,8 @@ class PipelinePlan:
 
     def stages_of(self, pp_rank: int, pp_size: int) -> tuple[int, ...]:
         """The stage indices rank ``pp_rank`` holds, in order (as torch's schedule places them)."""
-        if self.v_shaped:
-            return (pp_rank, self.num_stages - 1 - pp_rank)
-        return tuple(pp_rank + k * pp_size for k in range(self.stages_per_rank))
+        owners = generate_owners(pp_size, self.num_stages, v_shaped=self.v_shaped)
+        return tuple(stage for stage, rank in enumerate(owners) if rank == pp_rank)
 
     def modules_of(self, stage: int) -> list[str]:
         """The paths of the modules stage ``stage`` holds."""
@@ -234,7 +233,8 @@ def resolve_pipeline_plan(
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"`pp_microbatches` must be a positive integer or None, got {microbatches!r}.")
     short = cls.__name__.removeprefix("Schedule")
-    if short in V_SCHEDULES and stages_per_rank != 2:
+    v_shaped = short in V_SCHEDULES
+    if v_shaped and stages_per_rank != 2:
         raise ValueError(
             f"`pp_schedule={name!r}` places exactly 2 stages on each rank (down the ranks and back up), but "
             f"pp_stages_per_rank={stages_per_rank}. Use pp_stages_per_rank=2."
@@ -270,8 +270,7 @@ def resolve_pipeline_plan(
         sizes = split
     else:
         per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-        owners = generate_owners(pp_size, num_stages, v_shaped=cls.__name__.removeprefix("Schedule") in V_SCHEDULES)
-        sizes = balanced_split(per_layer, num_stages, owners=owners)
+        sizes = balanced_split(per_layer, num_stages, owners=generate_owners(pp_size, num_stages, v_shaped=v_shaped))
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     head = tuple(
         name for name, child in model.named_children() if name != base_name and any(True for _ in child.parameters())
@@ -282,7 +281,7 @@ def resolve_pipeline_plan(
         layer_list=f"{base_name}.{layer_list}",
         norm=f"{base_name}.{norm}",
         head=head,
-        schedule=cls.__name__.removeprefix("Schedule"),
+        schedule=short,
         microbatches=microbatches,
         stages_per_rank=stages_per_rank,
     )
@@ -536,6 +535,11 @@ def set_pipeline_loss(model: nn.Module, loss: PipelineLoss | None) -> None:
             f"{type(model).__name__} is not pipelined: `set_pipeline_loss` applies to models parallelised with "
             "pp_size > 1 (call it after the strategy's setup, e.g. in `on_fit_start`)."
         )
+    if loss is not None and runner.custom_loss_refusal is not None:
+        raise ValueError(
+            f"`set_pipeline_loss` gives the loss the whole micro-batch's logits, but {runner.custom_loss_refusal}. "
+            "Use the model's own loss (its `loss_function`, which those wrap), or drop that parallelism."
+        )
     runner.custom_loss = loss
 
 
@@ -552,8 +556,11 @@ class PipelineRunner:
         device: torch.device,
         stages: list[nn.Module],
         tied: TiedAcrossStages | None = None,
+        custom_loss_refusal: str | None = None,
     ) -> None:
         self.model, self.plan, self.pp_mesh, self.device = model, plan, pp_mesh, device
+        #: Why a custom pipeline loss cannot be given the logits (the end of a sentence), or ``None``.
+        self.custom_loss_refusal = custom_loss_refusal
         self.stage_modules = stages
         self.custom_loss: PipelineLoss | None = None
         self._num_items: torch.Tensor | None = None
@@ -677,7 +684,12 @@ class PipelineRunner:
                 local.copy_(received)
 
     def _stage_parameters(self) -> list[nn.Parameter]:
-        return [param for module in self.stage_modules for param in module.parameters()]
+        """This rank's stages' parameters, each once (a V placement's first and last stage share a tied weight)."""
+        unique: dict[int, nn.Parameter] = {}
+        for module in self.stage_modules:
+            for param in module.parameters():
+                unique.setdefault(id(param), param)
+        return list(unique.values())
 
     def hold_gradients(self) -> None:
         """Take the gradients the parameters hold already (an earlier micro-batch's of an accumulation, or a step's
@@ -763,17 +775,25 @@ def counted_on_another_stage(parameter: torch.Tensor) -> bool:
     )
 
 
-def tied_across_stages(model: nn.Module, plan: PipelinePlan, *, pp_size: int) -> TiedAcrossStages | None:
-    """The embedding tied to the head of ``model`` (read while it holds every module), if the first and last stages
-    are on two ranks; ``None`` otherwise."""
+def tied_head(model: nn.Module, plan: PipelinePlan) -> str | None:
+    """The path of ``model``'s output head whose weight is its input embedding's (``tie_word_embeddings``), read while
+    it holds every module; ``None`` if untied."""
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return None
     embedding = model.get_submodule(plan.embedding)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(head, "weight", None) is not getattr(embedding, "weight", None):
         return None
-    head_path = next(name for name, module in model.named_modules() if module is head)
-    owners = {stage: rank for rank in range(pp_size) for stage in plan.stages_of(rank, pp_size)}
+    return next(name for name, module in model.named_modules() if module is head)
+
+
+def tied_across_stages(model: nn.Module, plan: PipelinePlan, *, pp_size: int) -> TiedAcrossStages | None:
+    """The embedding tied to the head of ``model`` (read while it holds every module), if the first and last stages
+    are on two ranks; ``None`` otherwise."""
+    head_path = tied_head(model, plan)
+    if head_path is None:
+        return None
+    owners = generate_owners(pp_size, plan.num_stages, v_shaped=plan.v_shaped)
     first, last = owners[0], owners[plan.num_stages - 1]
     if first == last:
         return None
@@ -810,15 +830,23 @@ def pipelined_forward(runner: PipelineRunner) -> Callable[..., PipelineOutput]:
 
 
 def install_pipeline(
-    model: nn.Module, plan: PipelinePlan, *, pp_mesh: DeviceMesh, device: torch.device
+    model: nn.Module,
+    plan: PipelinePlan,
+    *,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    custom_loss_refusal: str | None = None,
 ) -> list[PipelineStageModule]:
     """Keep this rank's stages of ``model`` and make ``model(...)`` run the schedule; returns the stage modules
-    (FSDP2 roots of their own under data parallelism)."""
+    (FSDP2 roots of their own under data parallelism). ``custom_loss_refusal``: why :func:`set_pipeline_loss` is
+    refused for it (the end of a sentence), if it is."""
     stages = plan.stages_of(pp_mesh.get_local_rank(), pp_mesh.size())
     modules = [PipelineStageModule(model, plan, stage) for stage in stages]
     tied = tied_across_stages(model, plan, pp_size=pp_mesh.size())  # while the model holds both ends
     keep_stages(model, plan, stages)
-    runner = PipelineRunner(model, plan, pp_mesh=pp_mesh, device=device, stages=modules, tied=tied)
+    runner = PipelineRunner(
+        model, plan, pp_mesh=pp_mesh, device=device, stages=modules, tied=tied, custom_loss_refusal=custom_loss_refusal
+    )
     setattr(model, RUNNER_ATTR, runner)
     setattr(model, RUNS_NO_PARAMETERS_ATTR, True)  # its call runs the schedule; the stages call the modules
     # The instance's forward: `training_step`'s `model(**batch)` runs the pipeline; the stages call the class's. A

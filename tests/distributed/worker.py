@@ -200,7 +200,9 @@ def run_case(ctx: Context, name: str) -> dict:
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         split["stages"] = [stage.stage for stage in stage_modules_of(base)]
-        split["held"] = sorted(n for n, _ in model.named_parameters())
+        split["held"] = sorted(
+            n for n, _ in model.named_parameters(remove_duplicate=False)
+        )  # a tied weight by both names
         # What MFU counts: the whole model's parameters, the other stages' added over the pipeline.
         from lightning_tp.runtime.monitor import model_numel
 

@@ -682,6 +682,15 @@ CASES: dict[str, Case] = {
     "llama_pp2_zbv": lm(
         "llama", 3, config=_DEEP, strategy_kwargs={**_PP2, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2}
     ),
+    # V-shaped with tied embeddings: the first and the last stage on rank 0 share the one parameter.
+    "tied_pp2_zbv": lm(
+        "tied",
+        3,
+        config=_DEEP_QWEN3,
+        optimizer="adamw",
+        lr=1e-3,
+        strategy_kwargs={**_PP2, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2},
+    ),
     "qwen3_pp2_dualpipev": lm(
         "qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "pp_schedule": "DualPipeV", "pp_stages_per_rank": 2}
     ),

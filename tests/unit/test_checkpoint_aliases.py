@@ -1,11 +1,11 @@
-"""A tensor with several names (tied embeddings) is written and read under one name, whatever name torch picks for
-its optimizer state (lightning_tp/checkpoint/aliases.py)."""
+"""A tensor with several names (tied embeddings, and a pipeline's copy of one) is written and read under one name
+(lightning_tp/checkpoint/aliases.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from lightning_tp.checkpoint.aliases import optimizer_state_dict, parameter_aliases, parameter_names, renamed
+from lightning_tp.checkpoint.aliases import holds, optimizer_state_dict, parameter_aliases, renamed
 from tests.helpers.models import build_causal_lm, lm_batches, tiny_config
 
 
@@ -30,7 +30,13 @@ def test_renamed_handles_nested_and_flat_state_dicts():
         "param_groups.model.embed_tokens.weight.lr": 2,
         "state.x.step": 3,
     }
-    assert parameter_names(flat) == {"lm_head.weight", "x"} and parameter_names(nested) == {"lm_head.weight", "x"}
+    assert holds(flat, "lm_head.weight") and holds(nested, "lm_head.weight") and not holds(flat, "model.norm.weight")
+    # A nested optimizer state flattens with dots in its entries: the parameter's name is matched, not the dots.
+    deep = {"state.lm_head.weight.preconditioner.left": 1, "state.lm_head.weight.step": 2}
+    assert renamed(deep, names) == {
+        "state.model.embed_tokens.weight.preconditioner.left": 1,
+        "state.model.embed_tokens.weight.step": 2,
+    }
 
 
 def test_the_optimizer_state_of_a_tied_weight_is_under_its_canonical_name():
@@ -42,5 +48,4 @@ def test_the_optimizer_state_of_a_tied_weight_is_under_its_canonical_name():
 
     for flat in (False, True):
         state = optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
-        names = parameter_names(state)
-        assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+        assert holds(state, "model.embed_tokens.weight") and not holds(state, "lm_head.weight")

@@ -124,6 +124,10 @@ def test_options_that_pp_does_not_support_yet_are_refused_before_processes():
     with pytest.raises(ValueError, match="does not support cpu_offload=True"):
         ParallelOptions(cpu_offload=True).check_layout(layout, device=torch.device("cpu"))
     ParallelOptions(sequence_parallel=True, loss_parallel=True).check_layout(layout, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="zero-bubble schedules split each backward"):
+        ParallelOptions(pp_schedule="zbvzerobubble", pp_stages_per_rank=2, compile=True).check_layout(
+            layout, device=torch.device("cpu")
+        )
     with pytest.raises(ValueError, match="needs `save_distributed_checkpoint=True`"):
         StrategyOptions.build(
             tp_size=2,
@@ -204,3 +208,19 @@ def test_the_loss_counts_the_labelled_tokens_after_the_shift_and_the_output_name
     assert out.loss.item() == 1.0 and out["loss"].item() == 1.0
     with pytest.raises(AttributeError, match="logits exist only on the last stage"):
         _ = out.logits
+
+
+def test_a_v_schedule_with_tied_embeddings_and_data_parallelism_is_refused_before_anything_moves():
+    """ZBV and DualPipeV put the first and the last stage on one rank: a tied embedding is one parameter in two
+    stages, which FSDP2 (each stage sharded on its own) would split in two."""
+    from lightning_tp.parallelize import resolve_targets
+    from tests.helpers.process_group import one_rank_mesh
+
+    layout = ParallelLayout.resolve(4, tp_size=1, pp_size=2)  # dp_shard 2
+    options = ParallelOptions(pp_schedule="ZBVZeroBubble", pp_stages_per_rank=2)
+    tied = build_causal_lm(tiny_config("tied", num_hidden_layers=4, layer_types=["full_attention"] * 4))
+    with one_rank_mesh() as mesh:
+        with pytest.raises(ValueError, match="one parameter in two stages; FSDP2"):
+            resolve_targets(tied, layout=layout, tp_mesh=mesh, dp_mesh=None, options=options)
+        untied = _deep()
+        resolve_targets(untied, layout=layout, tp_mesh=mesh, dp_mesh=None, options=options)  # fine
