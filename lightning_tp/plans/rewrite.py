@@ -129,7 +129,10 @@ def rewrite_for_sequence_parallel(
     lasts = {stage.stop - 1 for stage in stages[:-1]}
     for index, path in enumerate(layers):
         regions = rewrite_layer_styles(styles, path, rowwise=rowwise, region=region)
-        style = layer(first=index in firsts, last=index in lasts)
+        # The stages count positions in the layer list ("model.layers.7"), which skip no layer; the first layer with
+        # a plan cuts the sequence whatever its position.
+        position = int(path.rsplit(".", 1)[1]) if stages else index
+        style = layer(first=index == 0 or position in firsts, last=position in lasts)
         if style is not None:
             styles[path] = style
         # Replicated parameters outside the regions (the norms) see one sequence shard each.
