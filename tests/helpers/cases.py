@@ -701,12 +701,9 @@ CASES: dict[str, Case] = {
         strategy_kwargs={"tp_size": 2, "pp_size": 2, "pp_schedule": "InterleavedZeroBubble", "pp_stages_per_rank": 2},
     ),
     "llama_pp2_tp2": lm("llama", 3, config=_DEEP, strategy_kwargs={"tp_size": 2, "pp_size": 2}),
-    # Each decoder layer compiled (aot_eager) and recomputed in the backward, on its stage.
-    "qwen3_pp2_dp2_compile_activation_checkpointing": lm(
-        "qwen3",
-        3,
-        config=_DEEP_QWEN3,
-        strategy_kwargs={**_PP2, "compile": {"backend": "aot_eager"}, "activation_checkpointing": True},
+    # Each decoder layer compiled (aot_eager) on its stage (activation checkpointing under pp: the SP case below).
+    "qwen3_pp2_compile": lm(
+        "qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "compile": {"backend": "aot_eager"}}
     ),
     # The 3-D layout on 8 processes: 2 stages, each over dp_shard 2 x tp 2 (FSDP2 over TP shards), AdamW and clipping.
     "llama_pp2_tp2_dp2": lm(
@@ -946,7 +943,6 @@ TWO_D_CASES = [
     "qwen3_pp2_tp2_lp",
     "llama_pp2_tp2_sp",
     "llama_pp2_tp2_sp_activation_checkpointing",
-    "qwen3_pp2_dp2_compile_activation_checkpointing",
     "qwen3_pp2_tp2_sp_lp_interleaved",
     "qwen3_pp2_dp2",
     "qwen3_pp2_hsdp",
