@@ -10,10 +10,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_tp.checkpoint.publish import is_main, publish_directory, run_on_main_and_share_failure
+from lightning_tp.checkpoint.publish import is_main, on_every_rank, publish_directory, run_on_main_and_share_failure
 from lightning_tp.parallel.gather import whole_tensor
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, merged_weight
 from lightning_tp.parallel.pipeline import gather_stages, pipeline_runner
@@ -176,7 +175,7 @@ def _gather_base_state(
     if pipeline_runner(peft_model) is None:
         check_mergeable(layers)
     else:
-        on_every_rank(lambda: check_mergeable(layers))
+        on_every_rank(lambda: check_mergeable(layers), what="save_merged")
     full: dict[str, Any] = {}
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -189,25 +188,6 @@ def _gather_base_state(
         if keep:
             full[name] = whole
     return layers, full, aliases
-
-
-def on_every_rank(fn: Callable[[], Any]) -> Any:
-    """``fn()`` run on every rank, where each rank's part differs (its pipeline stages): a failure on any rank raises
-    on every rank (the first rank's error, as a ``ValueError`` if it was one, else a ``RuntimeError`` naming it),
-    before the collectives that follow. Every rank must call it."""
-    try:
-        result, problem = fn(), None
-    except Exception as error:  # noqa: BLE001 (shared with the other ranks, then raised on every rank)
-        result, problem = None, (type(error).__name__, str(error))
-    problems: list[tuple[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    for rank, found in enumerate(problems):
-        if found is not None:
-            kind, message = found
-            if kind == "ValueError":
-                raise ValueError(message)
-            raise RuntimeError(f"save_merged failed on rank {rank}: {kind}: {message}")
-    return result
 
 
 def _merge(layers: dict[str, nn.Module], full: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
@@ -235,7 +215,7 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
         # Each rank merges its own stages' adapters into their base weights; the first rank gathers every stage's
         # merged tensors, one at a time.
         layers, full, aliases = _gather_base_state(peft_model, keep=True)
-        merged = gather_stages(peft_model, on_every_rank(lambda: _merge(layers, full, aliases)))
+        merged = gather_stages(peft_model, on_every_rank(lambda: _merge(layers, full, aliases), what="save_merged"))
     else:
         layers, full, aliases = _gather_base_state(peft_model, keep=main)
         merged = None

@@ -10,16 +10,18 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import torch.distributed as dist
 
 from lightning_tp.checkpoint.format import CHECKPOINT_FILE
 from lightning_tp.compat import distributed_is_initialized, get_default_store
+
+T = TypeVar("T")
 
 
 def is_main() -> bool:
@@ -70,6 +72,27 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
         error = store.get(key).decode()[1:]
         if error:
             raise RuntimeError(f"Writing failed on rank {rank}: {error}")
+
+
+def on_every_rank(fn: Callable[[], T], *, what: str) -> T:
+    """``fn()`` run on every rank, where each rank's part differs (its pipeline stages, its keys of a checkpoint): a
+    failure on any rank raises on every rank, before the collectives that follow (the first failing rank's error: a
+    ``ValueError`` as it was, else a ``RuntimeError`` naming ``what`` and the rank). Every rank must call it."""
+    if not distributed_is_initialized():
+        return fn()
+    try:
+        result, problem = fn(), None
+    except Exception as error:  # noqa: BLE001 (shared with the other ranks, then raised on every rank)
+        result, problem = None, (type(error).__name__, str(error))
+    problems: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, found in enumerate(problems):
+        if found is not None:
+            kind, message = found
+            if kind == "ValueError":
+                raise ValueError(message)
+            raise RuntimeError(f"{what} failed on rank {rank}: {kind}: {message}")
+    return result  # type: ignore[return-value]
 
 
 @contextmanager

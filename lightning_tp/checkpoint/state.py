@@ -28,6 +28,7 @@ from lightning_tp.checkpoint.format import META_FILENAME, MODELS_KEY, RNG_KEY, f
 from lightning_tp.checkpoint.publish import (
     clear_partial,
     is_main,
+    on_every_rank,
     partial_path,
     publish,
     remove_written,
@@ -332,27 +333,18 @@ def _load_distributed(
     for key, module in modules.items():
         template = get_model_state_dict(module)
         elsewhere = other_stages_modules(module)
-        try:
-            names = match_model_state(
-                template,
-                stored,
-                frozen=frozen_parameter_names(list(template), module),
-                strict=strict,
-                path=path,
-                prefix=f"{key}.",
-                elsewhere=elsewhere,
-            )
-        except ValueError as error:
-            problem: str | None = str(error)
-        else:
-            problem = None
-        if elsewhere:
-            # Each stage checks its own keys: one rank's problem is raised on every rank, before DCP's collectives.
-            problems: list[str | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p is not None), None)
-        if problem is not None:
-            raise ValueError(problem)
+        check = partial(
+            match_model_state,
+            template,
+            stored,
+            frozen=frozen_parameter_names(list(template), module),
+            strict=strict,
+            path=path,
+            prefix=f"{key}.",
+            elsewhere=elsewhere,
+        )
+        # Each stage checks its own keys: one rank's problem is raised on every rank, before DCP's collectives.
+        names = on_every_rank(check, what=f"Checking {path}") if elsewhere else check()
         wanted = {name: template[name] for name in names}
         state = {key: dcp_layouts(wanted)}
         load(state, checkpoint_id=path, storage_reader=reader, planner=planner)

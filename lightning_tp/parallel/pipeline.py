@@ -618,7 +618,8 @@ class PipelineRunner:
         self._num_items = labelled_tokens(labels).to(self.device)
         target = labels.to(self.device)
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        kwargs[_TOKENS] = input_ids.to(self.device)
+        input_ids = input_ids.to(self.device)
+        kwargs[_TOKENS] = input_ids
         if self.custom_loss is None:  # the last stage's model computes the loss
             kwargs[_LABELS] = target
             kwargs[_ITEMS] = self._num_items.expand(rows)
@@ -628,7 +629,7 @@ class PipelineRunner:
         schedule = self._schedule(key, training=training)
         losses: list[torch.Tensor] = []
         first = any(m.is_first for m in self.stage_modules)
-        args = (input_ids.to(self.device),) if first else ()
+        args = (input_ids,) if first else ()
         if training:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:

@@ -97,30 +97,28 @@ def single(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> d
     Not the uninterrupted run's: Lightning 2.6 resumes from an end-of-epoch checkpoint into epoch 2 (it counts the
     finished epoch twice), so the next epoch's data order is epoch 2's, with this strategy or without."""
     out = tmp_path_factory.mktemp("single")
-    uninterrupted = _single_process_fit(callbacks=[SaveAt(epochs={0: out / "epoch0.ckpt"})])
-    resumed = _single_process_fit(out / "epoch0.ckpt")
-    fp32_resume_counts("qwen3", resumed.model.state_dict())  # the outputs' scale at the trained weights as well
+    return _one_process_reference(out, kind="qwen3")
+
+
+def _one_process_reference(out: Path, *, kind: str) -> dict[str, Any]:
+    """One process of ``kind``: uninterrupted with an epoch-0 checkpoint file, and resumed from it (see
+    :func:`single`); the outputs' scale at the trained weights counted for the bounds as well."""
+    uninterrupted = _single_process_fit(callbacks=[SaveAt(epochs={0: out / "epoch0.ckpt"})], kind=kind)
+    resumed = _single_process_fit(out / "epoch0.ckpt", kind=kind)
+    fp32_resume_counts(kind, resumed.model.state_dict())
     return {"uninterrupted": uninterrupted.losses, "resumed": resumed.losses, "checkpoint": out / "epoch0.ckpt"}
 
 
 @pytest.fixture(scope="module")
 def single_moe(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> dict[str, Any]:
     """:func:`single` for the tiny Qwen3-MoE."""
-    out = tmp_path_factory.mktemp("single_moe")
-    uninterrupted = _single_process_fit(callbacks=[SaveAt(epochs={0: out / "epoch0.ckpt"})], kind="qwen3_moe")
-    resumed = _single_process_fit(out / "epoch0.ckpt", kind="qwen3_moe")
-    fp32_resume_counts("qwen3_moe", resumed.model.state_dict())
-    return {"uninterrupted": uninterrupted.losses, "resumed": resumed.losses, "checkpoint": out / "epoch0.ckpt"}
+    return _one_process_reference(tmp_path_factory.mktemp("single_moe"), kind="qwen3_moe")
 
 
 @pytest.fixture(scope="module")
 def single_tied(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> dict[str, Any]:
     """:func:`single` for the tiny model with tied embeddings."""
-    out = tmp_path_factory.mktemp("single_tied")
-    uninterrupted = _single_process_fit(callbacks=[SaveAt(epochs={0: out / "epoch0.ckpt"})], kind="tied")
-    resumed = _single_process_fit(out / "epoch0.ckpt", kind="tied")
-    fp32_resume_counts("tied", resumed.model.state_dict())
-    return {"uninterrupted": uninterrupted.losses, "resumed": resumed.losses}
+    return _one_process_reference(tmp_path_factory.mktemp("single_tied"), kind="tied")
 
 
 @pytest.fixture(scope="module")
