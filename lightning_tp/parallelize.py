@@ -370,6 +370,7 @@ def apply_parallelisms(
                 pp_mesh=mesh[PP_AXIS],
                 device=device,
                 custom_loss_refusal=custom_loss_refusal,
+                dp_mesh=data_parallel_mesh(mesh),
             )
             targets.models[index] = replace(target, plan=target.plan.restricted_to(target.module))
     # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss

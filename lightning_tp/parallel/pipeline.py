@@ -29,7 +29,7 @@ of its loss, so the gradients the schedule computed are taken off the parameters
 set aside during it and put back after. ``model(...)`` takes ``input_ids``, ``labels``, ``attention_mask``,
 ``position_ids`` and ``use_cache`` only.
 
-May import: ``compat``, ``layout``, ``patches``, ``plans``, ``parallel.hooks``.
+May import: ``compat``, ``layout``, ``patches``, ``plans``, ``parallel.hooks``, ``parallel.router_loss``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,13 @@ from torch import nn
 
 from lightning_tp.compat import forward_only_actions
 from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR
+from lightning_tp.parallel.router_loss import (
+    PipelinedRouterLoss,
+    RouterTotals,
+    last_stage_router_loss,
+    pipelined_router_loss,
+    router_statistics,
+)
 from lightning_tp.patches import install
 
 if TYPE_CHECKING:
@@ -53,6 +62,9 @@ if TYPE_CHECKING:
 
 #: The attribute that holds a pipelined model's :class:`PipelineRunner`.
 RUNNER_ATTR = "_lightning_tp_pipeline"
+#: The router statistics of the runner's call, set around its schedule where the model adds a router loss and
+#: computes its own loss (read by the last stage).
+_ROUTER_TOTALS: ContextVar[RouterTotals | None] = ContextVar("lightning_tp_router_totals", default=None)
 
 #: The default schedule by stages per rank: 1F1B for one (the least activation memory of torch's single-stage
 #: schedules), its interleaved form for more (a bubble ``V`` times smaller).
@@ -64,6 +76,10 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 #: Schedules whose stages run down the ranks and back up ("V": with 2 stages per rank, rank r holds stages r and
 #: 2p-1-r, so the first and the last stage are on rank 0); the others place stage s on rank s % p ("loop").
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+#: Schedules that run every forward of the last stage before its first backward (all forwards, then all backwards):
+#: the ones under which a loss over the whole batch (the routers' load-balancing loss, a product of two means over its
+#: tokens) has its gradient when the first micro-batch's backward needs it.
+FORWARDS_FIRST_SCHEDULES = ("GPipe", "LoopedBFS")
 #: The schedules ``pp_schedule`` may name.
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD_SCHEDULES)
 
@@ -77,6 +93,9 @@ _PLAIN_KWARGS = ("use_cache",)
 #: parallelism), its labels and the batch's labelled tokens, one copy per row (the last stage's model computes the
 #: loss).
 _TOKENS, _LABELS, _ITEMS = "stage_input_ids", "labels", "num_items_in_batch"
+#: Where the model adds a router loss, each row's index in the batch (on the host): the last stage's micro-batch is
+#: its first row's divided by its rows.
+_ROWS = "batch_rows"
 
 
 def schedule_class(name: str) -> type:
@@ -108,6 +127,9 @@ class PipelinePlan:
     schedule: str
     microbatches: int
     stages_per_rank: int
+    #: The routers' load-balancing loss the model adds, whose statistics each stage adds to and passes on beside its
+    #: activation; ``None`` where it adds none.
+    router: PipelinedRouterLoss | None = None
 
     @property
     def num_stages(self) -> int:
@@ -173,7 +195,6 @@ def pipeline_parts(model: nn.Module) -> tuple[str, str, str] | None:
 
 def pipeline_problem(model: nn.Module) -> str | None:
     """Why ``model`` cannot be pipelined (the end of a sentence), or ``None``."""
-    config = getattr(model, "config", None)
     parts = pipeline_parts(model)
     if parts is None:
         return (
@@ -195,11 +216,6 @@ def pipeline_problem(model: nn.Module) -> str | None:
         return (
             f"{type(model).__name__}.{base_name} holds parameters outside its pipeline plan ({others}), which no "
             "stage would compute. Use pp_size=1"
-        )
-    if getattr(config, "output_router_logits", False):
-        return (
-            f"{type(model).__name__} adds its routers' load-balancing loss (`output_router_logits=True`), which "
-            "would have to be gathered from every stage. Set `config.output_router_logits=False` or use pp_size=1"
         )
     return None
 
@@ -254,6 +270,16 @@ def resolve_pipeline_plan(
             f"`pp_schedule={name!r}` with {stages_per_rank} stages per rank needs a number of micro-batches divisible "
             f"by pp_size={pp_size}, got pp_microbatches={microbatches}."
         )
+    router = pipelined_router_loss(model)
+    if router is not None and short not in FORWARDS_FIRST_SCHEDULES:
+        raise ValueError(
+            f"{type(model).__name__} adds its routers' load-balancing loss (`output_router_logits=True`), "
+            "num_experts x sum_e f_e P_e with f_e and P_e means over the whole batch, so the gradient of each "
+            "micro-batch's router probabilities is num_experts x f_e / tokens and needs every micro-batch's routing; "
+            f"`pp_schedule={name!r}` runs the first micro-batch's backward before the last one's forward. Use a "
+            f"schedule that runs every forward first ({', '.join(map(repr, FORWARDS_FIRST_SCHEDULES))}), or set "
+            "`config.output_router_logits=False`."
+        )
     count = len(layers)
     if count < num_stages:
         raise ValueError(
@@ -284,6 +310,7 @@ def resolve_pipeline_plan(
         schedule=short,
         microbatches=microbatches,
         stages_per_rank=stages_per_rank,
+        router=router,
     )
 
 
@@ -399,26 +426,56 @@ class _Placeholder:
 
 class _StandIn(nn.Module):
     """A layer this stage does not hold, for one call, with its plain attributes: before the stage's layers it returns
-    a :class:`_Placeholder`; after them (``stop``) it ends the forward with its input, the stage's output."""
+    a :class:`_Placeholder`; the one after them (``stop``) takes its input as the stage's output and ends the forward
+    (:class:`_StageDone`), or where the model's own outputs are needed (``last``: the stage's last layer, recording
+    its output) it and the later ones return what that layer returned, and the forward runs to its end.
 
-    def __init__(self, attributes: dict[str, Any], *, stop: bool) -> None:
+    ``layer``: the layer it stands for where this rank holds it (another of its stages), never called: kept in the
+    model's tree during the call, which then holds each of the rank's modules once, as outside it (Transformers
+    installs its output-recording hooks, the routers' logits among them, by walking the tree at the first call that
+    records)."""
+
+    def __init__(
+        self, attributes: dict[str, Any], *, stop: bool, last: _Receiver | None = None, layer: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.__dict__.update(attributes)
-        self.stop = stop
+        self.stop, self.stood_for = stop, layer
+        self.__dict__["last"] = last  # not a child: the layer is in the tree where it runs
+        self.output: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.stop:
-            raise _StageDone(args[0] if args else kwargs["hidden_states"])
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self.last is None:
+                raise _StageDone(hidden)
+            self.output = hidden
+        if self.last is not None:
+            return self.last.output
         return _Placeholder()
+
+
+class _Skipped(nn.Module):
+    """The final norm, for one call of a stage before the last that runs the model's forward to its end: its input
+    unchanged. Holds the norm where this rank holds it (see :class:`_StandIn`'s ``layer``)."""
+
+    def __init__(self, norm: nn.Module | None) -> None:
+        super().__init__()
+        self.stood_for = norm
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden
 
 
 class _Receiver(nn.Module):
     """The stage's first layer, for one call, given the activation received from the previous stage as its hidden
-    states; it returns what the layer returns, to the model's own loop (whatever form that takes)."""
+    states (``received``; ``None``: its own input); it returns what the layer returns, to the model's own loop
+    (whatever form that takes), and keeps it (``output``)."""
 
-    def __init__(self, layer: nn.Module, received: torch.Tensor) -> None:
+    def __init__(self, layer: nn.Module, received: torch.Tensor | None) -> None:
         super().__init__()
         self.layer, self.received = layer, received
+        self.output: Any = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -427,11 +484,14 @@ class _Receiver(nn.Module):
             return getattr(self.layer, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
+        if self.received is None:
+            pass
+        elif args:
             args = (self.received, *args[1:])
         else:
             kwargs = {**kwargs, "hidden_states": self.received}
-        return self.layer(*args, **kwargs)
+        self.output = self.layer(*args, **kwargs)
+        return self.output
 
 
 class PipelineStageModule(nn.Module):
@@ -453,22 +513,42 @@ class PipelineStageModule(nn.Module):
         # Read while the model holds every layer (before `keep_stages`): the stand-ins of the others carry them.
         self.layer_attributes = [plain_attributes(layer) for layer in model.get_submodule(plan.layer_list)]
 
-    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *received: torch.Tensor, **kwargs: Any) -> Any:
+        """``received``: the earlier stages' router statistics of the micro-batch, where the model adds a router loss
+        (:attr:`PipelinePlan.router`); a stage before the last then returns its activation and the statistics with
+        its own layers' added."""
         model, plan = self.model, self.plan
         tokens = kwargs.pop(_TOKENS, None)
         labels = kwargs.pop(_LABELS, None)
         items = kwargs.pop(_ITEMS, None)
+        rows = kwargs.pop(_ROWS, None)
+        router_stats = received[0] if received else None
+        # The routers' logits are an output of the model's forward: a stage before the last that adds them to the
+        # statistics runs the forward to its end (the norm skipped), not stopping after its last layer.
+        collect = plan.router is not None and not self.is_last
         layers = model.get_submodule(plan.layer_list)
         held = plan.layers[self.stage]
         # The layer list's slots (`None` for the layers other ranks hold), replaced for the call and put back after.
         saved = [layers[index] for index in range(len(layers))]
+        receivers = {held.start: _Receiver(saved[held.start], x)} if not self.is_first else {}
+        if collect:
+            receivers.setdefault(held.stop - 1, _Receiver(saved[held.stop - 1], None))
+        last = receivers[held.stop - 1] if collect else None
+        stop = None
         for index in range(len(saved)):
-            if index in held:
-                continue
-            stop = index == held.stop and not self.is_last
-            layers[index] = _StandIn(self.layer_attributes[index], stop=stop)
-        if not self.is_first:
-            layers[held.start] = _Receiver(saved[held.start], x)
+            if index in receivers:
+                layers[index] = receivers[index]
+            elif index not in held:
+                after = last if index >= held.stop else None
+                attributes = self.layer_attributes[index]
+                stand_in = _StandIn(attributes, stop=index == held.stop, last=after, layer=saved[index])
+                stop = stand_in if index == held.stop else stop
+                layers[index] = stand_in
+        norm_parent, _, norm_name = plan.norm.rpartition(".")
+        norm_owner = model.get_submodule(norm_parent)
+        norm = getattr(norm_owner, norm_name)
+        if collect:
+            setattr(norm_owner, norm_name, _Skipped(norm))
         if self.is_first:
             inputs = {"input_ids": x}
         else:
@@ -480,19 +560,39 @@ class PipelineStageModule(nn.Module):
             if self.is_last:
                 # The causal LM's own forward (its class's: the instance's runs the pipeline) gives the logits, and
                 # the loss, as one process computes them (scaling, soft-capping, the loss function's wrappers).
-                if labels is None:
+                if labels is None:  # a custom pipeline loss (refused where the model adds a router loss)
                     return type(model).forward(model, **inputs, **kwargs).logits
                 loss_kwargs = {_LABELS: labels, _ITEMS: items[0] if items is not None else None}
-                # One element, not a scalar: torch's evaluation concatenates the micro-batches' outputs.
-                return type(model).forward(model, **inputs, **kwargs, **loss_kwargs).loss.reshape(1)
+                with self._router_loss(router_stats, rows):
+                    # One element, not a scalar: torch's evaluation concatenates the micro-batches' outputs.
+                    return type(model).forward(model, **inputs, **kwargs, **loss_kwargs).loss.reshape(1)
             base = model.get_submodule(plan.layer_list.rpartition(".")[0])
-            base(**inputs, **kwargs)
+            outputs = base(**inputs, **kwargs)
         except _StageDone as done:
             return done.hidden
         finally:
             for index, layer in enumerate(saved):
                 layers[index] = layer
-        raise AssertionError(f"stage {self.stage} ran past its last layer")  # the stand-in after it stops the call
+            setattr(norm_owner, norm_name, norm)
+        assert collect and stop is not None and plan.router is not None, f"stage {self.stage} ran past its last layer"
+        hidden = stop.output
+        assert hidden is not None, f"stage {self.stage}'s forward did not reach the layer after its last"
+        router = plan.router
+        mask = kwargs.get("attention_mask")
+        stats = router_statistics(
+            tuple(outputs.router_logits or ()), router.num_experts, router.top_k, mask, device=hidden.device
+        )
+        return hidden, stats if router_stats is None else stats + router_stats
+
+    def _router_loss(self, received: torch.Tensor | None, rows: torch.Tensor | None) -> AbstractContextManager[None]:
+        """Around the last stage's model forward: the router loss it adds is the whole batch's (see
+        :class:`~lightning_tp.parallel.router_loss.RouterTotals`)."""
+        if self.plan.router is None:
+            return nullcontext()
+        totals = _ROUTER_TOTALS.get()
+        assert totals is not None and rows is not None, "the last stage of a router loss run outside its runner's call"
+        microbatch = int(rows[0]) // rows.numel()
+        return last_stage_router_loss(self.model, received, totals, microbatch=microbatch)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -557,8 +657,11 @@ class PipelineRunner:
         stages: list[nn.Module],
         tied: TiedAcrossStages | None = None,
         custom_loss_refusal: str | None = None,
+        dp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.model, self.plan, self.pp_mesh, self.device = model, plan, pp_mesh, device
+        #: The data-parallel ranks whose tokens a router loss covers with this rank's (``None``: this rank's alone).
+        self.dp_mesh = dp_mesh
         #: Why a custom pipeline loss cannot be given the logits (the end of a sentence), or ``None``.
         self.custom_loss_refusal = custom_loss_refusal
         self.stage_modules = stages
@@ -623,20 +726,34 @@ class PipelineRunner:
         if self.custom_loss is None:  # the last stage's model computes the loss
             kwargs[_LABELS] = target
             kwargs[_ITEMS] = self._num_items.expand(rows)
+            if self.plan.router is not None:
+                kwargs[_ROWS] = torch.arange(rows)
         described = ((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())
         shapes = (tuple(input_ids.shape), tuple(sorted(described)))
         key = (*shapes, training, torch.is_inference_mode_enabled())
         schedule = self._schedule(key, training=training)
         losses: list[torch.Tensor] = []
         first = any(m.is_first for m in self.stage_modules)
+        last = any(m.is_last for m in self.stage_modules)
         args = (input_ids,) if first else ()
-        if training:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        else:
-            with torch.no_grad():
-                schedule.eval(*args, target=target, losses=losses, **kwargs)
+        totals = None
+        if self.plan.router is not None and self.custom_loss is None and last:
+            group = self.dp_mesh.get_group() if self.dp_mesh is not None else None
+            size = self.dp_mesh.size() if self.dp_mesh is not None else 1
+            totals = RouterTotals(self.plan.router, microbatches=self.plan.microbatches, group=group, size=size)
+        token = _ROUTER_TOTALS.set(totals)
+        try:
+            if training:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            else:
+                with torch.no_grad():
+                    schedule.eval(*args, target=target, losses=losses, **kwargs)
+        finally:
+            _ROUTER_TOTALS.reset(token)
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else None
         value = torch.zeros((), device=self.device) if total is None else total.to(self.device)
+        if totals is not None:  # the whole batch's router loss, counted once (each micro-batch's added nothing)
+            value = value + totals.loss().to(value.device)
         # The loss lives on the last stage: every rank of the pipeline gets it (a sum, the others adding zeros).
         dist.all_reduce(value, group=self.pp_mesh.get_group())
         if not training:
@@ -837,16 +954,30 @@ def install_pipeline(
     pp_mesh: DeviceMesh,
     device: torch.device,
     custom_loss_refusal: str | None = None,
+    dp_mesh: DeviceMesh | None = None,
 ) -> list[PipelineStageModule]:
     """Keep this rank's stages of ``model`` and make ``model(...)`` run the schedule; returns the stage modules
     (FSDP2 roots of their own under data parallelism). ``custom_loss_refusal``: why :func:`set_pipeline_loss` is
-    refused for it (the end of a sentence), if it is."""
+    refused for it (the end of a sentence), if it is. ``dp_mesh``: the data-parallel ranks whose tokens a router loss
+    covers with this rank's."""
+    if plan.router is not None and custom_loss_refusal is None:
+        custom_loss_refusal = (
+            "the model's loss adds its routers' load-balancing loss over the whole batch, which a loss of the logits "
+            "would drop (set `config.output_router_logits=False` to train without it)"
+        )
     stages = plan.stages_of(pp_mesh.get_local_rank(), pp_mesh.size())
     modules = [PipelineStageModule(model, plan, stage) for stage in stages]
     tied = tied_across_stages(model, plan, pp_size=pp_mesh.size())  # while the model holds both ends
     keep_stages(model, plan, stages)
     runner = PipelineRunner(
-        model, plan, pp_mesh=pp_mesh, device=device, stages=modules, tied=tied, custom_loss_refusal=custom_loss_refusal
+        model,
+        plan,
+        pp_mesh=pp_mesh,
+        device=device,
+        stages=modules,
+        tied=tied,
+        custom_loss_refusal=custom_loss_refusal,
+        dp_mesh=dp_mesh,
     )
     setattr(model, RUNNER_ATTR, runner)
     setattr(model, RUNS_NO_PARAMETERS_ATTR, True)  # its call runs the schedule; the stages call the modules

@@ -765,8 +765,22 @@ CASES: dict[str, Case] = {
     # HSDP on each stage (dp_replicate 2: each stage's FSDP2 root replicated over 2 ranks, sharded over 1), and expert
     # parallelism inside each stage (ep 2 over the stage's 2 data-parallel ranks; the experts' FSDP2 on 1 rank each).
     "qwen3_pp2_hsdp": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "dp_replicate_size": 2}),
+    # With the routers' load-balancing loss over the whole batch (both data-parallel ranks' micro-batches, every
+    # stage's layers): GPipe runs every forward before the first backward, which that loss's gradient needs.
     "qwen3_moe_pp2_expert_parallel": lm(
-        "qwen3_moe", 3, config={"num_hidden_layers": 4}, strategy_kwargs={**_PP2, "ep_size": 2}
+        "qwen3_moe",
+        3,
+        config={"num_hidden_layers": 4, "output_router_logits": True, "router_aux_loss_coef": 0.5},
+        strategy_kwargs={**_PP2, "ep_size": 2, "pp_schedule": "GPipe"},
+    ),
+    # The router loss through 4 stages of one layer (LoopedBFS: each rank's stages breadth-first), on padded rows.
+    "mixtral_pp2_router_loss_looped": Case(
+        partial(
+            build_causal_lm,
+            tiny_config("mixtral", **_DEEP, output_router_logits=True, router_aux_loss_coef=0.5),
+        ),
+        partial(padded_lm_batches, 3),
+        strategy_kwargs={**_PP2, "pp_schedule": "LoopedBFS", "pp_stages_per_rank": 2},
     ),
     # Expert parallelism: whole experts per rank, tokens exchanged by all-to-all. On 2 processes: ep 2 over the
     # data-parallel ranks (tp 1: the experts' FSDP2 has one rank each; the router's load-balancing loss over the whole

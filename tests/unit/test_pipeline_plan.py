@@ -4,11 +4,14 @@ stage computing what its layers need from the model's own forward) against the w
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from lightning_tp import ParallelLayout
 from lightning_tp.parallel.pipeline import (
+    _ROUTER_TOTALS,
     PipelineOutput,
     PipelineStageModule,
     balanced_split,
@@ -18,7 +21,9 @@ from lightning_tp.parallel.pipeline import (
     pipeline_problem,
     resolve_pipeline_plan,
 )
+from lightning_tp.parallel.router_loss import RouterTotals
 from lightning_tp.parallelize import ParallelOptions
+from lightning_tp.patches import undo_owned
 from lightning_tp.strategies.shared import StrategyOptions
 from tests.helpers.models import build_causal_lm, tiny_config
 
@@ -114,9 +119,76 @@ def test_bad_pipeline_options_are_refused_by_name(kwargs, match):
 def test_models_a_pipeline_cannot_cut_are_refused_by_name():
     assert pipeline_problem(build_causal_lm(tiny_config("tied"))) is None  # tied across stages (test_pipeline.py)
     assert "base_model_pp_plan" in pipeline_problem(build_causal_lm(tiny_config("gpt2")))
-    moe = build_causal_lm(tiny_config("qwen3_moe", output_router_logits=True))
-    assert "output_router_logits=True" in pipeline_problem(moe)
     assert pipeline_problem(_deep()) is None
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_a_router_loss_is_refused_with_schedules_that_run_a_backward_before_the_last_forward(schedule):
+    """The loss is a product of two means over the whole batch: the first micro-batch's gradient needs the last one's
+    routing."""
+    moe = _deep("qwen3_moe", output_router_logits=True)
+    per_rank = 2 if schedule != "1F1B" else 1
+    with pytest.raises(ValueError, match=rf"pp_schedule='{schedule}'` runs the first micro-batch's backward.*'GPipe'"):
+        _plan(moe, schedule=schedule, stages_per_rank=per_rank)
+    assert _plan(moe, schedule="GPipe").router.top_k == moe.config.num_experts_per_tok
+    assert _plan(moe, schedule="LoopedBFS", stages_per_rank=2).router.coefficient == moe.config.router_aux_loss_coef
+    assert _plan(_deep("qwen3_moe"), schedule="1F1B").router is None  # no router loss: any schedule
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_pipelined_router_loss_is_the_whole_batchs_in_value_and_gradient(kind):
+    """Four stages of one layer on two "ranks" (two copies of the model, each keeping its stages, as LoopedBFS places
+    them), two micro-batches run as that schedule runs them (every forward, then every backward), one row padded:
+    each stage adds its layers' router statistics to the ones it received, and the last stage's loss, summed over
+    the micro-batches with the whole batch's router loss counted once, is one process's loss of the whole batch, with
+    its gradients. The copies run no forward before their stages do (Transformers hooks the routers at the first)."""
+    model = _deep(kind, output_router_logits=True, router_aux_loss_coef=0.5)
+    plan = _plan(model, schedule="LoopedBFS", stages_per_rank=2, microbatches=2)
+    ranks = [copy.deepcopy(model), copy.deepcopy(model)]
+    stages = []
+    for rank, copied in enumerate(ranks):
+        stages += [PipelineStageModule(copied, plan, stage) for stage in plan.stages_of(rank, 2)]
+        keep_stages(copied, plan, plan.stages_of(rank, 2))
+    stages.sort(key=lambda stage: stage.stage)
+    ids = torch.randint(0, 90, (4, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    expected = model(input_ids=ids, attention_mask=mask, labels=labels)
+    expected.loss.backward()
+    totals = RouterTotals(plan.router, microbatches=2, group=None, size=1)
+    items = labelled_tokens(labels).expand(4)
+    token = _ROUTER_TOTALS.set(totals)
+    try:
+        chains = []  # per micro-batch, each stage's (inputs, outputs)
+        for rows in (slice(0, 2), slice(2, 4)):
+            chain, sent = [], (ids[rows],)
+            for stage in stages:
+                inputs = [value.detach().requires_grad_(value.is_floating_point()) for value in sent]
+                kwargs = {"attention_mask": mask[rows]}
+                if stage.is_last:
+                    kwargs.update(labels=labels[rows], num_items_in_batch=items[rows], batch_rows=torch.arange(4)[rows])
+                output = stage(*inputs, **kwargs)
+                sent = output if isinstance(output, tuple) else (output,)
+                chain.append((inputs, sent))
+            chains.append(chain)
+        total = sum(chain[-1][1][0].sum() for chain in chains) + totals.loss()
+        # fp32 sums in another order (micro-batches, stages): a few units in the last place of the loss.
+        torch.testing.assert_close(total, expected.loss, rtol=1e-5, atol=1e-6)
+        for chain in chains:
+            chain[-1][1][0].sum().backward()
+            for (_, outputs), (received, _) in reversed(list(zip(chain[:-1], chain[1:], strict=True))):
+                pairs = [(out, got.grad) for out, got in zip(outputs, received, strict=True) if out.requires_grad]
+                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+    finally:
+        _ROUTER_TOTALS.reset(token)
+        for copied in ranks:
+            undo_owned(copied, instances=False)
+    staged = {n: p.grad for copied in ranks for n, p in copied.named_parameters() if p.grad is not None}
+    whole = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert staged.keys() == whole.keys()
+    for name, grad in whole.items():
+        torch.testing.assert_close(staged[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_options_that_pp_does_not_support_yet_are_refused_before_processes():
