@@ -182,11 +182,6 @@ class ParallelOptions:
         """What depends on the layout and the device: decided on every rank from the configuration alone, before the
         process group starts."""
         if layout.pp_size > 1:
-            if self.cpu_offload:
-                raise ValueError(
-                    f"pp_size={layout.pp_size} does not support cpu_offload=True yet: torch's pipeline stages keep "
-                    "their parameters where they run. Drop cpu_offload, or use pp_size=1."
-                )
             split_backward = {name.lower() for name in SPLIT_BACKWARD_SCHEDULES}
             if self.compile is not False and str(self.pp_schedule).lower() in split_backward:
                 raise ValueError(

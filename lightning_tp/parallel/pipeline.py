@@ -776,18 +776,19 @@ class PipelineRunner:
 
     def _exchange(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` sent to the other holder of the tied weight, and its copy received (point to point: the ranks
-        between them take no part)."""
+        between them take no part), on ``local``'s device. Through the pipeline's device: under FSDP2's CPU offload
+        the shards and their gradients live in host memory, and NCCL sends device tensors only."""
         tied, group = self.tied, self.pp_mesh.get_group()
         assert tied is not None
         mine = self.pp_mesh.get_local_rank()
         other = dist.get_global_rank(group, tied.last_rank if mine == tied.first_rank else tied.first_rank)
-        sent = local.detach().contiguous()
+        sent = local.detach().to(self.device).contiguous()
         received = torch.empty_like(sent)
         for work in dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, sent, other, group), dist.P2POp(dist.irecv, received, other, group)]
         ):
             work.wait()
-        return received
+        return received.to(local.device)
 
     def sync_tied_weights(self) -> None:
         """The last stage's copy of the tied weight takes the first stage's values (once the weights are
@@ -858,8 +859,9 @@ class _StashedGradients(torch.autograd.Function):
         stash, ctx.stash = ctx.stash, {}
         with torch.no_grad():
             for param, value in stash.items():
-                # The loss may have been scaled on its way (Lightning divides it by `accumulate_grad_batches`).
-                scaled = value if bool(grad == 1) else value * grad.to(value.dtype)
+                # The loss may have been scaled on its way (Lightning divides it by `accumulate_grad_batches`). The
+                # gradient is where the parameter is (host memory under CPU offload), the loss on the device.
+                scaled = value if bool(grad == 1) else value * grad.to(device=value.device, dtype=value.dtype)
                 param.grad = scaled if param.grad is None else param.grad + scaled
         return None, None
 

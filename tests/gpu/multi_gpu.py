@@ -1,8 +1,8 @@
 """Multi-rank checks on CUDA GPUs with NCCL, run by hand where GPUs are (not part of the CPU suite):
 
     torchrun --standalone --nproc-per-node 2 tests/gpu/multi_gpu.py    # TP 2
-    torchrun --standalone --nproc-per-node 4 tests/gpu/multi_gpu.py    # TP 2 x dp 2 (2-D, offload), TP 4
-    torchrun --standalone --nproc-per-node 8 tests/gpu/multi_gpu.py    # TP 2 x dp 4, TP 4 x dp 2
+    torchrun --standalone --nproc-per-node 4 tests/gpu/multi_gpu.py    # TP 2 x dp 2 (2-D, offload), TP 4, pp 2 x dp 2
+    torchrun --standalone --nproc-per-node 8 tests/gpu/multi_gpu.py    # TP 2 x dp 4, TP 4 x dp 2, pp 2 x tp 2 x dp 2
     python tests/gpu/multi_gpu.py                                       # one GPU: one rank (NCCL refuses two
                                                                         # ranks on one GPU; gloo has no CUDA
                                                                         # reduce-scatter for FSDP2)
@@ -10,15 +10,16 @@
                                                                              # script itself; no offload; the suite
                                                                              # runs a few checks on 2 processes)
 
-What it checks, each against a plain loop on one device (this rank's GPU) with the same model, data and seed:
-parity of TP and 2-D training in fp32 (SGD), bf16-mixed, foreach AdamW with clipping, LoRA, sequence + loss
-parallelism, gradient accumulation (``accumulate_grads`` both ways), FSDP2's CPU offload (also with a meta-built model
-initialised after sharding); under offload the LightningModule's device, ``self.log(sync_dist=True)`` and a
-torchmetrics metric; a DCP checkpoint resumed mid-run, exported and saved with ``save_pretrained`` (also under
-offload), reloaded on one process; DTensor's RNG tracker made at setup (a rank-conditional random DTensor op returns);
-and the ThroughputMonitor's figures on a 0.2B Llama. One JSON line per check on rank 0, a summary at the end, and
-``--out`` (default ``/tmp/lightning_tp_gpu``) gets ``results.json``. Exit code 1 if a check failed. A few minutes on
-2-8 GPUs; every collective times out after 3 minutes and every rank dumps its stack after 15.
+What it checks, each against a plain loop on one device (this rank's GPU) with the same model, data and seed: parity
+of TP and 2-D training in fp32 (SGD), bf16-mixed, foreach AdamW with clipping, LoRA, sequence + loss parallelism,
+gradient accumulation (``accumulate_grads`` both ways), FSDP2's CPU offload (also with a meta-built model initialised
+after sharding; on pipeline stages, with a tied embedding); under offload the LightningModule's device,
+``self.log(sync_dist=True)`` and a torchmetrics metric; a DCP checkpoint resumed mid-run, exported and saved with
+``save_pretrained`` (also under offload), reloaded on one process; DTensor's RNG tracker made at setup (a
+rank-conditional random DTensor op returns); and the ThroughputMonitor's figures on a 0.2B Llama. One JSON line per
+check on rank 0, a summary at the end, and ``--out`` (default ``/tmp/lightning_tp_gpu``) gets ``results.json``. Exit
+code 1 if a check failed. A few minutes on 2-8 GPUs; every collective times out after 3 minutes and every rank dumps
+its stack after 15.
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_tp import TensorParallelStrategy  # noqa: E402
 from tests.helpers.cases import CASES, CHECKPOINT_ENV  # noqa: E402
-from tests.helpers.models import build_causal_lm, full_state, quiet_trainer, reference_run, tiny_config  # noqa: E402
+from tests.helpers.models import (  # noqa: E402
+    build_causal_lm,
+    pipeline_state,
+    quiet_trainer,
+    reference_run,
+    tiny_config,
+)
 from tests.helpers.tolerances import (  # noqa: E402
     cross_entropy_scale,
     parity_tolerances,
@@ -69,6 +76,15 @@ PARITY = [
     ("llama_accumulate_unsharded", {}, ("dp",)),
     ("qwen3_sgd", {"cpu_offload": True}, ("dp", "gpu")),
     ("qwen3_meta_init", {"cpu_offload": True}, ("dp", "gpu")),
+]
+#: Cases run on the pipeline layouts (pp 2 x dp 2 on 4 ranks, pp 2 x tp 2 x dp 2 on 8): FSDP2's CPU offload on each
+#: stage, with a tied embedding (the two copies' gradients summed through the device) and AdamW with clipping.
+PIPELINE_PARITY = [
+    ("qwen3_sgd", {}),
+    ("qwen3_sgd", {"cpu_offload": True}),
+    ("tied_sgd", {"cpu_offload": True}),
+    ("qwen3_adamw_foreach_clip", {"cpu_offload": True}),
+    ("llama_accumulate", {"cpu_offload": True}),
 ]
 
 
@@ -139,7 +155,9 @@ def check_parity(name: str, layout: dict, case_name: str, extra: dict, args: arg
         accumulate_grad_batches=case.accumulate,
     )
     run.fit(module, DataLoader(batches, batch_size=None))
-    result = {"losses": module.losses, "grad_norms": module.grad_norms, "state": full_state(module.model)}
+    # Under a pipeline each rank holds its stages: every stage's tensors, gathered over the pipeline.
+    state = pipeline_state(module.model, run.strategy.pp_group)
+    result = {"losses": module.losses, "grad_norms": module.grad_norms, "state": state}
     ref = reference_run(
         case.module(reference=True),
         batches,
@@ -357,6 +375,14 @@ def layouts() -> list[tuple[str, dict, set[str]]]:
     return found
 
 
+def pipeline_layouts() -> list[tuple[str, dict]]:
+    """pp 2 with data parallelism on each stage (and TP 2 where there are 8 ranks)."""
+    if WORLD < 4 or WORLD % 4:
+        return []
+    tp = 2 if WORLD >= 8 else 1
+    return [(f"pp2_tp{tp}_dp{WORLD // 2 // tp}", {"tp_size": tp, "pp_size": 2})]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (checks the script itself)")
@@ -394,6 +420,11 @@ def main() -> None:
         if {"dp", "gpu"} <= has:
             run_check(f"{label}:offload_device", check_offload_device, layout, args)
             run_check(f"{label}:resume_export_offload", check_resume_export, layout, {"cpu_offload": True}, args)
+    for label, layout in pipeline_layouts():
+        for case_name, extra in PIPELINE_PARITY:
+            suffix = "_offload" if extra.get("cpu_offload") else ""
+            if not (args.cpu and extra.get("cpu_offload")):
+                run_check(f"{label}:{case_name}{suffix}", check_parity, layout, case_name, extra, args)
     if not args.skip_monitor:
         run_check("monitor", check_monitor, layouts()[0][1], args)
     failed = [r["check"] for r in RESULTS if not r["ok"]]

@@ -27,6 +27,9 @@ from lightning_tp.patches import undo_owned
 from lightning_tp.strategies.shared import StrategyOptions
 from tests.helpers.models import build_causal_lm, tiny_config
 
+#: A device object only (nothing runs on it): what the layout's checks are told the strategy runs on.
+CUDA = torch.device("cuda", 0)
+
 
 def _plan(model, **kwargs):
     options = {"pp_size": 2, "schedule": None, "microbatches": None, "stages_per_rank": 1, "split": None, **kwargs}
@@ -193,8 +196,10 @@ def test_a_pipelined_router_loss_is_the_whole_batchs_in_value_and_gradient(kind)
 
 def test_options_that_pp_does_not_support_yet_are_refused_before_processes():
     layout = ParallelLayout.resolve(4, tp_size=2, pp_size=2)
-    with pytest.raises(ValueError, match="does not support cpu_offload=True"):
-        ParallelOptions(cpu_offload=True).check_layout(layout, device=torch.device("cpu"))
+    # FSDP2's CPU offload composes with pp where it composes without: an accelerator, and data parallelism.
+    ParallelOptions(cpu_offload=True).check_layout(ParallelLayout.resolve(4, tp_size=1, pp_size=2), device=CUDA)
+    with pytest.raises(ValueError, match="needs data or context parallelism"):
+        ParallelOptions(cpu_offload=True).check_layout(layout, device=CUDA)
     ParallelOptions(sequence_parallel=True, loss_parallel=True).check_layout(layout, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="zero-bubble schedules split each backward"):
         ParallelOptions(pp_schedule="zbvzerobubble", pp_stages_per_rank=2, compile=True).check_layout(
