@@ -254,6 +254,13 @@ def parameter_dict(module: nn.Module) -> dict[str, Any]:
     return module._parameters
 
 
+def module_slots(module: nn.Module) -> list[str]:
+    """The names of ``module``'s child slots in registration order, empty ones (``None``) included:
+    ``named_children()`` skips those, and a pipeline rank keeps the other stages' modules as ``None`` in their slots,
+    whose order still says where a module comes in the whole model."""
+    return list(module._modules)
+
+
 def buffer_dict(module: nn.Module) -> dict[str, Any]:
     """``module._buffers``, for the same reason as :func:`parameter_dict`."""
     return module._buffers

@@ -5,8 +5,8 @@ read already sharded, and standard Hugging Face directories written from a shard
   not write; ``trust``: checkpoints are untrusted input (no arbitrary unpickling by default); ``validation``: clear
   errors before a load; ``rng_state``: random states saved and restored;
 - ``state``: the whole training state saved and loaded (the strategies' ``save_checkpoint``/``load_checkpoint``);
-  ``aliases``: one name for a tensor with several (tied weights); ``dcp_layouts``: layouts DCP writes wrongly, saved
-  plainly; ``readers``: checkpoints read one tensor at a time;
+  ``aliases``: one name for a tensor with several (tied weights); ``stage_files``: single files of pipelined models;
+  ``dcp_layouts``: layouts DCP writes wrongly, saved plainly; ``readers``: checkpoints read one tensor at a time;
   ``remote``: fsspec URLs; ``safetensors``: the format written one tensor at a time;
 - ``loading``: pretrained safetensors read as each rank's slices; ``hf_saves``: ``save_pretrained``, the adapter save
   and ``save_merged`` of a sharded model.
@@ -25,6 +25,7 @@ __all__ = [
     "remote",
     "rng_state",
     "safetensors",
+    "stage_files",
     "state",
     "trust",
     "validation",

@@ -36,6 +36,7 @@ from lightning_tp.checkpoint.publish import (
     save_target_refusal,
 )
 from lightning_tp.checkpoint.rng_state import gather_rng_states
+from lightning_tp.checkpoint.stage_files import load_stage_file
 from lightning_tp.checkpoint.trust import (
     UntrustedCheckpointError,
     index_reader,
@@ -276,14 +277,23 @@ def _load_file(
 ) -> dict[str, Any]:
     from lightning_tp.compat import load_checkpoint as load_full_checkpoint
 
-    if any(other_stages_modules(module) for module in modules.values()):
-        raise ValueError(
-            f"{shown} is a single-file checkpoint, which rank 0 broadcasts tensor by tensor; the ranks of a pipeline "
-            "(pp_size > 1) hold different stages and cannot follow one broadcast. Resume it with pp_size=1 and save a "
-            "distributed checkpoint (`save_distributed_checkpoint=True`, the default), which loads on any pp size."
-        )
     # torch's full-state loader misplaces what DCP misplaces (see `dcp_layouts`); those tensors are cut right.
     cut_strided_shards_when_distributing(misplaced_by_dcp)
+    if any(other_stages_modules(module) for module in modules.values()):
+        # A pipeline: every rank reads the file and takes its own stages' entries (rank 0's broadcast, which torch's
+        # full-state loader runs, cannot serve ranks holding different stages).
+        with unpickling_guard(shown, weights_only=weights_only, opt_in=opt_in):
+            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        ((module_key, module),) = modules.items()
+        return load_stage_file(
+            checkpoint,
+            module_key=module_key,
+            module=module,
+            optimizers=optimizers,
+            strict=strict,
+            optimizer_states_from_list=optimizer_states_from_list,
+            shown=shown,
+        )
     # Refused objects raise the same error on every rank, before any collective.
     with unpickling_guard(shown, weights_only=weights_only, opt_in=opt_in):
         metadata = load_full_checkpoint(

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_tp.checkpoint import state as checkpoint_io
 from lightning_tp.checkpoint.aliases import optimizer_state_dict
 from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
+from lightning_tp.checkpoint.stage_files import full_model_state, full_optimizer_state
 from lightning_tp.compat import (
     BackwardSyncControl,
     all_gather_ddp_if_available,
@@ -307,9 +308,14 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             if key != module_key and key not in optimizers
         }
         checkpoint[FABRIC_KEY] = {"model": module_key, "optimizers": list(optimizers)}
-        checkpoint[MODEL_KEY] = get_model_state_dict(module, options=options)
-        for key, optimizer in optimizers.items():
-            checkpoint[key] = optimizer_state_dict(module, optimizer, options=options)
+        if not self._save_distributed_checkpoint and self.layout.pp_size > 1:  # one file from every stage
+            checkpoint[MODEL_KEY] = full_model_state(module, ignore_frozen=not self.options.save_frozen_weights)
+            for key, optimizer in optimizers.items():
+                checkpoint[key] = full_optimizer_state(module, optimizer, by_position=False)
+        else:
+            checkpoint[MODEL_KEY] = get_model_state_dict(module, options=options)
+            for key, optimizer in optimizers.items():
+                checkpoint[key] = optimizer_state_dict(module, optimizer, options=options)
         checkpoint_io.save_checkpoint(
             checkpoint,
             path,

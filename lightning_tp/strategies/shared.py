@@ -99,12 +99,6 @@ class StrategyOptions:
                 "optimizer step's last micro-batch (one reduce-scatter per step)."
             )
         options = ParallelOptions(tp_plan=tp_plan, fsdp_blocks=tuple(fsdp_blocks) if fsdp_blocks else None, **parallel)
-        if pp_size > 1 and not save_distributed_checkpoint:
-            raise ValueError(
-                f"pp_size={pp_size} needs `save_distributed_checkpoint=True`: each rank holds only its stages, and "
-                "every rank writes its own shards of a distributed checkpoint (export or `save_pretrained` gives one "
-                "standard directory)."
-            )
         if not save_frozen_weights and not save_distributed_checkpoint:
             raise ValueError(
                 "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "

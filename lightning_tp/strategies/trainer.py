@@ -25,6 +25,7 @@ from lightning_tp.checkpoint import state as checkpoint_io
 from lightning_tp.checkpoint.aliases import optimizer_state_dict
 from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
 from lightning_tp.checkpoint.rng_state import set_rng_state
+from lightning_tp.checkpoint.stage_files import full_model_state, full_optimizer_state
 from lightning_tp.compat import (
     all_gather_ddp_if_available,
     distributed_is_initialized,
@@ -298,12 +299,14 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        assert self.model is not None
+        if not self._save_distributed_checkpoint and self.layout.pp_size > 1:  # one file from every stage
+            return full_model_state(self.model, ignore_frozen=not self.options.save_frozen_weights)
         options = StateDictOptions(
             full_state_dict=not self._save_distributed_checkpoint,
             cpu_offload=True,
             ignore_frozen_params=not self.options.save_frozen_weights,
         )
-        assert self.model is not None
         return get_model_state_dict(self.model, options=options)
 
     @override
@@ -311,13 +314,15 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         """Lightning's; in a distributed checkpoint, flat under pipeline parallelism (see
         :func:`lightning_tp.checkpoint.format.flat_optimizer_state`) and a tied weight's state under its canonical
         name (:mod:`lightning_tp.checkpoint.aliases`)."""
-        if not self._save_distributed_checkpoint:
+        if not self._save_distributed_checkpoint and self.layout.pp_size == 1:
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
+        if not self._save_distributed_checkpoint:  # one file from every stage, keyed as Lightning's Trainer keys it
+            return full_optimizer_state(self.model, optimizer, by_position=True)
         options = StateDictOptions(
             cpu_offload=True, flatten_optimizer_state_dict=flat_optimizer_state(self.layout.pp_size)
         )

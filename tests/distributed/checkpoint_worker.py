@@ -208,24 +208,27 @@ def context_parallel(ctx: Context) -> dict[str, Any]:
 @SCENARIOS.register("pp")
 def pipeline_parallel(ctx: Context) -> dict[str, Any]:
     """Pipeline parallelism across layouts: pp 2 (one decoder layer per stage) trains and checkpoints at the end of
-    epoch 0, which resumes on pp 2, on TP 2 (pp 1) and on one process (``one@``); a TP 2 run's epoch-0 checkpoint
-    resumes on pp 2. A single-file checkpoint (``--from``) is refused on pp 2 by name, on every rank."""
+    epoch 0, distributed and as one file; each resumes on pp 2 and on TP 2 (pp 1), the distributed one also on one
+    process (``one@``); a TP 2 run's epoch-0 checkpoint and one process's file (``--from``) resume on pp 2."""
     assert ctx.source is not None, "pp needs --from (a single-file checkpoint)"
     out = ctx.out
     module = ResumeModule(stateful_data=False)
-    fit(module, pp_size=2, tp_size=1, callbacks=[SaveAt(epochs={0: out / "pp2_epoch0"})])
+    saves = SaveAt(epochs={0: out / "pp2_epoch0"})
+    fit(module, pp_size=2, tp_size=1, callbacks=[saves])
+    as_file = ResumeModule(stateful_data=False)
+    single_file = {"save_distributed_checkpoint": False}
+    fit(as_file, pp_size=2, tp_size=1, callbacks=[SaveAt(epochs={0: out / "pp2_epoch0.ckpt"})], **single_file)
     fit(ResumeModule(stateful_data=False), callbacks=[SaveAt(epochs={0: out / "tp2_epoch0"})])
-    try:
-        resumed_losses(ctx.source, pp_size=2, tp_size=1, stateful_data=False)
-        refused = None
-    except ValueError as error:
-        refused = str(error)
+    pp = {"pp_size": 2, "tp_size": 1, "stateful_data": False}
     return {
         "pp_uninterrupted": module.losses,
-        "pp_to_pp": resumed_losses(out / "pp2_epoch0", pp_size=2, tp_size=1, stateful_data=False),
+        "pp_file_uninterrupted": as_file.losses,
+        "pp_to_pp": resumed_losses(out / "pp2_epoch0", **pp),
         "pp_to_tp2": resumed_losses(out / "pp2_epoch0", stateful_data=False),
-        "tp2_to_pp": resumed_losses(out / "tp2_epoch0", pp_size=2, tp_size=1, stateful_data=False),
-        "single_file_refused": refused,
+        "tp2_to_pp": resumed_losses(out / "tp2_epoch0", **pp),
+        "file_pp_to_pp": resumed_losses(out / "pp2_epoch0.ckpt", **pp, **single_file),
+        "file_pp_to_tp2": resumed_losses(out / "pp2_epoch0.ckpt", stateful_data=False),
+        "file_single_to_pp": resumed_losses(ctx.source, **pp),
     }
 
 
@@ -239,8 +242,14 @@ def tied_resume(ctx: Context) -> dict[str, Any]:
     fit(module, callbacks=[SaveAt(steps={6: out / "tied_mid"})])
     fit(ResumeModule(kind="tied", stateful_data=False), callbacks=[SaveAt(epochs={0: out / "tied_tp2_epoch0"})])
     pipelined = ResumeModule(kind="tied", stateful_data=False)
-    fit(pipelined, pp_size=2, tp_size=1, callbacks=[SaveAt(epochs={0: out / "tied_pp2_epoch0"})])
+    saves = SaveAt(epochs={0: out / "tied_pp2_epoch0"})
+    fit(pipelined, pp_size=2, tp_size=1, callbacks=[saves])
     pp = {"pp_size": 2, "tp_size": 1}
+    # As one file: the tensor's state written once, under the embedding's name, as one process writes it.
+    as_file = ResumeModule(kind="tied", stateful_data=False)
+    file_save = SaveAt(epochs={0: out / "tied_pp2_epoch0.ckpt"})
+    fit(as_file, **pp, save_distributed_checkpoint=False, callbacks=[file_save])
+    tied_file = out / "tied_pp2_epoch0.ckpt"
     return {
         "tied_resume": {
             "uninterrupted": module.losses,
@@ -249,6 +258,8 @@ def tied_resume(ctx: Context) -> dict[str, Any]:
             "pp_to_pp": resumed_losses(out / "tied_pp2_epoch0", kind="tied", stateful_data=False, **pp),
             "pp_to_tp2": resumed_losses(out / "tied_pp2_epoch0", kind="tied", stateful_data=False),
             "tp2_to_pp": resumed_losses(out / "tied_tp2_epoch0", kind="tied", stateful_data=False, **pp),
+            "file_pp_to_pp": resumed_losses(tied_file, kind="tied", stateful_data=False, **pp),
+            "file_pp_to_tp2": resumed_losses(tied_file, kind="tied", stateful_data=False),
         }
     }
 

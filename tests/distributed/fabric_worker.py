@@ -457,6 +457,10 @@ def _resume(
     model, optimizer = fabric.setup(model, adamw(model))
     head = train(fabric, model, optimizer, batches[:2], clip=0.5)
     at_save = full_state(model)  # a collective: on every rank
+    if fabric.strategy.pp_group is not None:  # each rank holds its stages: every stage's weights
+        stages: list[Any] = [None] * dist.get_world_size(fabric.strategy.pp_group)
+        dist.all_gather_object(stages, at_save, group=fabric.strategy.pp_group)
+        at_save = {key: value for part in stages for key, value in part.items()}
     fabric.save(target, {"model": model, "optimizer": optimizer, "step": 2, "note": "two steps"})
     leftovers = sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}"))
 
@@ -500,6 +504,20 @@ def resume_tp_to_fsdp(out: Path, checkpoints: Path) -> dict[str, Any]:
 def resume_full_file(out: Path, checkpoints: Path) -> dict[str, Any]:
     """Saved as one full file by rank 0 (``save_distributed_checkpoint=False``) on TP 2, resumed on FSDP2."""
     return _resume(out, first={"tp_size": 2, "save_distributed_checkpoint": False}, second={"tp_size": 1})
+
+
+@case
+def resume_pp_file_to_tp(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved as one file on pp 2 (each stage's tensors gathered on rank 0, the optimizer's state by parameter name, as
+    Fabric writes it), resumed on TP 2 by Lightning's own loader."""
+    single_file = {"save_distributed_checkpoint": False}
+    return _resume(out, first={"tp_size": 1, "pp_size": 2, **single_file}, second={"tp_size": 2})
+
+
+@case
+def resume_file_to_pp(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Saved as one file on TP 2, resumed on pp 2: each stage takes its own entries of the file."""
+    return _resume(out, first={"tp_size": 2, "save_distributed_checkpoint": False}, second={"tp_size": 1, "pp_size": 2})
 
 
 @case

@@ -209,12 +209,13 @@ def test_pipeline_checkpoints_resume_across_pp_sizes(
 ) -> None:
     """pp 2 trains as one process does; its epoch-0 checkpoint resumes on pp 2, on TP 2 (pp 1) and on one process,
     and a TP 2 checkpoint resumes on pp 2, each as one process resuming its own: each stage loads its own keys of a
-    checkpoint of any layout. A single-file checkpoint is refused on pp 2, naming what to do."""
+    checkpoint of any layout. The same as one file (every stage gathered on rank 0, the optimizer's state keyed by
+    one process's parameter order, which TP 2 reads with Lightning's own loader), and one process's file on pp 2."""
     for result in tp2["ranks"]:
-        _assert_close(result["pp_uninterrupted"], single["uninterrupted"], fp32_loss_bounds(single["uninterrupted"]))
-        for resumed in ("pp_to_pp", "pp_to_tp2", "tp2_to_pp"):
+        for uninterrupted in ("pp_uninterrupted", "pp_file_uninterrupted"):
+            _assert_close(result[uninterrupted], single["uninterrupted"], fp32_loss_bounds(single["uninterrupted"]))
+        for resumed in ("pp_to_pp", "pp_to_tp2", "tp2_to_pp", "file_pp_to_pp", "file_pp_to_tp2", "file_single_to_pp"):
             _assert_close(result[resumed], single["resumed"], fp32_loss_bounds(single["resumed"]))
-        assert "single-file checkpoint" in result["single_file_refused"], result["single_file_refused"]
     _assert_close(one_process["from_pp2"]["resumed"], single["resumed"], fp32_loss_bounds(single["resumed"]))
 
 
@@ -222,13 +223,14 @@ def test_pipeline_checkpoints_resume_across_pp_sizes(
 def test_tied_embeddings_resume_exactly_and_across_pp_sizes(tp2: dict[str, Any], single_tied: dict[str, Any]) -> None:
     """One tensor under two names (the input embedding and the head): TP 2 resumes its own mid-run checkpoint bit for
     bit (the tensor's optimizer state included); pp 2, whose first and last stages each hold a copy, trains as one
-    process does, and its checkpoint resumes on pp 2 and on TP 2, and TP 2's on pp 2, as one process resumes its own."""
+    process does, and its checkpoint resumes on pp 2 and on TP 2, and TP 2's on pp 2, as one process resumes its own;
+    the same as one file (the tensor's optimizer state once, under the embedding's name)."""
     bounds = fp32_loss_bounds(single_tied["resumed"], kind="tied")
     for result in tp2["ranks"]:
         _assert_close(result["tied_resume"]["mid"], _after(result["tied_resume"]["uninterrupted"], 6), IDENTICAL)
         expected = single_tied["uninterrupted"]
         _assert_close(result["tied_resume"]["pp_uninterrupted"], expected, fp32_loss_bounds(expected, kind="tied"))
-        for resumed in ("pp_to_pp", "pp_to_tp2", "tp2_to_pp"):
+        for resumed in ("pp_to_pp", "pp_to_tp2", "tp2_to_pp", "file_pp_to_pp", "file_pp_to_tp2"):
             _assert_close(result["tied_resume"][resumed], single_tied["resumed"], bounds)
 
 

@@ -23,6 +23,8 @@ TP2_CASES = [
     "sequence_loss_parallel",
     "resume_tp_to_fsdp",
     "resume_full_file",
+    "resume_pp_file_to_tp",
+    "resume_file_to_pp",
     "resume_at_url",
     "resume_cp_to_tp",
     "resume_ep_to_tp",
@@ -166,6 +168,8 @@ def test_sequence_and_loss_parallel(tp2: list[dict]) -> None:
     [
         ("tp2", "resume_tp_to_fsdp"),
         ("tp2", "resume_full_file"),
+        ("tp2", "resume_pp_file_to_tp"),
+        ("tp2", "resume_file_to_pp"),
         ("tp2", "resume_at_url"),
         ("tp2", "resume_cp_to_tp"),
         ("tp2", "resume_ep_to_tp"),
@@ -179,7 +183,7 @@ def test_resume_on_another_layout_and_export(layout: str, name: str, request: py
         assert result["step"] == 2  # plain values come back into the state dict
         assert result["remainder"] == {"note": "two steps"}  # what the state did not ask for is returned
         assert result["leftovers"] == []  # published by rename: no partial directory left
-        assert result["is_file"] == (name == "resume_full_file")
+        assert result["is_file"] == (name in ("resume_full_file", "resume_pp_file_to_tp", "resume_file_to_pp"))
         assert result["committed"] == (name == "resume_at_url")  # a URL's directory is committed by its marker
         if rank == 0:
             assert result["export_diff"] == 0.0  # `python -m lightning_tp.export` reads a Fabric checkpoint
