@@ -127,7 +127,8 @@ OPTIONS: tuple[Option, ...] = (
         "torch's pipeline schedule by name: ``1F1B``, ``GPipe``, ``Interleaved1F1B``, ``LoopedBFS``, or the "
         "zero-bubble ``InterleavedZeroBubble``, ``ZBVZeroBubble`` and ``DualPipeV`` (the last two place 2 stages per "
         "rank in a V: rank ``r`` holds stages ``r`` and ``2p - 1 - r``). ``None``: ``1F1B`` with one stage per rank, "
-        "``Interleaved1F1B`` with more.",
+        "``Interleaved1F1B`` with more. A model that adds its routers' load-balancing loss trains with ``GPipe`` or "
+        "``LoopedBFS``, which run every forward first (that loss's gradient needs the whole batch's routing).",
     ),
     Option(
         "pp_microbatches",

@@ -478,6 +478,28 @@ def two_d(ctx: Context) -> dict[str, Any]:
     return results
 
 
+@SCENARIOS.register("pp_2d_file")
+def pp_2d_file(ctx: Context) -> dict[str, Any]:
+    """pp 2 x dp 2 (FSDP2 on each stage: its weights and optimizer states sharded, gathered whole for the file) saves
+    one file at the end of epoch 0, resumed on pp 2 x dp 2 and on dp 2 x tp 2."""
+    path = ctx.out / "pp2_dp2_epoch0.ckpt"
+    pp = {"pp_size": 2, "tp_size": 1, "stateful_data": False}
+    module = ResumeModule(stateful_data=False)
+    fit(
+        module,
+        **{k: v for k, v in pp.items() if k != "stateful_data"},
+        save_distributed_checkpoint=False,
+        callbacks=[SaveAt(epochs={0: path})],
+    )
+    return {
+        "pp_file_uninterrupted": module.losses,
+        "pp_file_resumed": resumed_losses(path, **pp),
+        "pp_file_to_2d": resumed_losses(path, tp_size=2, stateful_data=False),
+        "pp_dp_rank": dist.get_rank() % 2,  # pp outermost: ranks 0 and 1 hold the first stage
+        "dp_rank_2d": dist.get_rank() // 2,
+    }
+
+
 @SCENARIOS.register("tp4")
 def tp4(ctx: Context) -> dict[str, Any]:
     """KV-head replication: TP 4 over the tiny Qwen3's 4 query and 2 KV heads. Trains (checkpoint at the end of epoch

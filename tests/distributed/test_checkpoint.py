@@ -344,6 +344,7 @@ def four(crashed: Path, truncated: Path) -> list[dict[str, Any]]:
         "2d",
         "tp4",
         "cp_2d",
+        "pp_2d_file",
         "--label",
         "2d",
         "--from",
@@ -414,6 +415,16 @@ def test_tp4_with_replicated_kv_heads_trains_resumes_on_2d_and_one_process_and_e
     _assert_close(one_process["from_tp4"]["resumed"], single["resumed"], fp32_loss_bounds(single["resumed"]))
     model = AutoModelForCausalLM.from_pretrained(crashed / "tp4_pretrained")
     _assert_logits(probe_logits(model), four[0]["tp4_logits"], model)
+
+
+def test_pp2_dp2_single_file_resumes_on_pp2_dp2_and_on_2d(four: list[dict[str, Any]], single: dict[str, Any]) -> None:
+    """One file from pp 2 x dp 2, where FSDP2 shards each stage's weights and optimizer states: each data-parallel
+    rank's losses averaged, as one process's over the whole batch, before and after resuming on both layouts."""
+    bounds = fp32_loss_bounds(single["uninterrupted"])
+    _assert_close(_dp_mean(four, "pp_file_uninterrupted", "pp_dp_rank"), single["uninterrupted"], bounds)
+    resumed_bounds = fp32_loss_bounds(single["resumed"])
+    _assert_close(_dp_mean(four, "pp_file_resumed", "pp_dp_rank"), single["resumed"], resumed_bounds)
+    _assert_close(_dp_mean(four, "pp_file_to_2d", "dp_rank_2d"), single["resumed"], resumed_bounds)
 
 
 def test_tp2_checkpoint_resumes_on_2d_and_truncated_fails_on_every_rank(
