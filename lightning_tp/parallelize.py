@@ -778,9 +778,13 @@ def apply_data_parallel(
             shard_experts(target.module, target.plan, expert_mesh=expert_mesh, layout=layout, **fsdp_options)
         if target.pipeline is not None:
             # Each stage its own root (torch's `PipelineStage` runs FSDP2's gradient reduction of its root once the
-            # step's last micro-batch is through), its decoder layers units inside it.
+            # step's last micro-batch is through), its decoder layers units inside it. A stage's root leaves its
+            # inputs' dtype alone where they carry the router loss's statistics (fp32 counts and sums, which bf16
+            # would round): its layers cast their own inputs.
+            cast = target.pipeline.router is None
             for stage in stage_modules_of(target.module):
-                apply_fsdp(stage, fsdp_mesh, blocks=block_classes(target.module, blocks), **fsdp_options)
+                stage_blocks = block_classes(target.module, blocks)
+                apply_fsdp(stage, fsdp_mesh, blocks=stage_blocks, cast_root_inputs=cast, **fsdp_options)
         elif target.module is root and not is_transformers_model(root):
             # A plain module tree: the training loop calls its children, never the root's forward.
             apply_fsdp_per_child(root, fsdp_mesh, fsdp_blocks=blocks, **fsdp_options)

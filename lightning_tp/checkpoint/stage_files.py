@@ -1,16 +1,19 @@
 """Single-file checkpoints of pipelined models (``save_distributed_checkpoint=False`` with ``pp_size > 1``).
 
-Each rank holds only its stages. To save, every tensor of the model and of its optimizer states is gathered whole on
-its stage's ranks, one at a time (as ``save_pretrained`` does), and streamed to the first rank of each pipeline
-(:func:`~lightning_tp.parallel.pipeline.gather_stages`), where rank 0 writes the file one process would write: the
-model's state dict under its own keys, and the optimizer's state under each parameter's name (Fabric) or, as
-Lightning's Trainer writes it, under the parameter's position in one process's ``parameters()``
-(:func:`whole_parameter_order` rebuilds that order from the stages' module trees, which keep every slot). A tied
-embedding's state is written once, under its canonical name (:mod:`lightning_tp.checkpoint.aliases`).
+Each rank holds only its stages. To save, every tensor of the model and of its optimizer states is gathered whole
+over its stage's ranks, one tensor at a time (as ``save_pretrained`` does); only the pipeline that holds rank 0 keeps
+the whole tensors, in host memory, and streams them to rank 0 (:func:`~lightning_tp.parallel.pipeline.gather_stages`),
+which writes the file one process would write: the model's state dict under its own keys, and the optimizer's state
+under each parameter's name (Fabric) or, as Lightning's Trainer writes it, under the parameter's position in one
+process's ``parameters()`` (:func:`whole_parameter_order` rebuilds that order from the stages' module trees, which
+keep every slot). A tied embedding's state is written once, under its canonical name
+(:mod:`lightning_tp.checkpoint.aliases`). Host memory: rank 0 holds the whole file, as one process saving it would,
+and each other rank of its pipeline its own stages' share.
 
 To load, every rank reads the file (memory-mapped, as without a pipeline) and takes its own stages' entries: no
 broadcast from rank 0, which ranks holding different stages could not follow. Such a file loads on any layout, and a
-file of any layout loads on a pipeline.
+file of any layout loads on a pipeline. What is missing from the file, or left over, is decided on every rank before
+anything loads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_tp.checkpoint.aliases import holds, optimizer_state_dict, parameter_aliases, renamed
+from lightning_tp.checkpoint.publish import on_every_rank
 from lightning_tp.compat import module_slots
 from lightning_tp.parallel.gather import whole_tensor
 from lightning_tp.parallel.pipeline import gather_stages, pipeline_runner
@@ -59,6 +63,13 @@ def _position(root: nn.Module, name: str) -> tuple[tuple[int, int], ...]:
     return tuple(key)
 
 
+def _hyperparameters(group: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A parameter group's settings, comparable across ranks (a tensor by its value, not its device)."""
+    return tuple(
+        sorted((k, repr(v.tolist() if isinstance(v, torch.Tensor) else v)) for k, v in group.items() if k != "params")
+    )
+
+
 def whole_parameter_order(root: nn.Module) -> list[str]:
     """The names of ``root``'s parameters in the order of one process's ``root.parameters()`` (each tensor once, under
     its first name), over every stage of its pipeline: a collective over the pipeline's ranks (every rank calls it).
@@ -69,8 +80,16 @@ def whole_parameter_order(root: nn.Module) -> list[str]:
     return sorted(merged, key=merged.__getitem__)
 
 
+def _writes(root: nn.Module) -> bool:
+    """Whether this rank's pipeline holds rank 0, which writes the file: the one pipeline whose ranks keep the whole
+    tensors and send them on."""
+    group = _pipeline_group(root)
+    return group is None or 0 in dist.get_process_group_ranks(group)
+
+
 def _gathered(root: nn.Module, tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> dict[str, Any]:
-    """Every stage's ``tensors`` (whole, on the CPU) and ``plain`` values, merged on rank 0 (``{}`` elsewhere)."""
+    """Every stage's ``tensors`` (whole, on the CPU) and ``plain`` values, merged on rank 0 (``{}`` elsewhere): the
+    ranks of rank 0's pipeline call it, together."""
     group = _pipeline_group(root)
     merged = gather_stages(root, tensors)
     plains = _everyone(plain, group)
@@ -92,15 +111,16 @@ def full_model_state(root: nn.Module, *, ignore_frozen: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sharded = get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=ignore_frozen))
+    keep = _writes(root)
     tensors, plain, seen = {}, {}, {}
     for name, value in sharded.items():
         if not isinstance(value, torch.Tensor):
             plain[name] = value
             continue
         if id(value) not in seen:  # a tied weight held under two names here: gathered once, kept as one tensor
-            seen[id(value)] = whole_tensor(value, keep=True)  # a collective over the stage's ranks
+            seen[id(value)] = whole_tensor(value, keep=keep)  # a collective over the stage's ranks
         tensors[name] = seen[id(value)]
-    return _gathered(root, tensors, plain)
+    return _gathered(root, tensors, plain) if keep else {}
 
 
 def full_optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer, *, by_position: bool) -> dict[str, Any]:
@@ -117,19 +137,27 @@ def full_optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer, *, b
 
     order = whole_parameter_order(root)  # a collective: before any rank returns early
     sharded = optimizer_state_dict(root, optimizer, options=StateDictOptions())  # aliases under canonical names
+    group = _pipeline_group(root)
+    groups = _everyone(sharded["param_groups"], group)
+    if len({tuple(_hyperparameters(g) for g in part) for part in groups}) > 1:  # the same decision on every rank
+        raise ValueError(
+            "A single-file checkpoint of a pipelined model writes one optimizer whose parameter groups every stage "
+            "shares, but the stages' optimizers have different groups ("
+            f"{[[{k: v for k, v in g.items() if k != 'params'} for g in part] for part in groups]}). Build the same "
+            "groups on every stage (an empty group is fine), or keep `save_distributed_checkpoint=True`."
+        )
+    keep = _writes(root)
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, Any] = {}
     for name, entries in sharded["state"].items():
         for entry, value in entries.items():
             key = f"{name}{_JOIN}{entry}"
             if isinstance(value, torch.Tensor):
-                tensors[key] = whole_tensor(value, keep=True)  # a collective over the stage's ranks
+                tensors[key] = whole_tensor(value, keep=keep)  # a collective over the stage's ranks
             else:
                 plain[key] = value
-    group = _pipeline_group(root)
-    groups = _everyone(sharded["param_groups"], group)
-    merged = _gathered(root, tensors, plain)
-    if group is not None and dist.get_rank(group) != 0:
+    merged = _gathered(root, tensors, plain) if keep else {}
+    if group is not None and dist.get_rank() != 0:
         return {}
     state: dict[str, dict[str, Any]] = {}
     for key, value in merged.items():
@@ -163,8 +191,10 @@ def load_stage_file(
     call it.
 
     Raises:
-        ValueError: with ``strict``, the file holds weights that no stage of the model has (decided on every rank
-            alike), or misses some.
+        ValueError: with ``strict``, the file holds weights that no stage of the model has, or misses some of its
+            weights (decided on every rank alike, before anything loads).
+        RuntimeError: torch refused some rank's share (an optimizer state missing with ``strict``, a shape that
+            differs): raised on every rank.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -176,27 +206,38 @@ def load_stage_file(
     saved = checkpoint.pop(module_key)
     local = set(get_model_state_dict(module))
     everywhere = {name for part in _everyone(sorted(local), _pipeline_group(module)) for name in part}
-    unexpected = sorted(set(saved) - everywhere)
-    if strict and unexpected:
-        raise ValueError(
-            f"{shown} holds weights that no stage of this model has: {unexpected[:5]}"
-            f"{' ...' if len(unexpected) > 5 else ''}. Load it into the model it was written from, or load the weights "
-            "with `strict_loading = False` on the LightningModule."
-        )
+    for what, names in (
+        ("holds weights that no stage of this model has", set(saved) - everywhere),
+        ("misses weights of this model", everywhere - set(saved)),
+    ):
+        if strict and names:
+            shown_names = sorted(names)
+            raise ValueError(
+                f"{shown} {what}: {shown_names[:5]}{' ...' if len(names) > 5 else ''}. Load it into the model it was "
+                "written from, or load the weights with `strict_loading = False` on the LightningModule."
+            )
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(module, {name: value for name, value in saved.items() if name in local}, options=options)
+    mine = {name: value for name, value in saved.items() if name in local}
+    on_every_rank(lambda: set_model_state_dict(module, mine, options=options), what=f"Loading {shown}")
     order = whole_parameter_order(module)  # a collective, on every rank
     aliases = parameter_aliases(module)
     for index, (name, optimizer) in enumerate(optimizers.items()):
         state = checkpoint["optimizer_states"][index] if optimizer_states_from_list else checkpoint.pop(name)
-        if state["state"] and all(isinstance(key, int) for key in state["state"]):  # by position (one process's)
+        if any(isinstance(p, int) for group in state["param_groups"] for p in group["params"]):  # one process's
             state = {
                 "state": {order[key]: value for key, value in state["state"].items()},
                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
             }
         state = renamed(state, aliases)  # a file of one process holds a tied weight's state under its first name
-        back = {canonical: alias for alias, canonical in aliases.items() if holds(_asked(module, optimizer), alias)}
-        set_optimizer_state_dict(module, optimizer, renamed(state, back), options=options)
+        asked = _asked(module, optimizer)
+        back = {canonical: alias for alias, canonical in aliases.items() if holds(asked, alias)}
+        state = renamed(state, back)
+        on_every_rank(
+            lambda optimizer=optimizer, state=state: set_optimizer_state_dict(
+                module, optimizer, state, options=options
+            ),
+            what=f"Loading {shown}'s optimizer state",
+        )
     if optimizer_states_from_list:
         checkpoint.pop("optimizer_states", None)
     return checkpoint

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -87,9 +88,11 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
+    cast_root_inputs: bool = True,
 ) -> nn.Module:
     """Shard each block of a class in ``blocks``, then ``module`` itself, over ``dp_mesh`` (1-D: FSDP; 2-D
-    ``(replicate, shard)``: HSDP)."""
+    ``(replicate, shard)``: HSDP). ``cast_root_inputs=False``: ``module``'s own forward inputs keep their dtype (the
+    blocks still cast theirs to the policy's ``param_dtype``)."""
     kwargs = {
         "mesh": dp_mesh,
         "reshard_after_forward": reshard_after_forward,
@@ -102,6 +105,8 @@ def apply_fsdp(
         if submodule is not module and type(submodule) in blocks:
             fully_shard(submodule, **kwargs)
             give_every_parameter_a_gradient(submodule)
+    if not cast_root_inputs:
+        kwargs["mp_policy"] = replace(kwargs["mp_policy"], cast_forward_inputs=False)
     fully_shard(module, **kwargs)
     return module
 

@@ -93,9 +93,6 @@ _PLAIN_KWARGS = ("use_cache",)
 #: parallelism), its labels and the batch's labelled tokens, one copy per row (the last stage's model computes the
 #: loss).
 _TOKENS, _LABELS, _ITEMS = "stage_input_ids", "labels", "num_items_in_batch"
-#: Where the model adds a router loss, each row's index in the batch (on the host): the last stage's micro-batch is
-#: its first row's divided by its rows.
-_ROWS = "batch_rows"
 
 
 def schedule_class(name: str) -> type:
@@ -521,7 +518,6 @@ class PipelineStageModule(nn.Module):
         tokens = kwargs.pop(_TOKENS, None)
         labels = kwargs.pop(_LABELS, None)
         items = kwargs.pop(_ITEMS, None)
-        rows = kwargs.pop(_ROWS, None)
         router_stats = received[0] if received else None
         # The routers' logits are an output of the model's forward: a stage before the last that adds them to the
         # statistics runs the forward to its end (the norm skipped), not stopping after its last layer.
@@ -563,7 +559,7 @@ class PipelineStageModule(nn.Module):
                 if labels is None:  # a custom pipeline loss (refused where the model adds a router loss)
                     return type(model).forward(model, **inputs, **kwargs).logits
                 loss_kwargs = {_LABELS: labels, _ITEMS: items[0] if items is not None else None}
-                with self._router_loss(router_stats, rows):
+                with self._router_loss(router_stats, labels):
                     # One element, not a scalar: torch's evaluation concatenates the micro-batches' outputs.
                     return type(model).forward(model, **inputs, **kwargs, **loss_kwargs).loss.reshape(1)
             base = model.get_submodule(plan.layer_list.rpartition(".")[0])
@@ -584,15 +580,16 @@ class PipelineStageModule(nn.Module):
         )
         return hidden, stats if router_stats is None else stats + router_stats
 
-    def _router_loss(self, received: torch.Tensor | None, rows: torch.Tensor | None) -> AbstractContextManager[None]:
+    def _router_loss(self, received: torch.Tensor | None, labels: torch.Tensor) -> AbstractContextManager[None]:
         """Around the last stage's model forward: the router loss it adds is the whole batch's (see
-        :class:`~lightning_tp.parallel.router_loss.RouterTotals`)."""
+        :class:`~lightning_tp.parallel.router_loss.RouterTotals`). The micro-batch is told by where its labels start
+        in the batch's (torch cuts the batch into views; its shape inference's copy of the first micro-batch's labels
+        shares their memory), which needs no read of the device."""
         if self.plan.router is None:
             return nullcontext()
         totals = _ROUTER_TOTALS.get()
-        assert totals is not None and rows is not None, "the last stage of a router loss run outside its runner's call"
-        microbatch = int(rows[0]) // rows.numel()
-        return last_stage_router_loss(self.model, received, totals, microbatch=microbatch)
+        assert totals is not None, "the last stage of a router loss run outside its runner's call"
+        return last_stage_router_loss(self.model, received, totals, microbatch=labels.data_ptr())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -726,8 +723,6 @@ class PipelineRunner:
         if self.custom_loss is None:  # the last stage's model computes the loss
             kwargs[_LABELS] = target
             kwargs[_ITEMS] = self._num_items.expand(rows)
-            if self.plan.router is not None:
-                kwargs[_ROWS] = torch.arange(rows)
         described = ((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())
         shapes = (tuple(input_ids.shape), tuple(sorted(described)))
         key = (*shapes, training, torch.is_inference_mode_enabled())

@@ -345,9 +345,9 @@ _LAST_STAGE: ContextVar[_LastStageCall | None] = ContextVar("lightning_tp_router
 def last_stage_router_loss(
     model: nn.Module, received: torch.Tensor | None, totals: RouterTotals, *, microbatch: int
 ) -> Iterator[None]:
-    """Around the last stage's forward of micro-batch ``microbatch`` of pipelined ``model``: the router loss it
-    computes is the whole batch's (see :class:`RouterTotals`). ``received``: the earlier stages' statistics of the
-    micro-batch."""
+    """Around the last stage's forward of a micro-batch of pipelined ``model``: the router loss it computes is the
+    whole batch's (see :class:`RouterTotals`). ``received``: the earlier stages' statistics of the micro-batch;
+    ``microbatch``: what tells it from the call's other micro-batches (any number, the same for a repeat of one)."""
     module = router_loss_module(model)
     assert module is not None, "a pipelined router loss without its modeling module's function"
     _hold(module, model)

@@ -138,14 +138,18 @@ def test_a_router_loss_is_refused_with_schedules_that_run_a_backward_before_the_
     assert _plan(_deep("qwen3_moe"), schedule="1F1B").router is None  # no router loss: any schedule
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_a_pipelined_router_loss_is_the_whole_batchs_in_value_and_gradient(kind):
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [("qwen3_moe", {}), ("mixtral", {}), ("qwen3_moe", {"mlp_only_layers": [0, 2]})],  # stages without a router
+    ids=["qwen3_moe", "mixtral", "qwen3_moe_dense_layers"],
+)
+def test_a_pipelined_router_loss_is_the_whole_batchs_in_value_and_gradient(kind, overrides):
     """Four stages of one layer on two "ranks" (two copies of the model, each keeping its stages, as LoopedBFS places
     them), two micro-batches run as that schedule runs them (every forward, then every backward), one row padded:
     each stage adds its layers' router statistics to the ones it received, and the last stage's loss, summed over
     the micro-batches with the whole batch's router loss counted once, is one process's loss of the whole batch, with
     its gradients. The copies run no forward before their stages do (Transformers hooks the routers at the first)."""
-    model = _deep(kind, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = _deep(kind, output_router_logits=True, router_aux_loss_coef=0.5, **overrides)
     plan = _plan(model, schedule="LoopedBFS", stages_per_rank=2, microbatches=2)
     ranks = [copy.deepcopy(model), copy.deepcopy(model)]
     stages = []
@@ -170,7 +174,7 @@ def test_a_pipelined_router_loss_is_the_whole_batchs_in_value_and_gradient(kind)
                 inputs = [value.detach().requires_grad_(value.is_floating_point()) for value in sent]
                 kwargs = {"attention_mask": mask[rows]}
                 if stage.is_last:
-                    kwargs.update(labels=labels[rows], num_items_in_batch=items[rows], batch_rows=torch.arange(4)[rows])
+                    kwargs.update(labels=labels[rows], num_items_in_batch=items[rows])
                 output = stage(*inputs, **kwargs)
                 sent = output if isinstance(output, tuple) else (output,)
                 chain.append((inputs, sent))
