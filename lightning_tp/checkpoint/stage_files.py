@@ -63,11 +63,25 @@ def _position(root: nn.Module, name: str) -> tuple[tuple[int, int], ...]:
     return tuple(key)
 
 
+#: The entries of a parameter group that list its parameters (torch keeps their names too, for an optimizer built
+#: from ``named_parameters()``): each stage's own.
+_PARAMETER_LISTS = ("params", "param_names")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` comparable across ranks: a tensor by its value (not its device), an object by its type."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__qualname__
+
+
 def _hyperparameters(group: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """A parameter group's settings, comparable across ranks (a tensor by its value, not its device)."""
-    return tuple(
-        sorted((k, repr(v.tolist() if isinstance(v, torch.Tensor) else v)) for k, v in group.items() if k != "params")
-    )
+    """A parameter group's settings, comparable across ranks."""
+    return tuple(sorted((k, repr(_plain(v))) for k, v in group.items() if k not in _PARAMETER_LISTS))
 
 
 def whole_parameter_order(root: nn.Module) -> list[str]:
@@ -101,7 +115,7 @@ def _gathered(root: nn.Module, tensors: dict[str, torch.Tensor], plain: dict[str
 
 
 def full_model_state(root: nn.Module, *, ignore_frozen: bool) -> dict[str, Any]:
-    """``root``'s state dict with every stage's whole tensors, on rank 0 of each pipeline (``{}`` on the others).
+    """``root``'s state dict with every stage's whole tensors, on rank 0 (``{}`` on the others).
     Every rank must call it.
 
     Args:
@@ -124,7 +138,7 @@ def full_model_state(root: nn.Module, *, ignore_frozen: bool) -> dict[str, Any]:
 
 
 def full_optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer, *, by_position: bool) -> dict[str, Any]:
-    """``optimizer``'s state over every stage, whole, on rank 0 of each pipeline (``{}`` on the others), as one
+    """``optimizer``'s state over every stage, whole, on rank 0 (``{}`` on the others), as one
     process's: keyed by parameter name, or with ``by_position`` by the parameter's position in one process's
     ``root.parameters()`` (Lightning's Trainer's single files). Every rank must call it.
 
@@ -166,8 +180,16 @@ def full_optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer, *, b
     position = {name: index for index, name in enumerate(order)}
     param_groups = []
     for index, group in enumerate(groups[0]):
-        names = {name for part in groups for name in part[index]["params"]}
-        param_groups.append({**group, "params": sorted(names, key=position.__getitem__)})
+        params = sorted({name for part in groups for name in part[index]["params"]}, key=position.__getitem__)
+        merged_group = {**group, "params": params}
+        # The names torch keeps beside the parameters (an optimizer built from `named_parameters()`), in their order;
+        # left out where a stage's do not pair with its parameters.
+        pairs = [(g["params"], g.get("param_names")) for g in (part[index] for part in groups)]
+        merged_group.pop("param_names", None)
+        if all(names is not None and len(names) == len(ps) for ps, names in pairs):
+            named = {p: n for ps, names in pairs for p, n in zip(ps, names, strict=True)}
+            merged_group["param_names"] = [named[p] for p in params]
+        param_groups.append(merged_group)
     if not by_position:
         return {"state": state, "param_groups": param_groups}
     return {

@@ -584,7 +584,8 @@ class PipelineStageModule(nn.Module):
         """Around the last stage's model forward: the router loss it adds is the whole batch's (see
         :class:`~lightning_tp.parallel.router_loss.RouterTotals`). The micro-batch is told by where its labels start
         in the batch's (torch cuts the batch into views; its shape inference's copy of the first micro-batch's labels
-        shares their memory), which needs no read of the device."""
+        shares their memory), which needs no read of the device. The runner put the labels on the stage's device
+        already, so FSDP2's root, which moves a stage's inputs there, hands on the same views."""
         if self.plan.router is None:
             return nullcontext()
         totals = _ROUTER_TOTALS.get()
@@ -716,7 +717,8 @@ class PipelineRunner:
                 "predictions, export the model (`lightning_tp.export`) and run it with pp_size=1."
             )
         self._num_items = labelled_tokens(labels).to(self.device)
-        target = labels.to(self.device)
+        # Contiguous, so each micro-batch's labels start at their own address (a router loss tells them apart so).
+        target = labels.to(self.device).contiguous()
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         input_ids = input_ids.to(self.device)
         kwargs[_TOKENS] = input_ids
@@ -1023,7 +1025,9 @@ def gather_stages(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     runner = pipeline_runner(module)
     if runner is None:
         return state
-    group, mine, size = runner.pp_mesh.get_group(), runner.pp_mesh.get_local_rank(), runner.pp_mesh.size()
+    # Ranks in the group's own numbering, in which the sends below address the first rank.
+    group = runner.pp_mesh.get_group()
+    mine, size = dist.get_rank(group), dist.get_world_size(group)
     names: dict[int, list[str]] = {}
     for name, value in state.items():
         assert isinstance(value, torch.Tensor), f"gather_stages of a non-tensor entry {name!r}"

@@ -67,3 +67,30 @@ def test_a_file_loads_by_position_and_what_is_missing_or_left_over_is_refused_by
     extra["state_dict"]["model.extra.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match=r"holds weights that no stage of this model has: \['model.extra.weight'\]"):
         load_stage_file(extra, module=other, optimizers={}, **kwargs)
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_the_gathered_optimizer_state_is_one_processs(named):
+    """Without a pipeline the gathered state is the optimizer's own: by position it is torch's ``state_dict()``; by
+    name each parameter's, the names torch keeps beside them (an optimizer built from ``named_parameters()``) in the
+    parameters' order."""
+    from lightning_tp.checkpoint.stage_files import full_optimizer_state
+
+    model = build_causal_lm(tiny_config("tied"))
+    params = list(model.named_parameters()) if named else list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    model(input_ids=torch.arange(8).reshape(1, 8), labels=torch.arange(8).reshape(1, 8)).loss.backward()
+    optimizer.step()
+    own = optimizer.state_dict()
+    by_position = full_optimizer_state(model, optimizer, by_position=True)
+    assert by_position["param_groups"] == own["param_groups"]
+    assert by_position["state"].keys() == own["state"].keys()
+    for index, entries in own["state"].items():
+        for entry, value in entries.items():
+            torch.testing.assert_close(by_position["state"][index][entry], value, atol=0, rtol=0)
+    by_name = full_optimizer_state(model, optimizer, by_position=False)
+    names = [name for name, _ in model.named_parameters()]
+    assert by_name["param_groups"][0]["params"] == names and list(by_name["state"]) == names
+    assert ("param_names" in by_name["param_groups"][0]) is named
+    if named:
+        assert by_name["param_groups"][0]["param_names"] == names
