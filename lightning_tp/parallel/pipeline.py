@@ -481,11 +481,9 @@ class _Receiver(nn.Module):
             return getattr(self.layer, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.received is None:
-            pass
-        elif args:
+        if self.received is not None and args:
             args = (self.received, *args[1:])
-        else:
+        elif self.received is not None:
             kwargs = {**kwargs, "hidden_states": self.received}
         self.output = self.layer(*args, **kwargs)
         return self.output
@@ -541,8 +539,8 @@ class PipelineStageModule(nn.Module):
                 stop = stand_in if index == held.stop else stop
                 layers[index] = stand_in
         norm_parent, _, norm_name = plan.norm.rpartition(".")
-        norm_owner = model.get_submodule(norm_parent)
-        norm = getattr(norm_owner, norm_name)
+        norm_owner = model.get_submodule(norm_parent) if collect else None
+        norm = getattr(norm_owner, norm_name) if collect else None
         if collect:
             setattr(norm_owner, norm_name, _Skipped(norm))
         if self.is_first:
@@ -569,7 +567,8 @@ class PipelineStageModule(nn.Module):
         finally:
             for index, layer in enumerate(saved):
                 layers[index] = layer
-            setattr(norm_owner, norm_name, norm)
+            if collect:
+                setattr(norm_owner, norm_name, norm)
         assert collect and stop is not None and plan.router is not None, f"stage {self.stage} ran past its last layer"
         hidden = stop.output
         assert hidden is not None, f"stage {self.stage}'s forward did not reach the layer after its last"

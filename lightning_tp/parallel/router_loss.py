@@ -291,9 +291,9 @@ class RouterTotals:
         self._parts[microbatch] = stats.detach()
         self._total = None
 
-    @property
     def total(self) -> torch.Tensor | None:
-        """The whole batch's statistics, or ``None`` before every micro-batch has run."""
+        """The whole batch's statistics, or ``None`` before every micro-batch has run (the all-reduce over the
+        data-parallel ranks, at the first call after the last micro-batch)."""
         if self._total is None and len(self._parts) == self.microbatches:
             total = torch.stack([self._parts[index] for index in sorted(self._parts)]).sum(dim=0)
             if self.group is not None:
@@ -303,7 +303,7 @@ class RouterTotals:
 
     def loss(self) -> torch.Tensor:
         """The whole batch's router loss, weighted as the model weighs it (once every micro-batch has run)."""
-        total = self.total
+        total = self.total()
         assert total is not None, "the router loss read before the pipeline's last micro-batch"
         return self.spec.coefficient * _switch_loss(total, self.spec.num_experts)
 
@@ -317,15 +317,15 @@ class _WholeBatchLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stats, totals, microbatch):  # type: ignore[override]
         totals.put(microbatch, stats)
-        ctx.totals = totals
+        ctx.totals, ctx.shape = totals, stats.shape
         return stats.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         totals = ctx.totals
-        total = totals.total
+        total = totals.total()
         if total is None:  # torch's shape inference, before the schedule: only the gradient's shape counts
-            return torch.zeros(2 * totals.spec.num_experts + 1, device=grad.device), None, None
+            return grad.new_zeros(ctx.shape), None, None
         return _switch_gradient(total, totals.spec.num_experts) * (grad * totals.size), None, None
 
 
