@@ -208,8 +208,10 @@ class ExpertLoadMonitor(L.Callback):
     ``moe/expert_load_max_over_mean`` (the busiest expert's tokens over the mean, at the worst layer: 1.0 is perfect
     balance) and ``moe/ep_rank_load_max_over_mean`` (the same for the tokens each EP rank's experts receive: the rank
     that sets the pace of the all-to-alls), over the last micro-batch of the whole batch (every data-parallel and CP
-    rank's tokens). At the first optimizer step and wherever the loggers write (``log_every_n_steps``): one all-reduce
-    of ``layers x experts`` counts then. :func:`lightning_tp.expert_load` gives the raw counts of this rank's tokens."""
+    rank's tokens, every pipeline stage's layers). At the first optimizer step and wherever the loggers write
+    (``log_every_n_steps``): an all-gather of the layers' names and one all-reduce of ``layers x experts`` counts
+    then, on every rank (a pipeline stage without experts too). :func:`lightning_tp.expert_load` gives the raw
+    counts of this rank's tokens."""
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -222,17 +224,32 @@ class ExpertLoadMonitor(L.Callback):
         if not ends_optimizer_step(trainer, batch_idx) or not _reports_this_step(trainer):
             return
         loads = expert_load(pl_module)
-        if not loads:
+        sizes = {name: load.numel() for name, load in loads.items()}
+        if distributed_is_initialized():
+            # Every rank takes part, whatever its stages hold: under pipeline parallelism a rank holds its stages'
+            # experts modules only (none on a stage of dense layers), so the layers' names and sizes are gathered
+            # first and each rank lays out the same tensor, its zeros where another stage counts.
+            gathered: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, sizes)
+            for other in gathered:
+                sizes.update(other)
+        if not sizes:
             return
-        names = sorted(loads)  # the same order on every rank
-        flat = torch.cat([loads[name] for name in names]).to(trainer.strategy.root_device)
+        names = sorted(sizes)  # the same order on every rank
+        device = trainer.strategy.root_device
+        flat = torch.cat(
+            [
+                loads[n].to(device) if n in loads else torch.zeros(sizes[n], dtype=torch.float32, device=device)
+                for n in names
+            ]
+        )
         if distributed_is_initialized():
             # Over every rank: the ranks of a TP group count the same tokens, which scales each layer's counts
-            # alike and leaves the ratios as they are; CP ranks and data-parallel ranks count their own.
+            # alike and leaves the ratios as they are; CP ranks, data-parallel ranks and the stages count their own.
             dist.all_reduce(flat)
         ep_size = getattr(getattr(trainer.strategy, "layout", None), "ep_size", 1)
         worst = {"expert_load": 0.0, "ep_rank_load": 0.0}
-        for counts in flat.float().split([loads[name].numel() for name in names]):
+        for counts in flat.float().split([sizes[name] for name in names]):
             per_rank = counts.reshape(ep_size, -1).sum(dim=-1)
             for metric, values in (("expert_load", counts), ("ep_rank_load", per_rank)):
                 ratio = float(values.max() / values.mean().clamp_min(1e-12))

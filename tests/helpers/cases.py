@@ -773,6 +773,19 @@ CASES: dict[str, Case] = {
         config={"num_hidden_layers": 4, "output_router_logits": True, "router_aux_loss_coef": 0.5},
         strategy_kwargs={**_PP2, "ep_size": 2, "pp_schedule": "GPipe"},
     ),
+    # A dense first layer (Qwen3-MoE's `mlp_only_layers`, DeepSeek-V3's `first_k_dense_replace`): the stages hold
+    # different numbers of experts modules (1 and 2), whose load the expert-load monitor reports over every rank.
+    "qwen3_moe_dense_first_pp2_expert_parallel": lm(
+        "qwen3_moe",
+        3,
+        config={
+            "num_hidden_layers": 4,
+            "mlp_only_layers": [0],
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.5,
+        },
+        strategy_kwargs={**_PP2, "ep_size": 2, "pp_schedule": "GPipe"},
+    ),
     # The router loss through 4 stages of one layer (LoopedBFS: each rank's stages breadth-first), on padded rows.
     "mixtral_pp2_router_loss_looped": Case(
         partial(
@@ -963,6 +976,7 @@ TWO_D_CASES = [
     "llama_pp2_cp2_padded",
     "qwen3_pp2_cp2_ring_packed",
     "qwen3_moe_pp2_expert_parallel",
+    "qwen3_moe_dense_first_pp2_expert_parallel",
     # Expert parallelism with TP and data parallelism.
     "qwen3_moe_ep2_tp2",
     "mixtral_ep4_tp2",
