@@ -20,10 +20,13 @@ from lightning_tp.compat import foreach_mul_, foreach_norm
 from lightning_tp.parallel.pipeline import counted_on_another_stage
 
 
-def _group_key(grad: torch.Tensor) -> object:
-    if isinstance(grad, DTensor):
-        return ("dtensor", grad.device_mesh, tuple(grad.placements), grad.device, grad.dtype)
-    return ("tensor", grad.device, grad.dtype)
+def _group_key(param: torch.Tensor) -> object:
+    """A parameter's group: the reductions its gradient's norm needs (its mesh and placements) and where it lives.
+    Read from the parameter, never from its gradient: every rank holds the same parameters, but a gradient can be
+    missing on one rank only (an expert that saw none of the rank's tokens, outside FSDP2)."""
+    if isinstance(param, DTensor):
+        return ("dtensor", param.device_mesh, tuple(param.placements), param.device)
+    return ("tensor", param.device)
 
 
 @torch.no_grad()
@@ -37,32 +40,42 @@ def grad_norm(
 
     Each group's norm is taken on the local shards and reduced over the mesh dimensions the group is sharded on
     (sum of p-th powers, or max for inf), on the mesh's device: with FSDP2's CPU offload the local gradients live on
-    the CPU while NCCL reduces only device tensors.
+    the CPU while NCCL reduces only device tensors. Which reductions run is decided from the parameters that require
+    a gradient, the same on every rank: a gradient missing on one rank counts as zeros there.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    groups: dict[object, list[torch.Tensor]] = {}
+    groups: dict[object, list[torch.Tensor | None]] = {}
     for p in parameters:
-        if pp_group is not None and counted_on_another_stage(p):
-            continue  # the last stage's copy of an embedding tied to the head: the first stage's counts it
-        if p.grad is not None:
-            groups.setdefault(_group_key(p.grad), []).append(p.grad)
+        if not p.requires_grad or (pp_group is not None and counted_on_another_stage(p)):
+            continue  # (the last stage's copy of an embedding tied to the head: the first stage's counts it)
+        groups.setdefault(_group_key(p), []).append(p.grad)
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
     total: torch.Tensor | None = None
-    for grads in groups.values():
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for key, grads in groups.items():
+        device = key[-1]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            if g is not None:
+                local = g.to_local() if isinstance(g, DTensor) else g
+                by_dtype.setdefault(local.dtype, []).append(local)
         # fp32 norms of bf16 gradients: their squares would lose precision in bf16.
-        local = torch.linalg.vector_norm(torch.stack(foreach_norm(locals_, norm_type, dtype=torch.float32)), norm_type)
-        value = local if is_inf else local.pow(norm_type)
-        if isinstance(grads[0], DTensor):
-            mesh, placements = grads[0].device_mesh, grads[0].placements
+        norms = [n for locals_ in by_dtype.values() for n in foreach_norm(locals_, norm_type, dtype=torch.float32)]
+        local_norm = (
+            torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+            if norms
+            else torch.zeros((), dtype=torch.float32, device=device)
+        )
+        value = local_norm if is_inf else local_norm.pow(norm_type)
+        if key[0] == "dtensor":
+            mesh, placements = key[1], key[2]
             value = value.to(mesh.device_type)
             for dim, placement in enumerate(placements):
                 if placement.is_replicate():
                     continue
                 # Shard, or FSDP2's _StridedShard (sharding a dim TP shards too): each rank holds a disjoint part.
-                assert not placement.is_partial(), f"unexpected partial gradient on mesh dim {dim}"
+                assert not placement.is_partial(), f"unexpected partial parameter on mesh dim {dim}"
                 op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))
         if total is None:
@@ -103,8 +116,8 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    parameters = [p for p in parameters if p.grad is not None]
-    total = grad_norm(parameters, norm_type, pp_group=pp_group)
+    parameters = list(parameters)
+    total = grad_norm(parameters, norm_type, pp_group=pp_group)  # every rank's reductions, gradients or not
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped."
@@ -113,6 +126,8 @@ def clip_grad_norm_(
     # Scale the local shards in place: the coefficient is the same on every rank, so no DTensor dispatch is needed.
     locals_by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in parameters:
+        if p.grad is None:
+            continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         locals_by_device.setdefault((local.device, local.dtype), []).append(local)
     for (device, dtype), grads in locals_by_device.items():

@@ -120,6 +120,41 @@ def case_fsdp_from_mesh() -> dict:
     return _compare("fsdp_from_mesh", model, reference, losses, _train(reference, batches, clip=False))
 
 
+@SCENARIOS.register("grad_norm_missing_gradient")
+def case_grad_norm_missing_gradient() -> dict:
+    """A gradient present on one rank only (an expert that saw none of the other rank's tokens, outside FSDP2): the
+    norm's reductions follow the parameters, so both ranks run the same ones and get the norm with zeros there. Two
+    sharded parameters on two meshes' placements, the second's gradient missing on rank 1."""
+    import lightning_tp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    whole = [torch.randn(4, 6), torch.randn(4, 6)]
+    params = [
+        torch.nn.Parameter(distribute_tensor(whole[0].clone(), mesh, [Shard(0)])),
+        torch.nn.Parameter(distribute_tensor(whole[1].clone(), mesh, [Shard(1)])),
+    ]
+    grads = [torch.randn(4, 6), torch.randn(4, 6)]
+    params[0].grad = distribute_tensor(grads[0], mesh, [Shard(0)])
+    params[1].grad = distribute_tensor(grads[1], mesh, [Shard(1)])
+    # The one-process norm: the second gradient's columns that rank 1 holds are missing, i.e. zeros.
+    expected_grads = [grads[0], grads[1].clone()]
+    expected_grads[1][:, 3:] = 0
+    if dist.get_rank() == 1:
+        params[1].grad = None
+    norm = lightning_tp.clip_grad_norm_(params, max_norm=1.0)
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in expected_grads]))
+    norms = [torch.zeros(()) for _ in range(dist.get_world_size())]
+    dist.all_gather(norms, norm.reshape(()).float())
+    return {
+        "case": "grad_norm_missing_gradient",
+        "norm_diff": max(abs(n.item() - expected.item()) for n in norms),
+        "expected": expected.item(),
+    }
+
+
 def _train_data_parallel(model: torch.nn.Module, batches: list[dict], *, dp_group) -> list[float]:
     """The global mean loss of each step (every rank's batch has the same number of counted tokens here)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # exact: AdamW would amplify rounding in tiny gradients

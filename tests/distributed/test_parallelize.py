@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.launch import torchrun
 
@@ -26,3 +27,9 @@ def test_plain_pytorch_loop_matches_one_process(plain_results: dict[str, dict], 
     assert result["names_match"] and result["all_dtensors"]
     assert result["loss_diff"] < 1e-5, result
     assert result["weight_diff"] < 1e-5, result
+
+
+def test_clip_grad_norm_with_a_gradient_on_one_rank_only(plain_results: dict[str, dict]) -> None:
+    """Without the fix rank 0 runs two reductions and rank 1 one: a hang (the launch's tripwire) or a wrong norm."""
+    result = plain_results["grad_norm_missing_gradient"]
+    assert result["norm_diff"] <= 4 * torch.finfo(torch.float32).eps * result["expected"], result
