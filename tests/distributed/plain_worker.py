@@ -125,9 +125,10 @@ def case_grad_norm_missing_gradient() -> dict:
     """A gradient present on one rank only (an expert that saw none of the other rank's tokens, outside FSDP2): the
     norm's reductions follow the parameters, so both ranks run the same ones and get the norm with zeros there. Two
     sharded parameters on two meshes' placements, the second's gradient missing on rank 1."""
-    import lightning_tp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import lightning_tp
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
