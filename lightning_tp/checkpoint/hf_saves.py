@@ -12,7 +12,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_tp.checkpoint.publish import is_main, on_every_rank, publish_directory, run_on_main_and_share_failure
+from lightning_tp.checkpoint.publish import (
+    arrive_together,
+    is_main,
+    on_every_rank,
+    publish_directory,
+    run_on_main_and_share_failure,
+    watch_for_exit,
+)
 from lightning_tp.parallel.gather import whole_tensor
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, merged_weight
 from lightning_tp.parallel.pipeline import gather_stages, pipeline_runner
@@ -66,11 +73,13 @@ def install_publishing_save_pretrained(
     if installed(model, "save_pretrained") is not None:
         return
     original = model.save_pretrained
+    watch_for_exit()
 
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         state = kwargs.pop("state_dict", None)
         if state is not None and given_state == "call_through":
             return original(save_directory, *args, state_dict=state, **kwargs)
+        arrive_together(f"`save_pretrained` of a sharded {type(model).__name__}")
         main = kwargs.pop("is_main_process", None)
         main = is_main() if main is None else main
         if state is None:
@@ -127,6 +136,8 @@ def install_pipelined_adapter_save(peft_model: nn.Module) -> None:
     from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    watch_for_exit()
+
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         unsupported = sorted(k for k, v in kwargs.items() if v is not None and k != "is_main_process") + (
             ["positional arguments"] if args else []
@@ -136,6 +147,7 @@ def install_pipelined_adapter_save(peft_model: nn.Module) -> None:
                 f"`save_pretrained` of a pipelined PEFT model takes the directory only; got {unsupported}. Save "
                 "without them, or with pp_size=1."
             )
+        arrive_together("`save_pretrained` of a pipelined PEFT model")
         adapter = peft_model.active_adapter
         own = get_peft_model_state_dict(
             peft_model,
@@ -209,7 +221,13 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     as a standard Transformers directory (``config.json``, safetensors), loadable with
     ``AutoModelForCausalLM.from_pretrained`` on one process, without changing the sharded model that keeps training.
     Call it on every rank: they gather one tensor at a time; rank 0 merges and writes (under pipeline parallelism each
-    rank merges its stages' and rank 0 gathers the merged tensors), and a failure raises on every rank."""
+    rank merges its stages' and rank 0 gathers the merged tensors), and a failure raises on every rank.
+
+    Raises:
+        RuntimeError: not every rank called it (within :data:`~lightning_tp.checkpoint.publish.ARRIVAL_TIMEOUT`, or
+            another rank exited or reached a barrier instead), or the write failed on rank 0.
+        ValueError: an adapter cannot be merged."""
+    arrive_together("`save_merged`")
     main = is_main()
     if pipeline_runner(peft_model) is not None:
         # Each rank merges its own stages' adapters into their base weights; the first rank gathers every stage's

@@ -7,9 +7,11 @@ raises on every rank instead of leaving the others in a collective; directories 
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -72,6 +74,104 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
         error = store.get(key).decode()[1:]
         if error:
             raise RuntimeError(f"Writing failed on rank {rank}: {error}")
+
+
+#: How long a rank waits in a collective save (``save_pretrained`` of a sharded model, ``save_merged``) for the other
+#: ranks to call it too. Ranks reach a save together, a step's skew apart; one called on rank 0 alone (under
+#: ``if trainer.is_global_zero:``) fails after this at the latest, and at once where another rank leaves a sign that
+#: it will not come (its process exits, or it reaches one of the strategy's barriers instead).
+ARRIVAL_TIMEOUT = timedelta(minutes=5)
+_ARRIVALS = "lightning_tp/arrivals"
+_EXITED = "lightning_tp/exited"
+_arrived = 0  # the collective saves this process has called: every rank calls the same ones in the same order
+_watching_exit = False
+
+
+def watch_for_exit() -> None:
+    """Note in the job's store when this process exits, so that a rank waiting in :func:`arrive_together` for it
+    fails at once instead of after :data:`ARRIVAL_TIMEOUT`. Every rank registers it when a model gets its collective
+    saves; the store is taken now (the process group may be gone at exit)."""
+    global _watching_exit
+    if _watching_exit or not distributed_is_initialized():
+        return
+    _watching_exit = True
+    store, rank = get_default_store(), dist.get_rank()
+
+    def note_exit() -> None:
+        try:
+            store.set(f"{_EXITED}/{rank}", "1")
+            store.add(_EXITED, 1)
+        except Exception:  # noqa: BLE001 (the store's host may be gone: nothing is waiting then)
+            pass
+
+    atexit.register(note_exit)
+
+
+def _refusal(what: str, arrived: int, world: int, reason: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} is collective: every rank must call it (each holds only its shards, which the ranks gather "
+        f"together; rank 0 writes alone), but {arrived} of {world} ranks called it: {reason}. Call it on every rank, "
+        "not under `if trainer.is_global_zero:` or `if rank == 0:` (it writes from rank 0 only, whoever calls it), "
+        "or export a saved checkpoint with `python -m lightning_tp.export`."
+    )
+
+
+def arrive_together(what: str) -> None:
+    """Wait until every rank has called this collective save (``what`` names it), before its first collective: a
+    save called on rank 0 alone would otherwise wait in an all-gather that no other rank joins (NCCL until its
+    timeout; gloo fails once another rank exits, or pairs it with an unrelated collective). The ranks count
+    themselves in the job's store; a rank that waits raises a clear error after :data:`ARRIVAL_TIMEOUT`, or at once
+    when another rank's process has exited or that rank has reached a barrier of the strategy instead
+    (:func:`refuse_waiting_saves`).
+
+    Raises:
+        RuntimeError: not every rank called it, naming ``what`` and the fix.
+    """
+    global _arrived
+    if not distributed_is_initialized() or dist.get_world_size() == 1:
+        return
+    _arrived += 1
+    store, world = get_default_store(), dist.get_world_size()
+    key = f"{_ARRIVALS}/{_arrived}"
+    store.add(key, 1)
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT.total_seconds()
+    pause = 0.001
+    while (arrived := int(store.add(key, 0))) < world:
+        reason = None
+        if int(store.add(_EXITED, 0)) > 0:
+            reason = "another rank's process has exited"
+        elif store.check([f"{key}/instead"]):
+            reason = store.get(f"{key}/instead").decode()
+        elif time.monotonic() > deadline:
+            reason = f"the others did not within {ARRIVAL_TIMEOUT}"
+        if reason is not None:
+            raise _refusal(what, arrived, world, reason)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+def refuse_waiting_saves(where: str) -> None:
+    """Before a collective that every rank reaches (the strategy's ``barrier``): a rank waiting in a collective save
+    that this rank has not called will never see this rank there, nor this rank it at the barrier. Tell it (it
+    raises at once) and raise here too, instead of waiting in the barrier until the process group's timeout.
+
+    Raises:
+        RuntimeError: another rank waits in a collective save this rank did not call.
+    """
+    if not distributed_is_initialized() or dist.get_world_size() == 1:
+        return
+    store = get_default_store()
+    key = f"{_ARRIVALS}/{_arrived + 1}"
+    if not store.check([key]):
+        return
+    reason = f"rank {dist.get_rank()} reached {where} instead"
+    store.set(f"{key}/instead", reason)
+    raise _refusal(
+        "A save (`save_pretrained` of a sharded model, `save_merged`)",
+        int(store.add(key, 0)),
+        dist.get_world_size(),
+        reason,
+    )
 
 
 def on_every_rank(fn: Callable[[], T], *, what: str) -> T:

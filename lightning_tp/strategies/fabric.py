@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_tp.checkpoint import state as checkpoint_io
 from lightning_tp.checkpoint.aliases import optimizer_state_dict
 from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
+from lightning_tp.checkpoint.publish import refuse_waiting_saves
 from lightning_tp.checkpoint.stage_files import full_model_state, full_optimizer_state
 from lightning_tp.compat import (
     BackwardSyncControl,
@@ -232,6 +233,11 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         if isinstance(tensor, Tensor):
             return sync_ddp_if_available(tensor, self._default_to_data_parallel(group), reduce_op)
         return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        refuse_waiting_saves("the strategy's barrier")  # a rank waiting in a save this rank skipped raises, not hangs
+        super().barrier(*args, **kwargs)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_tp.checkpoint import state as checkpoint_io
 from lightning_tp.checkpoint.aliases import optimizer_state_dict
 from lightning_tp.checkpoint.format import MODEL_KEY, flat_optimizer_state
+from lightning_tp.checkpoint.publish import refuse_waiting_saves
 from lightning_tp.checkpoint.rng_state import set_rng_state
 from lightning_tp.checkpoint.stage_files import full_model_state, full_optimizer_state
 from lightning_tp.compat import (
@@ -285,6 +286,11 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     @override
     def on_predict_end(self) -> None:
         self._release_after_inference()
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        refuse_waiting_saves(f"the strategy's barrier ({name})" if name else "the strategy's barrier")
+        super().barrier(name)
 
     @override
     def teardown(self) -> None:

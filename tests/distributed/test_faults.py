@@ -2,8 +2,9 @@
 last good checkpoint must survive. One launch per row (a fault ends the job). The times are measured on a shared
 machine and printed for the README, not asserted beyond a bound that proves there was no hang.
 
-Four rows run by default (the dead, the failing-at-setup, the failing-to-write and the stuck rank; both launchers
-among them); set ``LIGHTNING_TP_FULL_FAULT_MATRIX=1`` for all ten."""
+Five rows run by default (the dead, the failing-at-setup, the failing-to-write and the stuck rank; both launchers
+among them; and a collective save called on rank 0 alone); set ``LIGHTNING_TP_FULL_FAULT_MATRIX=1`` for all
+twelve."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ DEFAULT_ROWS = {  # each launch costs ~25 s: one launcher per fault, both launch
     ("raise_configure", "torchrun"),
     ("save_oserror", "torchrun"),
     ("stuck", "lightning"),
+    ("rank0_save", "torchrun"),
 }
 SKIP = pytest.mark.skip(reason="set LIGHTNING_TP_FULL_FAULT_MATRIX=1 for the whole matrix")
 ROWS = [
     pytest.param(fault, launcher, marks=[] if FULL or (fault, launcher) in DEFAULT_ROWS else [SKIP])
-    for fault in ("kill", "raise_step", "raise_configure", "save_oserror", "stuck")
+    for fault in ("kill", "raise_step", "raise_configure", "save_oserror", "stuck", "rank0_save")
     for launcher in ("torchrun", "lightning")
 ]
 
@@ -59,5 +61,9 @@ def test_fault(fault: str, launcher: str, tmp_path: Path, _checkpoint_env: None)
     check_checkpoint(out / "last")
     step = torch.load(out / "last" / "meta.pt", weights_only=False)["global_step"]
     assert step == (1 if fault == "save_oserror" else 3), step
+    if fault == "rank0_save":  # rank 0 says what to do instead, and writes nothing
+        message = torch.load(out / "raised_rank0.pt", weights_only=True)["message"]
+        assert "every rank must call it" in message and "is_global_zero" in message, message
+        assert not (out / "export").exists()
     if fault == "save_oserror":  # every rank raises, none hangs
         assert set(raised) == {"raised_rank0.pt", "raised_rank1.pt"}, ended.output[-20000:]

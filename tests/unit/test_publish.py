@@ -193,3 +193,57 @@ def test_model_checkpoint_removes_only_what_was_written(tmp_path: Path) -> None:
     link.symlink_to(run)
     strategy.remove_checkpoint(link)
     assert not link.is_symlink() and _user_files_intact(run)
+
+
+@pytest.fixture
+def two_rank_store():
+    """A process group of 2 of which this process is rank 0, over an in-memory store, as the collective saves' arrival
+    check sees it (the fake backend runs no collective; the check uses the store alone)."""
+    import torch.distributed as dist
+
+    from lightning_tp.compat import get_default_store
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        yield get_default_store()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_save_the_other_ranks_do_not_call_fails_after_a_bounded_wait(two_rank_store, monkeypatch) -> None:
+    """Rank 0 alone in `save_pretrained` (under `if trainer.is_global_zero:`): a clear error once the wait is over,
+    instead of an all-gather that NCCL waits in until its timeout."""
+    from datetime import timedelta
+
+    from lightning_tp.checkpoint import publish
+
+    monkeypatch.setattr(publish, "ARRIVAL_TIMEOUT", timedelta(seconds=0.2))
+    with pytest.raises(RuntimeError, match=r"every rank must call it .* 1 of 2 ranks called it: the others did not"):
+        publish.arrive_together("`save_pretrained`")
+
+
+def test_a_rank_at_a_barrier_releases_a_rank_waiting_in_a_save(two_rank_store, monkeypatch) -> None:
+    """The other side: rank 1 reaches the strategy's barrier while rank 0 waits in a save rank 1 skipped. Rank 1
+    raises there and leaves the reason for rank 0, which raises at once (long before its timeout)."""
+    import time
+
+    from lightning_tp.checkpoint import publish
+
+    waiting = f"{publish._ARRIVALS}/{publish._arrived + 1}"
+    publish.refuse_waiting_saves("the strategy's barrier")  # nobody waits: nothing happens
+    two_rank_store.add(waiting, 1)  # rank 1's view: rank 0 arrived at a save this process has not called
+    with pytest.raises(RuntimeError, match=r"1 of 2 ranks called it: rank 0 reached the strategy's barrier instead"):
+        publish.refuse_waiting_saves("the strategy's barrier")
+    two_rank_store.add(waiting, -1)  # rank 0's view now: it arrives at that save and finds the reason
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="reached the strategy's barrier instead"):
+        publish.arrive_together("`save_pretrained`")
+    assert time.monotonic() - start < publish.ARRIVAL_TIMEOUT.total_seconds() / 10
+
+
+def test_a_rank_whose_process_exited_releases_a_rank_waiting_in_a_save(two_rank_store) -> None:
+    from lightning_tp.checkpoint import publish
+
+    two_rank_store.add(publish._EXITED, 1)  # what the other rank's exit hook leaves
+    with pytest.raises(RuntimeError, match="another rank's process has exited"):
+        publish.arrive_together("`save_merged`")
