@@ -5,9 +5,9 @@ Usage: fault_worker.py OUT FAULT [--devices 2]
 Faults (on rank 1, at the start of global step ``FAULT_STEP``, after a checkpoint ``last`` was saved at step 1):
 ``kill`` (SIGKILL, mid-step), ``raise_step`` (an exception in ``training_step``), ``raise_configure`` (an exception
 in ``configure_model``, before any collective), ``save_oserror`` (ENOSPC while writing its shards of the next
-``last``), ``stuck`` (``time.sleep(1e6)`` in ``training_step``, alive but stopped), ``rank0_save`` (not on rank 1: the usual
-Lightning export ``if trainer.is_global_zero: model.save_pretrained(...)`` in ``on_train_end``, a collective that
-rank 1 never joins). Each process writes its pid to
+``last``), ``stuck`` (``time.sleep(1e6)`` in ``training_step``, alive but stopped), ``rank0_save`` (not on
+rank 1: the usual Lightning export ``if trainer.is_global_zero: model.save_pretrained(...)`` in ``on_train_end``, a
+collective that rank 1 never joins). Each process writes its pid to
 ``OUT/pids/``, the faulting one the time of the fault to ``OUT/fault_at``, and each rank that gets to it what it
 raised to ``OUT/raised_rank{R}.pt``. Each fault is a function registered in :data:`FAULTS`.
 """
