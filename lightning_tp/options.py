@@ -220,6 +220,18 @@ OPTIONS: tuple[Option, ...] = (
         "(lightning.fabric.utilities.throughput.ThroughputMonitor)",
     ),
     Option(
+        "eval_weights",
+        'Literal["sharded", "gathered"]',
+        "sharded",
+        'How validation, test and predict hold FSDP2\'s weights. ``"sharded"``: as in training, each layer gathered '
+        "for its forward and freed after it, so a rank holds its share; every data-parallel rank must then run as many "
+        "batches (Lightning's samplers pad validation and test; an uneven or unsized loader is refused before the "
+        'loop, naming each rank\'s count). ``"gathered"``: the whole model (its TP shard) gathered once per loop and '
+        "held until it ends, so that ranks may run different numbers of forwards (Lightning's predict sampler, which "
+        "does not pad); for models whose TP shard fits a device whole.",
+        trainer_only="Fabric has no evaluation loop; its forwards keep the weights sharded",
+    ),
+    Option(
         "gc_every_n_steps",
         "int | None",
         50,

@@ -7,22 +7,33 @@ generation of the rank's batch. A rank that runs out first leaves the others wai
 closed by peer" on gloo, a hang until the timeout on NCCL), and ranks generating different lengths pair up unrelated
 all-gathers.
 
-- **During validate, test and predict**, each FSDP2 module's parameters are gathered once, up front (one all-gather
-  per module, every rank in the same order), and kept whole until the loop ends: forwards then run no FSDP2
-  collective and each rank runs as many as its data needs. Memory: every rank holds its tensor-parallel shard of the
-  whole model (not 1/dp of it) while evaluating. Tensor-parallel collectives stay, but the ranks of a TP group share
-  their data and run in step.
-- **Outside those loops** (``generate`` inside ``training_step``, say) the weights stay sharded and ``generate`` keeps
-  the ranks in step with ``synced_gpus`` (a rank that finished runs dummy forwards until all have): Transformers turns
-  it on by itself only for models carrying its FSDP2 marker, which :func:`mark_synced_generate` sets.
+- **During validate, test and predict**, by default (``eval_weights="sharded"``) the weights stay as in training:
+  each FSDP2 layer is gathered for its forward and freed after it, and what FSDP2 keeps whole after a forward for
+  the backward that training runs next (every layer with ``reshard_after_forward=False``) is freed after each step,
+  so a rank holds its share of the model, as in a training step. The ranks must then run as many forwards:
+  Lightning's samplers pad validation and test, and :func:`check_even_batches` refuses a loader that gives the
+  data-parallel ranks different numbers of batches (or has no length), on every rank, before the loop starts.
+  ``generate`` keeps the ranks in step itself (below).
+- ``eval_weights="gathered"``: each FSDP2 module's parameters are gathered once, up front (one all-gather per
+  module, every rank in the same order), and kept whole until the loop ends: forwards then run no FSDP2 collective
+  and each rank runs as many as its data needs (Lightning's predict sampler does not pad: 3 prompts on 2 ranks give
+  2 and 1). Memory: every rank holds its tensor-parallel shard of the whole model (not 1/dp of it). Tensor-parallel
+  collectives stay, but the ranks of a TP group share their data and run in step.
+- **Wherever the weights are sharded** (those loops by default; ``generate`` inside ``training_step``) ``generate``
+  keeps the ranks in step with ``synced_gpus`` (a rank that finished runs dummy forwards until all have):
+  Transformers turns it on by itself only for models carrying its FSDP2 marker, which :func:`mark_synced_generate`
+  sets.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_tp.compat import FSDP_MANAGED_ATTR
+from lightning_tp.compat import FSDP_MANAGED_ATTR, distributed_is_initialized
 from lightning_tp.parallel.pipeline import modules_and_stages
 
 
@@ -59,3 +70,56 @@ def release_after_inference(model: nn.Module, modules: list[FSDPModule], *, resh
         module.reshard()
         module.set_reshard_after_forward(reshard_after_forward and id(module) in inner, recurse=False)
     mark_synced_generate(model, True)
+
+
+EVAL_WEIGHTS = ("sharded", "gathered")
+
+
+def check_eval_weights(eval_weights: str) -> Literal["sharded", "gathered"]:
+    """``eval_weights`` as given, checked when the strategy is built.
+
+    Raises:
+        ValueError: not one of :data:`EVAL_WEIGHTS`.
+    """
+    if eval_weights not in EVAL_WEIGHTS:
+        raise ValueError(f"`eval_weights` must be one of {EVAL_WEIGHTS}, got {eval_weights!r}.")
+    return eval_weights  # type: ignore[return-value]
+
+
+def check_even_batches(model: nn.Module, dataloader: object, *, loop: str) -> None:
+    """Refuse, on every rank alike, an evaluation loader that gives the ranks different numbers of batches while the
+    weights stay sharded: a rank that runs out would leave the others in a layer's all-gather. Every rank calls it
+    for each loader of the loop (Lightning processes every loader on every rank, also where a rank then skips the
+    loop for having no batch), so the one all-gather of the counts is reached by all. Nothing to check (and no
+    collective) for a model without FSDP2, whose forwards gather nothing over the data-parallel ranks.
+
+    Raises:
+        ValueError: the ranks' counts differ, or a loader has no length, naming each rank's count and the fixes.
+    """
+    if not fsdp_modules(model) or not distributed_is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        count: int | None = len(dataloader)  # type: ignore[arg-type]
+    except TypeError:  # an iterable without a length
+        count = None
+    counts: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, count)
+    if None not in counts and len(set(counts)) == 1:
+        return
+    raise ValueError(
+        f"The {loop} loader gives the ranks {counts} batches (rank by rank; None: no length). With "
+        '`eval_weights="sharded"` (the default) every forward gathers each layer\'s weights over the data-parallel '
+        "ranks, so each must run as many batches, or the ranks left would wait for the others in a collective. "
+        "Give every rank as many batches (Lightning's own sampler pads validation and test: keep "
+        "`use_distributed_sampler=True`; with a sampler of your own, pad it or drop the last rows), or pass "
+        '`TensorParallelStrategy(eval_weights="gathered")`, which holds the whole model (its TP shard) on every rank '
+        "during the loop so that the ranks' forwards need not match."
+    )
+
+
+def release_gathered(model: nn.Module) -> None:
+    """Free what FSDP2 keeps gathered after a forward for the backward that evaluation never runs: every module's
+    weights with ``reshard_after_forward=False`` (until the next training backward), the roots' wherever torch keeps
+    them. Local, no collective; after each evaluation step, so that a rank holds its share between steps."""
+    for module in fsdp_modules(model):
+        module.reshard()

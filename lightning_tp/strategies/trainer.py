@@ -15,7 +15,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
@@ -49,7 +49,14 @@ from lightning_tp.runtime.preemption import (
     skip_unfinished_hpc_checkpoint,
 )
 from lightning_tp.runtime.watchdog import StepWatchdog
-from lightning_tp.strategies.inference import gather_for_inference, mark_synced_generate, release_after_inference
+from lightning_tp.strategies.inference import (
+    check_eval_weights,
+    check_even_batches,
+    gather_for_inference,
+    mark_synced_generate,
+    release_after_inference,
+    release_gathered,
+)
 from lightning_tp.strategies.shared import (
     MeshMixin,
     StrategyOptions,
@@ -106,6 +113,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         fsdp_blocks: list[str] | None = None,
         fsdp_param_dtype: Literal["bf16"] | None = None,
         throughput_monitor: bool = True,
+        eval_weights: Literal["sharded", "gathered"] = "sharded",
         gc_every_n_steps: int | None = 50,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
@@ -149,6 +157,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             accumulate_grads=accumulate_grads,
         )
         self._throughput_monitor = throughput_monitor
+        self._eval_weights = check_eval_weights(eval_weights)
         if gc_every_n_steps is not None:
             GarbageCollection(gc_every_n_steps)  # a bad value fails when the Trainer is built
         self._gc_every_n_steps = gc_every_n_steps
@@ -203,8 +212,9 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         clip_with_dtensor_support(self.precision_plugin, pp_group=self.pp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
-        # `generate` keeps the data-parallel ranks in step on FSDP2 models; validate, test and predict gather the
-        # weights once instead (here, on every rank, before a rank with no batch at all skips the loop's hooks).
+        # `generate` keeps the data-parallel ranks in step on FSDP2 models; with `eval_weights="gathered"`,
+        # validate, test and predict gather the weights once instead (here, on every rank, before a rank with no
+        # batch at all skips the loop's hooks).
         mark_synced_generate(self.model, True)
         if trainer.state.fn != TrainerFn.FITTING:
             self._gather_for_inference()
@@ -250,11 +260,34 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
     _inference_modules: list[FSDPModule] | None = None  # FSDP2 modules whose weights are gathered for inference
 
     def _gather_for_inference(self) -> None:
-        """Gather the FSDP2 weights once for a validate/test/predict loop, so that data-parallel ranks can run unequal
-        numbers of forwards (uneven batches, ``generate`` of different lengths); see
-        :mod:`lightning_tp.strategies.inference`."""
-        if self._inference_modules is None and self.model is not None:
+        """With ``eval_weights="gathered"``: gather the FSDP2 weights once for a validate/test/predict loop, so that
+        data-parallel ranks can run unequal numbers of forwards; see :mod:`lightning_tp.strategies.inference`."""
+        if self._eval_weights == "gathered" and self._inference_modules is None and self.model is not None:
             self._inference_modules = gather_for_inference(self.model)
+
+    def _after_evaluation_step(self) -> None:
+        """With sharded weights: free what FSDP2 keeps gathered after a forward for the backward that evaluation never
+        runs (a rank holds its share between steps, as in training)."""
+        if self._inference_modules is None and self.model is not None:
+            release_gathered(self.model)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self._after_evaluation_step()
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._after_evaluation_step()
+        return output
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        self._after_evaluation_step()
+        return output
 
     def _release_after_inference(self) -> None:
         if self._inference_modules is not None and self.model is not None:
@@ -414,7 +447,17 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
                     # the global generator: restore the random states before this run builds it.
                     set_rng_state(self._rng_to_restore[self.global_rank])
                     self._rng_to_restore = None
-        return super().process_dataloader(dataloader)
+        dataloader = super().process_dataloader(dataloader)
+        if trainer is not None and self.model is not None and self._eval_weights == "sharded":
+            loop = {
+                RunningStage.SANITY_CHECKING: "validation",
+                RunningStage.VALIDATING: "validation",
+                RunningStage.TESTING: "test",
+                RunningStage.PREDICTING: "predict",
+            }.get(trainer.state.stage)
+            if loop is not None:  # every rank, for every loader, also where the loop then has no batch for it
+                check_even_batches(self.model, dataloader, loop=loop)
+        return dataloader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -74,43 +74,64 @@ def phase_store() -> dict[str, Any]:
 
 def phase_inference(timeout: timedelta) -> dict[str, Any]:
     from lightning_tp import TensorParallelStrategy
-    from tests.helpers.inference import InferenceModule, generate_kwargs, prompts, val_batches
+    from tests.helpers.inference import HeldShare, InferenceModule, generate_kwargs, prompts, val_batches
     from tests.helpers.models import quiet_trainer
 
     kwargs = generate_kwargs()
     results: dict[str, Any] = {"kwargs": kwargs}
-    for name, tp_size in (("fsdp2", 1), ("tp2", 2)):
-        for stage in ("predict", "validate", "fit_validate"):
-            key = f"{name}_{stage}"
-            try:
-                module = InferenceModule(kwargs)
-                strategy = TensorParallelStrategy(tp_size=tp_size, timeout=timeout, throughput_monitor=False)
-                trainer = quiet_trainer(
-                    accelerator="cpu",
-                    devices=2,
-                    strategy=strategy,
-                    use_distributed_sampler=stage == "predict",  # Lightning's predict sampler: 2 prompts, then 1
-                    max_steps=2,
-                    num_sanity_val_steps=0,
-                )
-                if stage == "predict":
-                    out = trainer.predict(module, DataLoader(prompts(), batch_size=None))
-                    results[key] = {"outputs": dict(out or [])}
-                    continue
-                # Validation data split by hand, unevenly: rank 0 gets batches 0 and 2, rank 1 batch 1.
-                dp_rank = dist.get_rank() if tp_size == 1 else 0
-                mine = val_batches()[dp_rank::2] if tp_size == 1 else val_batches()
-                if stage == "validate":
-                    trainer.validate(module, DataLoader(mine, batch_size=None))
-                else:  # validation inside fit, after each of 2 training steps: weights gathered, sharded, gathered
-                    train = [{k: v for k, v in b.items() if k != "index"} for b in val_batches()[:1]]
-                    module.generate_in_training = tp_size == 1
-                    trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(mine, batch_size=None))
-                    results[f"{key}_steps"] = trainer.global_step
-                    results[f"{key}_train_generated"] = module.train_generated
-                results[key] = {"losses": dict(module.val_losses)}
-            except Exception:
-                results[key] = {"crash": traceback.format_exc()}
+    # Uneven work: on FSDP2 with the weights gathered for evaluation (`eval_weights="gathered"`), and refused
+    # before the loop with them sharded (the default); on TP 2 (no FSDP2) with the default. Then sharded evaluation
+    # with even work inside fit, recording what each rank holds.
+    runs = [("fsdp2", 1, stage, "gathered") for stage in ("predict", "validate", "fit_validate")]
+    runs += [("fsdp2_sharded", 1, stage, "sharded") for stage in ("predict", "validate")]
+    runs += [("tp2", 2, stage, "sharded") for stage in ("predict", "validate", "fit_validate")]
+    runs += [("fsdp2_sharded", 1, "fit_validate_even", "sharded"), ("fsdp2_kept", 1, "fit_validate_even", "sharded")]
+    for name, tp_size, stage, eval_weights in runs:
+        key = f"{name}_{stage}"
+        try:
+            module = InferenceModule(kwargs)
+            strategy = TensorParallelStrategy(
+                tp_size=tp_size,
+                timeout=timeout,
+                throughput_monitor=False,
+                eval_weights=eval_weights,
+                reshard_after_forward=name != "fsdp2_kept",  # layers kept whole after a forward, for its backward
+            )
+            held = HeldShare()
+            trainer = quiet_trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=strategy,
+                use_distributed_sampler=stage == "predict",  # Lightning's predict sampler: 2 prompts, then 1
+                max_steps=2,
+                num_sanity_val_steps=0,
+                callbacks=[held],
+            )
+            if stage == "fit_validate_even":  # both ranks validate the same 2 batches after each training step
+                train = [{k: v for k, v in b.items() if k != "index"} for b in val_batches()[:1]]
+                trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(val_batches()[:2], batch_size=None))
+                results[key] = {"losses": dict(module.val_losses), "held": held.shares}
+                continue
+            if stage == "predict":
+                out = trainer.predict(module, DataLoader(prompts(), batch_size=None))
+                results[key] = {"outputs": dict(out or [])}
+                continue
+            # Validation data split by hand, unevenly: rank 0 gets batches 0 and 2, rank 1 batch 1.
+            dp_rank = dist.get_rank() if tp_size == 1 else 0
+            mine = val_batches()[dp_rank::2] if tp_size == 1 else val_batches()
+            if stage == "validate":
+                trainer.validate(module, DataLoader(mine, batch_size=None))
+            else:  # validation inside fit, after each of 2 training steps: weights gathered, sharded, gathered
+                train = [{k: v for k, v in b.items() if k != "index"} for b in val_batches()[:1]]
+                module.generate_in_training = tp_size == 1
+                trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(mine, batch_size=None))
+                results[f"{key}_steps"] = trainer.global_step
+                results[f"{key}_train_generated"] = module.train_generated
+            results[key] = {"losses": dict(module.val_losses)}
+        except ValueError as err:  # a refusal: the same on every rank, before anything hangs
+            results[key] = {"refused": str(err)}
+        except Exception:
+            results[key] = {"crash": traceback.format_exc()}
     return results
 
 

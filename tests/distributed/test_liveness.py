@@ -97,6 +97,33 @@ def test_validation_with_uneven_batches(results: list[dict], stage: str) -> None
             assert [r[f"{layout}_{stage}_steps"] for r in results] == [2, 2]
 
 
+@pytest.mark.parametrize("stage", ["predict", "validate"])
+def test_sharded_evaluation_refuses_uneven_work_on_every_rank(results: list[dict], stage: str) -> None:
+    """With the weights sharded (the default), 2 batches on rank 0 and 1 on rank 1 would leave rank 0 in an
+    all-gather: refused before the loop, on both ranks, with the counts and the two fixes."""
+    for result in results:
+        refused = result[f"fsdp2_sharded_{stage}"].get("refused", "")
+        loop = {"predict": "predict", "validate": "validation"}[stage]
+        assert f"The {loop} loader gives the ranks [2, 1] batches" in refused, result[f"fsdp2_sharded_{stage}"]
+        assert "use_distributed_sampler=True" in refused and 'eval_weights="gathered"' in refused
+
+
+@pytest.mark.parametrize("name", ["fsdp2_sharded", "fsdp2_kept"])
+def test_sharded_validation_holds_the_share_of_a_training_step(results: list[dict], name: str) -> None:
+    """FSDP2 over 2 ranks: each validation batch starts with the rank holding half the parameters, as each training
+    batch does (the whole model was held from the first validation step on, before the default became sharded), and
+    the losses are one process's. Also with `reshard_after_forward=False`, whose layers FSDP2 keeps whole after a
+    forward until the backward that evaluation never runs."""
+    reference = reference_losses()
+    for result in results:
+        run = result[f"{name}_fit_validate_even"]
+        assert "crash" not in run, run["crash"]
+        assert run["losses"] == pytest.approx({i: reference[i] for i in (0, 1)}, abs=1e-5)
+        train, validation = run["held"]["train"], run["held"]["validation"]
+        assert len(train) == 2 and len(validation) == 4, run["held"]
+        assert set(validation) == set(train) and max(train) < 0.6, run["held"]
+
+
 def test_generate_in_training_step_with_different_lengths(results: list[dict]) -> None:
     """Sharded weights (FSDP2 over 2): rank 0 generates 2 tokens, rank 1 six; generate keeps the ranks in step."""
     reference = reference_outputs(generate_kwargs())

@@ -84,3 +84,28 @@ class InferenceModule(L.LightningModule):
         self.val_losses[int(batch["index"])] = float(loss)
         ids = batch["input_ids"][:1, : 3 + batch_idx]
         self.model.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
+
+
+def held_share(module: torch.nn.Module) -> float:
+    """The share of the model's parameters this rank holds now: FSDP2 registers a gathered parameter (whole, or its
+    TP shard) while a module is unsharded and its shard otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    held = total = 0
+    for p in module.parameters():
+        held += (p.to_local() if isinstance(p, DTensor) else p).numel()
+        total += p.numel()
+    return held / total
+
+
+class HeldShare(L.Callback):
+    """:func:`held_share` at the start of every training and validation batch."""
+
+    def __init__(self) -> None:
+        self.shares: dict[str, list[float]] = {"train": [], "validation": []}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.shares["train"].append(held_share(pl_module))
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.shares["validation"].append(held_share(pl_module))
