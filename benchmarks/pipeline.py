@@ -200,6 +200,65 @@ def rebuild_cost(args: argparse.Namespace, *, size: str) -> dict:
     return {"first_step_new_shape_s": first_new, "steady_step_s": steady, "ratio": first_new / steady}
 
 
+def resident_mib() -> float:
+    """This process's live memory: its resident set (from /proc) once the garbage is collected and glibc has given
+    its free pages back (``malloc_trim``), so that what the allocator keeps of freed blocks does not count."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def lengths_growth(args: argparse.Namespace, *, size: str) -> dict:
+    """What dynamic padding costs in memory under pp 2 (1F1B, 4 micro-batches): live memory (:func:`resident_mib`)
+    after each of 12 steps of 12 lengths (``--seq`` to 2.2 x ``--seq``, shuffled), its growth from the second step to
+    the last, against 12 steps of the longest length; with the stages kept as shipped (the last ``KEPT_SHAPES``
+    shapes), kept for every shape (what the package did before), and with ``pp_pad_to_multiple_of=64``."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    import lightning_tp
+    import lightning_tp.parallel.pipeline as pipeline
+    from lightning_tp.parallelize import ParallelOptions
+
+    shipped = pipeline.KEPT_SHAPES
+    lengths = [args.seq + step * args.seq // 10 for step in range(12)]
+    random.Random(0).shuffle(lengths)
+    runs = {
+        "one length (the longest)": (shipped, None, [max(lengths)] * 12),
+        "12 lengths, every shape kept (before)": (10**6, None, lengths),
+        f"12 lengths, the last {shipped} shapes kept": (shipped, None, lengths),
+        f"12 lengths, the last {shipped} kept, padded to multiples of 64": (shipped, 64, lengths),
+    }
+    out = {}
+    for name, (kept, multiple, seqs) in runs.items():
+        pipeline.KEPT_SHAPES = kept
+        model = build(size, layers=args.layers, vocab=args.vocab)
+        options = ParallelOptions(pp_microbatches=4, pp_pad_to_multiple_of=multiple)
+        lightning_tp.parallelize(model, tp_size=1, pp_size=2, options=options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(1)
+        live = []
+        for seq in seqs:
+            ids = torch.randint(0, args.vocab, (args.batch, seq), generator=generator)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            live.append(resident_mib())
+        growth = torch.tensor([live[-1] - live[1]])
+        dist.all_reduce(growth, op=dist.ReduceOp.MAX)
+        shapes = len(pipeline.pipeline_runner(model)._schedules)
+        out[name] = {"live_growth_mib": round(float(growth), 1), "kept_shapes": shapes}
+        del model, optimizer
+    pipeline.KEPT_SHAPES = shipped
+    return out
+
+
 def layouts(args: argparse.Namespace) -> list[dict]:
     out = (
         []
@@ -303,6 +362,7 @@ def main() -> None:
     parser.add_argument("--bubble", action="store_true", help="only the pipelines' idle time, for every schedule")
     parser.add_argument("--schedules", nargs="+", default=None, help="only these pipeline schedules")
     parser.add_argument("--rebuild", action="store_true", help="only the cost of a new batch shape (pp 2, 1F1B)")
+    parser.add_argument("--lengths", action="store_true", help="only the memory of 12 batch lengths (pp 2, 1F1B)")
     args = parser.parse_args()
     if args.out is not None:
         require("matplotlib", why="the plot next to --out")
@@ -318,6 +378,13 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     batch = {"input_ids": ids, "labels": ids.clone()}
+    if args.lengths:
+        for size in args.sizes:
+            growth = lengths_growth(args, size=size)
+            if dist.get_rank() == 0:
+                print(f"{size}: {json.dumps(growth)}")
+        dist.destroy_process_group()
+        return
     if args.rebuild:
         for size in args.sizes:
             cost = rebuild_cost(args, size=size)

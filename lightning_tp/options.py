@@ -152,6 +152,16 @@ OPTIONS: tuple[Option, ...] = (
         "layers). ``None``: balanced by parameters.",
     ),
     Option(
+        "pp_pad_to_multiple_of",
+        "int | None",
+        None,
+        "Pad each batch's sequence length up to a multiple of this before the pipeline runs it (input ids with the "
+        "pad token, labels with -100, the attention mask with zeros, position ids counting on): torch's stages fix "
+        "their buffers' shapes, so a pipeline builds its stages for each new length, and with dynamic padding fewer "
+        "lengths mean fewer rebuilds. The loss is unchanged: the padding comes after every real token of a causal "
+        "model and its labels are ignored. ``None``: each batch as it comes.",
+    ),
+    Option(
         "activation_checkpointing",
         "bool",
         False,

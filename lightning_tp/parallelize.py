@@ -131,6 +131,7 @@ class ParallelOptions:
     pp_microbatches: int | None = None
     pp_stages_per_rank: int = 1
     pp_split: tuple[int, ...] | None = None
+    pp_pad_to_multiple_of: int | None = None
     precision: str = "32-true"
 
     def __post_init__(self) -> None:
@@ -189,10 +190,16 @@ class ParallelOptions:
                     "backward into an input- and a weight-gradient pass, which torch does not support through "
                     "compiled layers. Drop `compile`, or use a schedule without the split (1F1B, Interleaved1F1B)."
                 )
-        elif (self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank, self.pp_split) != (None, None, 1, None):
+        elif (
+            self.pp_schedule,
+            self.pp_microbatches,
+            self.pp_stages_per_rank,
+            self.pp_split,
+            self.pp_pad_to_multiple_of,
+        ) != (None, None, 1, None, None):
             rank_zero_warn(
-                "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank` and `pp_split` are ignored: pp_size=1 runs no "
-                "pipeline."
+                "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank`, `pp_split` and `pp_pad_to_multiple_of` are "
+                "ignored: pp_size=1 runs no pipeline."
             )
         if layout.cp_size == 1 and self.cp_comm != "all_gather":
             rank_zero_warn(f"`cp_comm={self.cp_comm!r}` is ignored: cp_size=1 exchanges no keys and values.")
@@ -516,6 +523,7 @@ def resolve_targets(
                 microbatches=options.pp_microbatches,
                 stages_per_rank=options.pp_stages_per_rank,
                 split=options.pp_split,
+                pad_to_multiple_of=options.pp_pad_to_multiple_of,
             )
             if pipeline.v_shaped and layout.fsdp_size > 1 and tied_head(module, pipeline) is not None:
                 raise ValueError(

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_tp.compat import forward_only_actions
@@ -82,6 +84,13 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 FORWARDS_FIRST_SCHEDULES = ("GPipe", "LoopedBFS")
 #: The schedules ``pp_schedule`` may name.
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD_SCHEDULES)
+
+#: The sets of stages (with their schedule) a pipelined model keeps, the most recently used: one per batch shape and
+#: mode (training, evaluation), since torch's stages fix their receive buffers' shapes at their first step. A new
+#: shape beyond them rebuilds (measured: its first step 1.2x a steady one, benchmarks/pipeline.py --rebuild) and
+#: frees the least recently used set, whose buffers (``micro-batches x 2 x length x hidden`` per stage: about 1 GiB
+#: for a 70B model at 4,096 tokens and 8 micro-batches in bf16) would otherwise stay for the rest of the run.
+KEPT_SHAPES = 4
 
 #: Keyword arguments of ``model(...)`` a pipelined model takes: split by micro-batch and given to every stage.
 _BATCH_KWARGS = ("attention_mask", "position_ids")
@@ -127,6 +136,8 @@ class PipelinePlan:
     #: The routers' load-balancing loss the model adds, whose statistics each stage adds to and passes on beside its
     #: activation; ``None`` where it adds none.
     router: PipelinedRouterLoss | None = None
+    #: Each batch's sequence length padded up to a multiple of this (``pp_pad_to_multiple_of``), or ``None``.
+    pad_to_multiple_of: int | None = None
 
     @property
     def num_stages(self) -> int:
@@ -225,8 +236,13 @@ def resolve_pipeline_plan(
     microbatches: int | None,
     stages_per_rank: int,
     split: Sequence[int] | None,
+    pad_to_multiple_of: int | None = None,
 ) -> PipelinePlan:
     """The stages of ``model`` (which passed :func:`pipeline_problem`), checked before anything moves."""
+    if pad_to_multiple_of is not None and (
+        not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1
+    ):
+        raise ValueError(f"`pp_pad_to_multiple_of` must be a positive integer or None, got {pad_to_multiple_of!r}.")
     base_name = base_model_name(model)
     base = getattr(model, base_name)
     parts = pipeline_parts(model)
@@ -308,6 +324,7 @@ def resolve_pipeline_plan(
         microbatches=microbatches,
         stages_per_rank=stages_per_rank,
         router=router,
+        pad_to_multiple_of=pad_to_multiple_of,
     )
 
 
@@ -664,7 +681,7 @@ class PipelineRunner:
         self.stage_modules = stages
         self.custom_loss: PipelineLoss | None = None
         self._num_items: torch.Tensor | None = None
-        self._schedules: dict[tuple, Any] = {}
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()  # the most recently used last
         self._to_stash: dict[nn.Parameter, torch.Tensor] | None = None
         self._held: dict[nn.Parameter, torch.Tensor] = {}
         self.tied = tied
@@ -679,8 +696,13 @@ class PipelineRunner:
         return output.sum()  # its one element, as a new tensor (torch's split backward detaches it in place)
 
     def _schedule(self, key: tuple, *, training: bool) -> Any:
-        if key not in self._schedules:
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+        else:
             from torch.distributed.pipelining import PipelineStage
+
+            while len(self._schedules) >= KEPT_SHAPES:
+                self._schedules.popitem(last=False)  # every rank alike: the keys are the batch's shapes and mode
 
             # A V-shaped schedule evaluates with ZBV's order, forwards only (DualPipeV's overlapped actions pair each
             # forward with a backward; torch runs the backward actions of either in `eval()`).
@@ -705,6 +727,15 @@ class PipelineRunner:
             raise ValueError(
                 f"The batch has {rows} rows, not divisible by pp_microbatches={self.plan.microbatches}: each "
                 "micro-batch of the pipeline takes the same number of rows. Use a batch size divisible by it."
+            )
+        if self.plan.pad_to_multiple_of is not None:
+            input_ids, labels, kwargs = pad_batch(
+                input_ids,
+                labels,
+                kwargs,
+                multiple=self.plan.pad_to_multiple_of,
+                pad_token_id=getattr(self.model.config, "pad_token_id", None) or 0,
+                with_mask=self.plan.router is not None,
             )
         # Train or evaluate as Lightning does: by the grad mode (validation, test and predict run under `no_grad` or
         # inference mode), the same on every stage, never by `.training` (a model from `from_pretrained` is in eval
@@ -918,6 +949,50 @@ def tied_across_stages(model: nn.Module, plan: PipelinePlan, *, pp_size: int) ->
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def pad_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    *,
+    multiple: int,
+    pad_token_id: int,
+    with_mask: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """The batch with its sequence length padded at the end up to a multiple of ``multiple``
+    (``pp_pad_to_multiple_of``): input ids with ``pad_token_id``, labels with -100, a 2-D attention mask with zeros,
+    position ids counting on. A causal model's real tokens never attend to later positions, and ignored labels add
+    nothing to the loss or to the labelled tokens it is divided by: the loss is the unpadded batch's. ``with_mask``:
+    give the padding an attention mask (ones on the real tokens) where the batch has none, so that a router's
+    statistics leave it out.
+
+    Raises:
+        ValueError: an attention mask that is not ``(rows, length)``.
+    """
+    length = input_ids.shape[-1]
+    extra = -length % multiple
+    if not extra:
+        return input_ids, labels, kwargs
+    kwargs = dict(kwargs)
+    mask = kwargs.get("attention_mask")
+    if mask is None and with_mask:
+        mask = torch.ones_like(input_ids)
+    if mask is not None:
+        if mask.dim() != 2:
+            raise ValueError(
+                f"`pp_pad_to_multiple_of` pads a (rows, length) attention mask; got one of shape {tuple(mask.shape)}. "
+                "Pad the batch yourself, or drop pp_pad_to_multiple_of."
+            )
+        kwargs["attention_mask"] = F.pad(mask, (0, extra), value=0)
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        steps = torch.arange(1, extra + 1, device=positions.device, dtype=positions.dtype)
+        kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + steps], dim=-1)
+    input_ids = F.pad(input_ids, (0, extra), value=pad_token_id)
+    if labels is not None:
+        labels = F.pad(labels, (0, extra), value=-100)
+    return input_ids, labels, kwargs
 
 
 def labelled_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -124,3 +124,18 @@ def test_pp2_on_4_ranks_matches_single_process(two_d_results: list[dict], name: 
 @pytest.mark.scenarios("3d", "{name}")
 def test_pp2_tp2_dp2_on_8_ranks_matches_single_process(three_d_results: list[dict], name: str) -> None:
     _check(three_d_results, name, world_size=8)
+
+
+@pytest.mark.scenarios("tp2", "llama_pp2_dynamic_lengths", "llama_pp2_bucketed_lengths")
+def test_pp2_keeps_a_bounded_set_of_stages_under_dynamic_padding(tp2_results: list[dict]) -> None:
+    """12 steps of 12 lengths (at parity: test_pp2_matches_single_process): the pipeline keeps the stages of its last
+    KEPT_SHAPES shapes, and the stages it let go are gone from memory (not left for a garbage collection that
+    training turns off); padded to multiples of 8 the 12 lengths are 2 shapes."""
+    from lightning_tp.parallel.pipeline import KEPT_SHAPES
+
+    for result in tp2_results:
+        dynamic = result["llama_pp2_dynamic_lengths"]["split"]
+        assert dynamic["kept_shapes"] == KEPT_SHAPES, dynamic["kept_shapes"]
+        assert dynamic["live_stages"] == KEPT_SHAPES * len(dynamic["stages"]), dynamic["live_stages"]
+        bucketed = result["llama_pp2_bucketed_lengths"]["split"]
+        assert bucketed["kept_shapes"] == 2 and bucketed["live_stages"] == 2 * len(bucketed["stages"]), bucketed

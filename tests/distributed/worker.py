@@ -11,6 +11,7 @@ unknown name fails the launch at once, on every rank, before anything runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -207,6 +208,16 @@ def run_case(ctx: Context, name: str) -> dict:
         from lightning_tp.runtime.monitor import model_numel
 
         split["model_numel"] = model_numel(model, pp_group=strategy.pp_group, device=torch.device("cpu"))
+        # The stages the pipeline keeps after training, and those of its stages still in memory (garbage included:
+        # automatic collection is off while training).
+        from torch.distributed.pipelining import PipelineStage
+
+        from lightning_tp.parallel.pipeline import pipeline_runner
+
+        runner = pipeline_runner(model)
+        split["kept_shapes"] = len(runner._schedules)
+        owned = {id(m) for m in runner.stage_modules}
+        split["live_stages"] = sum(isinstance(o, PipelineStage) and id(o.submod) in owned for o in gc.get_objects())
         model.save_pretrained(out / f"{name}_pretrained")  # every stage's weights (a LoRA model's: its adapters)
         split["pretrained"] = str(out / f"{name}_pretrained")
         if "lora" in name:  # every stage's adapters merged into its base weights, gathered on rank 0

@@ -16,6 +16,7 @@ from tests.helpers.models import (
     build_causal_lm,
     build_vlm,
     coverage_model,
+    dynamic_lm_batches,
     lm_batches,
     mlp_batches,
     packed_lm_batches,
@@ -648,6 +649,18 @@ CASES: dict[str, Case] = {
     # stages of one layer), GPipe over 4 micro-batches with foreach AdamW, clipping (the norm over both stages) and
     # gradient accumulation, LoRA; on 4 ranks pp 2 x tp 2 and pp 2 x dp 2 (FSDP2 on each stage).
     "llama_pp2": lm("llama", 4, config=_DEEP, strategy_kwargs=_PP2),
+    # Dynamic padding: 12 steps of 12 lengths. The pipeline keeps its stages for the last KEPT_SHAPES shapes only;
+    # padded to multiples of 8, the lengths (9 to 20) take 2 shapes.
+    "llama_pp2_dynamic_lengths": Case(
+        partial(build_causal_lm, tiny_config("llama", **_DEEP)),
+        partial(dynamic_lm_batches, 12),
+        strategy_kwargs=_PP2,
+    ),
+    "llama_pp2_bucketed_lengths": Case(
+        partial(build_causal_lm, tiny_config("llama", **_DEEP)),
+        partial(dynamic_lm_batches, 12),
+        strategy_kwargs={**_PP2, "pp_pad_to_multiple_of": 8},
+    ),
     "qwen3_pp2_interleaved": lm("qwen3", 4, config=_DEEP_QWEN3, strategy_kwargs={**_PP2, "pp_stages_per_rank": 2}),
     "llama_pp2_gpipe_adamw_clip_accumulate": lm(
         "llama",

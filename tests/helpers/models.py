@@ -533,6 +533,27 @@ def padded_lm_batches(steps: int, batch_size: int = 4, seq: int = 15, seed: int 
     return out
 
 
+def dynamic_lm_batches(
+    steps: int, batch_size: int = 4, lengths: range = range(9, 21), seed: int = 4
+) -> list[dict[str, torch.Tensor]]:
+    """Dynamic padding: each step's batch as long as its longest row, a new length each step (``lengths`` in turn),
+    every row right-padded by a different amount (``attention_mask`` 0 and labels -100 on the padding)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(steps):
+        length = lengths[step % len(lengths)]
+        ids = torch.randint(3, VOCAB, (batch_size, length), generator=g)
+        mask = torch.ones_like(ids)
+        for row in range(batch_size):
+            pad = row % 3
+            if pad:
+                ids[row, -pad:], mask[row, -pad:] = 0, 0
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, 0] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
 def packed_lm_batches(steps: int, batch_size: int = 2, seed: int = 3) -> list[dict[str, torch.Tensor]]:
     """Batches of packed sequences: several documents per row, ``position_ids`` restarting at 0 at each (no
     ``attention_mask``), labels -100 on each document's first token. ``use_cache=False``: with its default cache,

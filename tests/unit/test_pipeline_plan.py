@@ -112,6 +112,7 @@ def test_plan_names_the_stages_modules_and_schedules():
         ({"split": [2, 1]}, r"pp_split=\[2, 1\].*add up to the model's 4 layers"),
         ({"stages_per_rank": 4}, "has 4 decoder layers, fewer than its 8 pipeline stages"),
         ({"microbatches": 0}, "pp_microbatches"),
+        ({"pad_to_multiple_of": 0}, "pp_pad_to_multiple_of"),
     ],
 )
 def test_bad_pipeline_options_are_refused_by_name(kwargs, match):
@@ -304,3 +305,31 @@ def test_a_v_schedule_with_tied_embeddings_and_data_parallelism_is_refused_befor
             resolve_targets(tied, layout=layout, tp_mesh=mesh, dp_mesh=None, options=options)
         untied = _deep()
         resolve_targets(untied, layout=layout, tp_mesh=mesh, dp_mesh=None, options=options)  # fine
+
+
+def test_padding_to_a_multiple_leaves_a_causal_models_loss_as_it_was():
+    """`pp_pad_to_multiple_of`: the padded batch's loss (labels -100 on the padding, which comes after every real token)
+    is the batch's own, with and without an attention mask and position ids; the mask is made where asked for."""
+    from lightning_tp.parallel.pipeline import labelled_tokens, pad_batch
+
+    model = build_causal_lm(tiny_config("llama")).eval()
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(torch.arange(11) < 2, -100)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding of the second row, as a tokenizer pads for a decoder
+    positions = torch.arange(11).expand(2, 11)
+    for kwargs in ({}, {"attention_mask": mask}, {"position_ids": positions}):
+        padded_ids, padded_labels, padded = pad_batch(ids, labels, kwargs, multiple=8, pad_token_id=0, with_mask=False)
+        assert padded_ids.shape == (2, 16) and padded_labels.shape == (2, 16)
+        assert labelled_tokens(padded_labels) == labelled_tokens(labels)
+        with torch.no_grad():
+            expected = model(input_ids=ids, labels=labels, **kwargs).loss
+            got = model(input_ids=padded_ids, labels=padded_labels, **padded).loss
+        torch.testing.assert_close(got, expected, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+    _, _, made = pad_batch(ids, labels, {}, multiple=8, pad_token_id=0, with_mask=True)
+    assert made["attention_mask"].tolist() == [[1] * 11 + [0] * 5] * 2
+    assert pad_batch(ids, labels, {}, multiple=11, pad_token_id=0, with_mask=True)[0] is ids  # a multiple already
+    _, _, counted = pad_batch(ids, labels, {"position_ids": positions}, multiple=8, pad_token_id=0, with_mask=False)
+    assert counted["position_ids"][0].tolist() == list(range(16))
+    with pytest.raises(ValueError, match="pads a \\(rows, length\\) attention mask"):
+        pad_batch(ids, labels, {"attention_mask": mask[:, None, None]}, multiple=8, pad_token_id=0, with_mask=False)
