@@ -38,7 +38,7 @@ from lightning_tp.parallel.kv_heads import ColwiseKVHeads
 from lightning_tp.parallel.random_init import record_local_size
 from lightning_tp.plans.mixers import rotary_width
 from lightning_tp.plans.resolve import ResolvedPlan
-from lightning_tp.plans.styles import STYLES, StyleFacts
+from lightning_tp.plans.styles import STYLES, StyleFacts, facts
 
 
 def placement_of(fact: StyleFacts, ndim: int, *, is_bias: bool = False) -> Any:
@@ -239,14 +239,43 @@ class EmbeddingParallel(ParallelStyle):
         return module
 
 
+class _ShareOfWhole(torch.autograd.Function):
+    """``1/size`` of a whole parameter forward, the gradient as it comes backward: each of ``size`` ranks adds its
+    share to a partial output that is then summed, and each rank's gradient of its share is the whole parameter's
+    (the summed output's gradient is whole on every rank), as one process computes it."""
+
+    @staticmethod
+    def forward(ctx, whole: torch.Tensor, size: int) -> torch.Tensor:  # type: ignore[override]
+        return whole / size
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
 class ExpertsParallel(ParallelStyle):
     """``moe_tp_experts``: an experts module whose stacked weights are split by their own plan entries (each rank a
     slice of every expert's intermediate features). It runs on those slices; the partial outputs are summed, and the
     gradients of the hidden states and routing weights it is given (``experts(hidden, ids, weights)``) are summed
-    over the TP group, each rank's covering its slice only."""
+    over the TP group, each rank's covering its slice only. The routing itself (expert ids and weights) is computed
+    before, whole on every rank. ``added_once``: its whole parameters that it adds to each partial output (a bias
+    after the down-projection, ``partial_bias``): each rank's call sees ``1/tp`` of them."""
+
+    def __init__(self, added_once: tuple[str, ...] = ()):
+        super().__init__()
+        self.added_once = added_once
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         run_on_local_shards(module)
+        size = device_mesh.size()
+        if self.added_once and size > 1:
+
+            def share(param: torch.Tensor) -> torch.Tensor:
+                return _ShareOfWhole.apply(_local(param), size)
+
+            # Registered before the views of the whole parameters (replicate_unsharded_parameters), so it swaps
+            # first: their view then meets a plain tensor and leaves it.
+            run_on_parameter_views(module, dict.fromkeys(self.added_once, share))
         group = device_mesh.get_group()
         replicated = _replicated_input(group)
 
@@ -330,6 +359,18 @@ def _rope_dim(name: str, modules: Mapping[str, nn.Module]) -> int:
 Builder = Callable[[str, ResolvedPlan, Mapping[str, nn.Module]], "ParallelStyle | None"]
 
 
+def _added_once(name: str, plan: ResolvedPlan | None) -> tuple[str, ...]:
+    """The parameters of module ``name`` (relative names) that the plan gives a style added once (``partial_bias``)."""
+    if plan is None:
+        return ()
+    prefix = f"{name}." if name else ""
+    return tuple(
+        key[len(prefix) :]
+        for key, style in plan.styles.items()
+        if key.startswith(prefix) and "." not in key[len(prefix) :] and getattr(facts(style), "added_once", False)
+    )
+
+
 def _conv1d(style: str) -> Builder:
     fact = STYLES[style]
     return lambda name, plan, modules: Conv1DParallel(fact)
@@ -357,7 +398,7 @@ def _by_kind(style: str) -> Builder:
 #: :func:`shard_parameter` from the style's facts alone.
 LAYERS: dict[str, Builder] = {
     **{name: _by_kind(name) for name, fact in STYLES.items() if fact.supported},
-    "moe_tp_experts": lambda name, plan, modules: ExpertsParallel(),
+    "moe_tp_experts": lambda name, plan, modules: ExpertsParallel(_added_once(name, plan)),
     "local_params": lambda name, plan, modules: LocalParams(),
     **{name: _conv1d(name) for name in ("conv1d_colwise", "conv1d_colwise_qkv", "conv1d_rowwise")},
     "colwise_kv_heads": lambda name, plan, modules: ColwiseKVHeads(plan.kv_heads_of(name)),

@@ -86,6 +86,9 @@ class MixerKind:
     #: packed halves of that size): the layout the styles assume, checked against the shapes before anything is split
     #: (:func:`stacked_sizes`).
     stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Modules or parameters (relative paths) the split keeps whole on purpose, besides its ``styles``: a router (the
+    #: routing must be the same on every rank) and a bias added after the partial outputs are summed (JetMoE's).
+    whole: tuple[str, ...] = ()
 
 
 _GDN_ATTRIBUTES = ("num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim")
@@ -441,7 +444,47 @@ MIXER_KIND_MLP_W = replace(
     holds=("w1.weight", "w3.weight", "w2.weight"),
     styles={"w1": "colwise", "w3": "colwise", "w2": "rowwise"},
 )
-MIXER_KINDS += (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT, MIXER_KIND_MLP, MIXER_KIND_MLP_W)
+#: Gate and up packed as two halves of one projection, chunked in two by the forward (Granite 4's, GraniteMoE-Shared's
+#: shared MLP: `input_linear` [gate | up], `output_linear`): each rank takes its slice of each half.
+MIXER_KIND_MLP_PACKED = replace(
+    MIXER_KIND_MLP,
+    name="mlp_packed",
+    description="gated MLP with gate and up packed in one projection (input_linear [gate | up], output_linear)",
+    holds=("input_linear.weight", "output_linear.weight"),
+    styles={"input_linear": "packed_colwise", "output_linear": "rowwise"},
+)
+#: Without a gate (Nemotron-H's dense layers, Ergo's): up column-wise, down row-wise.
+MIXER_KIND_MLP_UNGATED = replace(
+    MIXER_KIND_MLP,
+    name="mlp_ungated",
+    description="MLP without a gate (up and down projections)",
+    holds=("up_proj.weight", "down_proj.weight"),
+    lacks=("gate_proj",),
+    styles={"up_proj": "colwise", "down_proj": "rowwise"},
+)
+#: JetMoE's mixture of MLP experts: its own module holding the router, the stacked experts as two modules
+#: (`input_linear` [experts, 2 x intermediate, hidden], gate and up packed; `output_linear` [experts, hidden,
+#: intermediate]) and a bias added after the experts. Each expert split column-/row-wise like a packed MLP: each
+#: rank's routed tokens' partial outputs are summed (top_k rows per token) before the routing weights and the bias;
+#: the router stays whole. Its mixture of attention experts (`num_experts` kept on the module) stays whole.
+MIXER_KIND_MLP_EXPERTS_MODULES = replace(
+    MIXER_KIND_MLP_PACKED,
+    name="mlp_experts_modules",
+    description="mixture of MLP experts with its router (input_linear [experts, 2 x intermediate, hidden] gate|up, "
+    "output_linear [experts, hidden, intermediate], a bias after them: JetMoE)",
+    holds=("input_linear.weight", "output_linear.weight", "router.layer.weight", "bias"),
+    lacks=("num_experts",),
+    whole=("router", "bias"),
+)
+MIXER_KINDS += (
+    MIXER_KIND_ATTENTION,
+    MIXER_KIND_ATTENTION_OUT,
+    MIXER_KIND_MLP,
+    MIXER_KIND_MLP_W,
+    MIXER_KIND_MLP_EXPERTS_MODULES,
+    MIXER_KIND_MLP_PACKED,
+    MIXER_KIND_MLP_UNGATED,
+)
 #: The kinds whose split is checked as attention's (head counts from the config).
 ATTENTION_KINDS = (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT)
 
@@ -451,8 +494,7 @@ ATTENTION_KINDS = (MIXER_KIND_ATTENTION, MIXER_KIND_ATTENTION_OUT)
 # group, and the gradients of the hidden states and routing weights it is given. Recognised by the flags
 # `@use_experts_implementation` sets (how the weights are stored, and its calling convention: hidden states, expert
 # ids, routing weights), the shapes checked against `stacked`; experts without those flags (Llama 4's) are left to
-# the model's plan. Interleaved gate/up halves (gpt-oss), biases and a norm after each expert are not described:
-# those experts stay whole.
+# the model's plan. A norm after each expert (Ergo's, MuseSpark's) is not described: those experts stay whole.
 _EXPERTS_FLAGS = {"is_concatenated": True, "has_bias": False, "has_post_expert_norm": False}
 MIXER_KIND_EXPERTS = MixerKind(
     name="experts",
@@ -493,8 +535,44 @@ MIXER_KIND_EXPERTS_UNGATED = replace(
     requires={"has_gate": False, "is_transposed": False, **_EXPERTS_FLAGS},
     stacked={"up_proj": ("experts", "intermediate", "hidden"), "down_proj": ("experts", "hidden", "intermediate")},
 )
+#: Stored transposed, gate and up interleaved feature by feature ([g0, u0, g1, u1, ...] on the last dim) and biases
+#: (gpt-oss): a contiguous slice of the last dim holds whole (gate, up) pairs, the features of the rank's rows of
+#: `down_proj`. The down-projection's bias, added to each expert's output before the routing weights, is kept whole
+#: and added once over the TP group (`partial_bias`).
+MIXER_KIND_EXPERTS_INTERLEAVED = replace(
+    MIXER_KIND_EXPERTS,
+    name="experts_interleaved",
+    description="stacked experts with biases, gate and up interleaved, gate|up [experts, hidden, 2 x intermediate] "
+    "and down [experts, intermediate, hidden]",
+    holds=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+    styles={
+        "gate_up_proj": "colwise_transposed",
+        "gate_up_proj_bias": "colwise_transposed",
+        "down_proj": "colwise",
+        "down_proj_bias": "partial_bias",
+        "": "moe_tp_experts",
+    },
+    requires={
+        "has_gate": True,
+        "is_transposed": True,
+        "is_concatenated": False,
+        "has_bias": True,
+        "has_post_expert_norm": False,
+    },
+    stacked={
+        "gate_up_proj": ("experts", "hidden", "2*intermediate"),
+        "gate_up_proj_bias": ("experts", "2*intermediate"),
+        "down_proj": ("experts", "intermediate", "hidden"),
+        "down_proj_bias": ("experts", "hidden"),
+    },
+)
 #: The kinds of stacked experts, whose split is checked on their shapes (:func:`stacked_sizes`).
-EXPERTS_KINDS = (MIXER_KIND_EXPERTS, MIXER_KIND_EXPERTS_TRANSPOSED, MIXER_KIND_EXPERTS_UNGATED)
+EXPERTS_KINDS = (
+    MIXER_KIND_EXPERTS,
+    MIXER_KIND_EXPERTS_TRANSPOSED,
+    MIXER_KIND_EXPERTS_UNGATED,
+    MIXER_KIND_EXPERTS_INTERLEAVED,
+)
 MIXER_KINDS += EXPERTS_KINDS
 
 

@@ -581,19 +581,33 @@ def _in_decoder(model: nn.Module, name: str) -> bool:
 
 
 def _mlp_problem(model: nn.Module, mlp: nn.Module, kind: MixerKind, tp_size: int) -> str | None:
-    """Why a gated MLP the model's plan leaves whole cannot be split at ``tp_size``, or ``None``."""
-    ups = [mlp.get_submodule(name).weight.shape[0] for name, style in kind.styles.items() if style == "colwise"]
+    """Why an MLP the model's plan leaves whole cannot be split at ``tp_size``, or ``None``: its column-wise
+    projections' intermediate sizes (of each packed half, for a packed gate|up) must be equal and divide by it."""
+    ups = []
+    for name, style in kind.styles.items():
+        fact = facts(style)
+        if fact.kind != "column":
+            continue
+        projection = mlp.get_submodule(name)
+        if fact.strided and hasattr(projection, "get_base_layer"):
+            return (
+                f"{type(mlp).__name__}'s {name} is a LoRA layer, whose adapters cannot follow its packed halves "
+                f"({style!r})"
+            )
+        weight = projection.weight
+        rows = weight.shape[fact.split_dim(weight.ndim)]  # [.., out, in]: stacked experts' too
+        ups.append(rows // fact.blocks if rows % fact.blocks == 0 else rows / fact.blocks)
     if ups[0] % tp_size or len(set(ups)) != 1:
         return f"{type(mlp).__name__}'s intermediate sizes {ups} do not split over tp_size={tp_size}"
-    known = set(kind.styles)
+    known = set(kind.styles) | set(kind.whole)
     unknown = [
         name
         for name, m in mlp.named_modules()
         if name and not any(name == k or name.startswith(f"{k}.") for k in known) and list(m.parameters(False))
     ]
-    unknown += [name for name, _ in mlp.named_parameters(recurse=False)]
+    unknown += [name for name, _ in mlp.named_parameters(recurse=False) if name not in known]
     if unknown:
-        return f"{type(mlp).__name__} also holds {unknown}, which no rule of a gated MLP splits"
+        return f"{type(mlp).__name__} also holds {unknown}, which no rule of an MLP splits"
     return None
 
 

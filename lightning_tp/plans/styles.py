@@ -52,6 +52,10 @@ class StyleFacts:
     :mod:`lightning_tp.parallel.expert_parallel` when ``ep_size > 1``; refused in a ``tp_plan``.
     ``output_hook``: a style that changes its module's output gradient (a sum over TP of part of it): on a LoRA
     wrapper it stays on the wrapper, so that it covers the adapters' output too, and the adapters stay whole.
+    ``added_once``: a parameter kept whole that its module adds to each rank's partial output before the partial
+    outputs are summed over the TP group (a stacked experts' down-projection bias, gpt-oss's): each rank's call sees
+    ``1/tp`` of it, so the sum holds it once, and keeps the whole gradient (the same on every rank: the output's
+    gradient is whole on every rank). :class:`lightning_tp.parallel.layers.ExpertsParallel` applies it.
     ``refused``: why this package refuses the style in a ``tp_plan``, and the fix; ``None``: applied.
     ``registered``: a style name models' plans use (Transformers' names); ``False``: this package's own name, given by
     its derived plans and checks.
@@ -73,6 +77,7 @@ class StyleFacts:
     rewritable: bool = False
     expert_parallel: bool = False
     output_hook: bool = False
+    added_once: bool = False
     refused: str | None = None
     registered: bool = True
     same_as: str | None = None
@@ -208,6 +213,28 @@ STYLES: dict[str, StyleFacts] = {
         "local_heads, and the ALiBi biases given to its forward (`alibi` [batch * heads, 1, keys] or `position_bias` "
         "[heads, 1, keys], built for every head) sliced to the rank's heads (Bloom, MPT)",
         kind="heads",
+        registered=False,
+    ),
+    # This package's own: stacked expert weights stored [experts, in, out] for `x @ weight` whose gate and up are
+    # interleaved feature by feature (gpt-oss's [g0, u0, g1, u1, ...]), and their [experts, out] bias: a contiguous
+    # slice of the last dim holds whole (gate, up) pairs, the features the rank's slice of the down-projection reads.
+    "colwise_transposed": StyleFacts(
+        "weight stored [in, out] for `x @ weight` (stacked experts [experts, in, out]; its bias [experts, out]) "
+        "sharded on the last (output) dim in contiguous slices, output stays sharded: gate and up interleaved "
+        "feature by feature stay in pairs",
+        kind="column",
+        weight_dim=-1,
+        bias_split=True,
+        output_sharded=True,
+        registered=False,
+    ),
+    # This package's own: the bias a module adds to each rank's partial output before the sum (gpt-oss's experts add
+    # their down-projection bias per expert, before the routing weights).
+    "partial_bias": StyleFacts(
+        "bias kept whole that its module adds inside its row-wise part, before the partial outputs are summed "
+        "(stacked experts' down-projection bias): each rank adds 1/tp of it, so the sum holds it once",
+        kind="replicated",
+        added_once=True,
         registered=False,
     ),
     # This package's own: KV-head replication (lightning_tp.parallel.kv_heads), given by the plan check to the K/V

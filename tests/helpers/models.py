@@ -153,6 +153,33 @@ def tiny_config(kind: str, **overrides: Any):
             n_group=1,
             topk_group=1,
         )
+    elif kind == "gpt_oss":  # experts stored [in, out], gate and up interleaved, with biases; attention sinks
+        from transformers import GptOssConfig
+
+        cfg = GptOssConfig(
+            **{**common, "num_key_value_heads": 2, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=5,
+        )
+    elif kind == "granitemoehybrid":  # Granite 4: a Mamba2 layer (one group of B/C) and an attention layer, each with
+        # experts and a shared MLP (input_linear [gate | up]) 4x the hidden size, wider than an expert
+        from transformers import GraniteMoeHybridConfig
+
+        cfg = GraniteMoeHybridConfig(
+            **{**common, "num_key_value_heads": 2, "tie_word_embeddings": False, "intermediate_size": 32},
+            shared_intermediate_size=256,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["linear_attention", "full_attention"],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            mamba_expand=2,
+        )
     elif kind in DERIVED_KINDS:
         cfg = _derived_config(kind)
     else:
@@ -160,7 +187,9 @@ def tiny_config(kind: str, **overrides: Any):
     for key, value in overrides.items():
         setattr(cfg, key, value)
     # Attention sinks need eager attention; GPT-Neo, Bloom and MPT have no SDPA path.
-    cfg._attn_implementation = "eager" if kind in ("granite_swa", "gemma2", "gpt_neo", "bloom", "mpt") else "sdpa"
+    cfg._attn_implementation = (
+        "eager" if kind in ("granite_swa", "gemma2", "gpt_neo", "bloom", "mpt", "gpt_oss") else "sdpa"
+    )
     return cfg
 
 
