@@ -213,6 +213,20 @@ def _longcat_moe() -> Any:
     return coverage_model("longcat_flash")
 
 
+def _with_expert_biases(kind: str) -> Any:
+    """``kind``'s tiny model with its experts' biases drawn (Transformers initialises them to zeros, which would
+    hide a bias added more than once in the first forward)."""
+    import torch
+
+    model = build_causal_lm(tiny_config(kind))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name and name.endswith("_bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
 def coverage_lm(family: str) -> Case:
     """A case of the coverage benchmark's tiny model of ``family`` on its batches (3 steps)."""
     return Case(partial(coverage_model, family), _coverage_batches)
@@ -509,6 +523,11 @@ CASES: dict[str, Case] = {
     "llama4_moe_sgd": lm(
         "llama4_text", 3, config={"moe_layers": [1, 3], "num_local_experts": 4, "intermediate_size": 32}
     ),
+    # gpt-oss's experts (stored [in, out], gate and up interleaved, biases): each rank a contiguous slice of every
+    # expert's (gate, up) pairs and of its down-projection, the down-projection's bias added once over TP.
+    "gpt_oss_experts_sgd": Case(partial(_with_expert_biases, "gpt_oss"), partial(lm_batches, 3)),
+    # Granite 4: its shared MLP (input_linear [gate | up]) split per half, beside the experts and a Mamba2 mixer.
+    "granitemoehybrid_shared_mlp_sgd": lm("granitemoehybrid", 3),
     # SGD: AdamW's normalised step turns the rounding-level gradient differences of the delta rule's near-zero
     # entries into full-size updates (first-step gradients agree to 3e-6 relative; the losses drifted 3e-4 by step 3).
     "qwen3_5_hybrid_lora": Case(partial(_lora, "qwen3_5"), partial(lm_batches, 3)),
