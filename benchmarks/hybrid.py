@@ -31,7 +31,8 @@ reversed every other round: the machine is shared and its load comes and goes). 
   optimizer built), absolute and above the resident set at that point (gradients, activations, temporaries), as
   ``benchmarks/run.py`` measures it; the parameter bytes each rank holds, exactly;
 * collectives: one more step under :class:`benchmarks.comm.CollectiveCounter` (kind, count and bytes per rank as
-  nccl-tests count them: all-reduce its input, all-gather its gathered output, reduce-scatter its unscattered input),
+  nccl-tests count them: all-reduce its input, all-gather its gathered output, reduce-scatter its unscattered input,
+  all-to-all what the rank sends),
   by phase, against :func:`theory`, which derives them from the shapes;
 * loss: every step's loss, against one process's at the same step (same batch, same updates).
 
@@ -308,13 +309,16 @@ def theory(variant: str, args: argparse.Namespace) -> dict:
     if variant == "tp2":
         qkv_weight = qkv_out * hidden * FP32
         conv_weight = qkv_out * conv_kernel * FP32
+        # The packed weights' rows go where they are computed (one all-to-all each, counted by what a rank sends:
+        # its shard, half of the weight at TP 2, its own rows included), their gradients back the same way.
         items += [
-            ("forward", "all_gather", "in_proj_qkv weight (colwise_blocks: the rank's rows of q, k and v)", linear,
-             qkv_weight),
-            ("forward", "all_gather", "conv1d weight (local_blocks over q, k, v channels)", linear, conv_weight),
+            ("forward", "all_to_all", "in_proj_qkv weight rows (colwise_blocks: the rank's rows of q, k and v)",
+             linear, qkv_weight // 2),
+            ("forward", "all_to_all", "conv1d weight rows (local_blocks over q, k, v channels)", linear,
+             conv_weight // 2),
             ("forward", "all_reduce", "out_proj output (rowwise)", linear, act),
-            ("backward", "reduce_scatter", "in_proj_qkv weight gradient", linear, qkv_weight),
-            ("backward", "reduce_scatter", "conv1d weight gradient", linear, conv_weight),
+            ("backward", "all_to_all", "in_proj_qkv weight gradient rows, sent back", linear, qkv_weight // 2),
+            ("backward", "all_to_all", "conv1d weight gradient rows, sent back", linear, conv_weight // 2),
             ("backward", "all_reduce", "in_proj_qkv/z/b/a input gradients", 4 * linear, act),
             ("backward", "all_reduce", "gated norm weight gradient (shared by the heads)", linear,
              args.linear_v_dim * FP32),
@@ -395,7 +399,7 @@ def mib(size: float) -> str:
 
 
 def kinds_cell(kinds: dict) -> str:
-    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
     return ", ".join(f"{v['count']} {short.get(k, k)} {mib(v['bytes'])}" for k, v in sorted(kinds.items())) or "none"
 
 
@@ -497,9 +501,10 @@ def notes(report: dict, args: argparse.Namespace) -> list[str]:
     qkv_out = 2 * key_dim + value_dim
     # Per linear-attention layer, what differs. Both pay five [T, H] all-reduces (split: out_proj's output in the
     # forward and the input gradients of in_proj_qkv/z/b/a; gathered: the input gradients of all five projections).
-    # Split by heads also gathers the in_proj_qkv and conv1d weights and reduce-scatters their gradients (per step,
-    # whatever the tokens); the gathered plan all-gathers the five projections' outputs (per token).
-    weight_bytes = 2 * qkv_out * (args.hidden + 4) * FP32
+    # Split by heads also exchanges the in_proj_qkv and conv1d weights' rows and sends their gradients back (per
+    # step, whatever the tokens: half of each weight each way at TP 2, as counted); the gathered plan all-gathers the
+    # five projections' outputs (per token).
+    weight_bytes = qkv_out * (args.hidden + 4) * FP32
     gathered_per_token = (qkv_out + value_dim + 2 * args.linear_v_heads + args.hidden) * FP32
     crossover = weight_bytes / gathered_per_token
     bytes_of = {name: sum(v["bytes"] for v in run["collectives"].values()) for name, run in runs.items()}
@@ -529,8 +534,9 @@ def notes(report: dict, args: argparse.Namespace) -> list[str]:
         f"- **Bytes**: at {tokens} tokens per step this package's plan moves {mib(bytes_of['tp2'])} per rank and "
         f"step, Transformers' plan {mib(bytes_of['tp2_hf_plan'])} ({bytes_of['tp2'] / bytes_of['tp2_hf_plan']:.2f}x). "
         f"Splitting by heads moves weights, not activations: per linear-attention layer the `in_proj_qkv` weight "
-        f"({mib(qkv_out * args.hidden * FP32)}) and the `conv1d` weight are gathered in the forward and their "
-        f"gradients reduce-scattered, {mib(weight_bytes)} per layer whatever the batch, where the gathered plan "
+        f"({mib(qkv_out * args.hidden * FP32)}) and the `conv1d` weight have their rows exchanged in the forward "
+        f"(each rank sends its shard) and their gradients sent back, {mib(weight_bytes)} per layer whatever the "
+        "batch, where the gathered plan "
         f"all-gathers the projections' outputs, {gathered_per_token} bytes per token and layer "
         f"(({qkv_out} + {value_dim} + 2 x {args.linear_v_heads} + {args.hidden}) x 4); the [T, H] all-reduces are "
         f"five per layer in both. The two are equal at about {crossover:.0f} tokens per step (a ring at n = 2 moves "

@@ -2,34 +2,40 @@
 
 Storage is a plain ``Shard(0)`` DTensor of the whole tensor, the layout every other part of the package knows
 (checkpoints reshard, export gathers, FSDP2 shards it further, random initialisation draws it whole). A block layout
-(each rank holding its slice of every block) would avoid the gather below, but DTensor has no placement for blocks of
-different sizes, and a permuted storage would leak into every checkpoint.
+(each rank holding its slice of every block) would avoid the exchange below, but DTensor has no placement for blocks
+of different sizes, and a permuted storage would leak into every checkpoint (and differ with the TP size).
 
 A one-block parameter may hold its heads on another dim (Kimi-Linear's ``A_log`` [1, 1, heads, 1]): it is a plain
 ``Shard`` of that dim (``ResolvedPlan.block_dims``), read as its local tensor.
 
 During the forward the module reads its rank's rows: its slice of each block. With one block that is the local
-shard (no communication); with several, the weight is gathered over the TP group and the rows are taken from it, and
-in backward the gradient is reduce-scattered back to the shards. For a fused input projection that costs the
-weight's size per step, against the activation-sized all-gather of Transformers' ``colwise_gather_output`` and the
-whole recurrence computed on every rank.
+shard (no communication); with several, the ranks exchange rows with one all-to-all over the TP group: each rank
+sends the rows of its shard that another rank computes and receives the rows it computes that another rank holds
+(:class:`TakeRows`); the backward sends their gradients back the same way. A rank receives the rows it computes and
+does not hold: where no block is taken whole, at most its shard's size (``1/tp`` of the weight), where gathering the
+whole weight would receive ``(tp - 1)/tp`` of it, hold it whole for the forward and reduce-scatter a whole-size
+gradient; a block every rank takes whole (a multi-query attention's K/V) goes to every rank, as in a gather.
+Against Transformers' ``colwise_gather_output`` (an activation-sized all-gather of the projection's output, then the
+whole recurrence on every rank) the cost is weight-sized, whatever the batch.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lightning_tp.compat import buffer_dict, parameter_dict
-from lightning_tp.parallel.collectives import SumOverGroupBothWays
+from lightning_tp.parallel.collectives import SumOverGroupBothWays, chunk_sizes
 from lightning_tp.parallel.hooks import run_on_parameter_views
 from lightning_tp.patches import install
 from lightning_tp.plans.resolve import ResolvedPlan
@@ -59,23 +65,94 @@ def rank_rows(blocks: tuple[int, ...], *, tp_size: int, rank: int, whole: tuple[
     return torch.tensor(_rows(blocks, tuple(whole), tp_size, rank), dtype=torch.long)
 
 
+@dataclass(frozen=True, eq=False)
+class RowExchange:
+    """What one rank sends and receives so that it holds its rows of every block (:func:`rank_rows`) from a plain
+    ``Shard(0)`` storage of the whole tensor: a static plan, derived alike on every rank from the blocks and the TP
+    size.
+
+    ``send[d]``: how many rows of its shard it sends to rank ``d`` (itself included: a local copy); ``send_rows``:
+    which (local indices, grouped by destination); ``recv[s]``: how many it receives from rank ``s``. Its rows of
+    every block are in ascending order and each shard is a contiguous range, so what it receives, in the ranks'
+    order, is its rows in order."""
+
+    rank: int
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    send_rows: torch.Tensor
+    local_rows: int
+
+    @property
+    def received(self) -> int:
+        """The rows this rank receives from the other ranks (its own are copied, not sent)."""
+        return sum(self.recv) - self.recv[self.rank]
+
+
+def row_exchange(blocks: tuple[int, ...], *, tp_size: int, rank: int, whole: tuple[int, ...] = ()) -> RowExchange:
+    """The :class:`RowExchange` of ``rank`` for a tensor packing ``blocks`` on dim 0, stored as a ``Shard(0)`` over
+    ``tp_size`` ranks (the shard sizes of :func:`lightning_tp.parallel.collectives.chunk_sizes`)."""
+    sizes = chunk_sizes(sum(blocks), tp_size)
+    starts = [sum(sizes[:s]) for s in range(tp_size)]
+    needed = [rank_rows(blocks, tp_size=tp_size, rank=r, whole=whole) for r in range(tp_size)]
+    start, stop = starts[rank], starts[rank] + sizes[rank]
+    send_rows = [rows[(rows >= start) & (rows < stop)] - start for rows in needed]
+    mine = needed[rank]
+    recv = [int(((mine >= starts[s]) & (mine < starts[s] + sizes[s])).sum()) for s in range(tp_size)]
+    return RowExchange(
+        rank=rank,
+        send=tuple(len(rows) for rows in send_rows),
+        recv=tuple(recv),
+        send_rows=torch.cat(send_rows),
+        local_rows=sizes[rank],
+    )
+
+
+class TakeRows(torch.autograd.Function):
+    """A rank's rows of every block, from its ``Shard(0)`` shard of the whole tensor, by one all-to-all over the TP
+    group (:class:`RowExchange`); backward: their gradients sent back to the ranks that hold them, summed where
+    several ranks read a row (a block every rank takes whole)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, local: torch.Tensor, send_rows: torch.Tensor, exchange: RowExchange, group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        """``send_rows``: ``exchange.send_rows`` on ``local``'s device."""
+        assert local.shape[0] == exchange.local_rows, (local.shape, exchange.local_rows)
+        ctx.exchange, ctx.group = exchange, group
+        ctx.save_for_backward(send_rows)
+        send = local.index_select(0, send_rows)
+        out = local.new_empty((sum(exchange.recv), *local.shape[1:]))
+        dist.all_to_all_single(out, send, list(exchange.recv), list(exchange.send), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        exchange: RowExchange = ctx.exchange
+        (send_rows,) = ctx.saved_tensors
+        back = grad.new_empty((sum(exchange.send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), list(exchange.send), list(exchange.recv), group=ctx.group)
+        local = grad.new_zeros((exchange.local_rows, *grad.shape[1:]))
+        return local.index_add_(0, send_rows, back), None, None, None
+
+
 def block_view(
     blocks: tuple[int, ...] | None, mesh: DeviceMesh, *, whole: tuple[int, ...] = ()
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The view of a ``Shard(0)`` parameter that holds the rank's slice of each block (``None``: one block), and
     all of the blocks in ``whole``."""
-    rank, tp_size = mesh.get_local_rank(), mesh.size()
-    rows = None if blocks is None else rank_rows(blocks, tp_size=tp_size, rank=rank, whole=whole)
+    rank, tp_size, group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
+    exchange = None if blocks is None else row_exchange(blocks, tp_size=tp_size, rank=rank, whole=whole)
     on_device: dict[torch.device, torch.Tensor] = {}  # the index copied to each device once, not at every forward
 
     def view(param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or not param.placements[0].is_shard():
             return param  # already a view (an outer module's call), or held sharded by FSDP2 at this moment
-        if rows is None:
+        if exchange is None:
             return param.to_local()
         assert param.placements == (Shard(0),), param.placements
-        whole = param.full_tensor(grad_placements=[Partial()])
-        return whole.index_select(0, on_device.setdefault(whole.device, rows.to(whole.device)))
+        local = param.to_local()
+        send_rows = on_device.setdefault(local.device, exchange.send_rows.to(local.device))
+        return TakeRows.apply(local, send_rows, exchange, group)
 
     return view
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_tp.checkpoint.loading import model_from_config
 from lightning_tp.compat import config_value
+from lightning_tp.parallel.blocks import row_exchange
 from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
 from lightning_tp.plans.mixers import ATTENTION_KINDS, attribute, config_heads, find_mixers, mixer_kind
 from lightning_tp.plans.resolve import (
@@ -52,8 +53,9 @@ class MixerGroup:
     counts: dict[str, tuple[int, int]]
     #: Packed parameter (relative to the mixer) -> (whole block sizes, the rank's rows of each block).
     blocks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    #: Values of one mixer's packed parameters, gathered over the TP group in each forward.
-    gathered: int = 0
+    #: Values of one mixer's packed parameters that a rank receives from the other TP ranks in each forward (the
+    #: rows of its blocks they hold; the most any rank receives); the backward sends as many gradient values back.
+    exchanged: int = 0
 
 
 @dataclass
@@ -376,7 +378,7 @@ def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[Mi
                     "num_attention_heads (config)": (heads, heads // tp_size),
                     "num_key_value_heads (config)": (kv_heads, kv_local),
                 }
-        blocks, gathered = {}, 0
+        blocks, exchanged = {}, 0
         for param, sizes in plan.blocks.items():
             if not param.startswith(f"{name}."):
                 continue
@@ -385,14 +387,18 @@ def _mixer_groups(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[Mi
             blocks[param.removeprefix(f"{name}.")] = (sizes, rows)
             owner, _, leaf = param.rpartition(".")
             held = params.get(param, params.get(f"{owner}.base_layer.{leaf}"))  # a LoRA wrapper's base layer
-            gathered += held.numel() if held is not None else 0
+            if held is not None and tp_size > 1:
+                received = max(
+                    row_exchange(sizes, tp_size=tp_size, rank=r, whole=whole).received for r in range(tp_size)
+                )
+                exchanged += received * held.numel() // held.shape[0]
         kind_name = kind.name if kind is not None else "?"
         description = kind.description if kind is not None else type(mixer).__name__
-        key = (kind_name, tuple(counts.items()), tuple(blocks.items()), gathered)
+        key = (kind_name, tuple(counts.items()), tuple(blocks.items()), exchanged)
         if key in groups:
             groups[key].names.append(name)
         else:
-            groups[key] = MixerGroup([name], kind_name, description, counts, blocks, gathered)
+            groups[key] = MixerGroup([name], kind_name, description, counts, blocks, exchanged)
     return list(groups.values())
 
 
@@ -712,9 +718,9 @@ def _format_mixers(report: Report, tp_size: int) -> list[str]:
                 lines.append(f"    {param:<{width}}  blocks {list(sizes)} -> rank's rows {list(rows)}{note}")
             if group.blocks:
                 lines += [
-                    "    (stored as a plain split of dim 0, the shapes above; each forward gathers these parameters,",
-                    f"    {group.gathered:,} values per mixer, and takes the rank's rows of every block; the backward "
-                    "reduce-scatters their gradient)",
+                    "    (stored as a plain split of dim 0, the shapes above; each forward exchanges the rows of every",
+                    f"    block with one all-to-all, a rank receiving {group.exchanged:,} values per mixer from the "
+                    "others; the backward sends their gradients back)",
                 ]
     if report.whole_mixers:
         lines += ["", f"Sequence mixers not split by heads at tp_size={tp_size} (every rank computes all their heads):"]

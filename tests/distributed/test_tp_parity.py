@@ -20,6 +20,7 @@ from tests.helpers.cases import (
     TWO_D_CASES,
 )
 from tests.helpers.models import (
+    SEQ,
     ParityModule,
     build_causal_lm,
     lm_batches,
@@ -383,6 +384,25 @@ def test_collectives_per_step_match_the_theory(tp2_results: list[dict]) -> None:
     assert counts["sequence_parallel"] == sp
     # Loss parallelism: no gather of the logits; the cross-entropy all-reduces the row max and the sums.
     assert counts["sp_lp"] == {**sp, "all_gather": sp["all_gather"] - 1, "all_reduce": sp["all_reduce"] + 2}
+
+
+@pytest.mark.scenarios("tp2", "collectives")
+def test_packed_mixer_weights_are_exchanged_by_rows_not_gathered(tp2_results: list[dict]) -> None:
+    """Qwen3.5's Gated DeltaNet layer packs [q | k | v] in its input projection and its conv, stored as a plain split
+    of dim 0: each rank computes its rows of every block. One all-to-all each moves the rows (a rank sends its shard,
+    half of each weight at TP 2, its own rows included), and one sends their gradients back; no weight is gathered
+    whole (the forward's one all-gather is lm_head's logits) and no whole-size gradient is reduce-scattered."""
+    by_phase = _result(tp2_results, "collectives")["packed_mixer"]
+    config = tiny_config("qwen3_5")
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    rows = 2 * key_dim + value_dim  # in_proj_qkv's and conv1d's
+    shards = rows // 2 * (config.hidden_size + config.linear_conv_kernel_dim) * 4  # fp32
+    assert by_phase["forward"]["all_to_all"] == {"count": 2, "bytes": shards}
+    assert by_phase["backward"]["all_to_all"] == {"count": 2, "bytes": shards}
+    logits = 4 * SEQ * config.vocab_size * 4  # lm_batches: 4 rows
+    assert by_phase["forward"]["all_gather"] == {"count": 1, "bytes": logits}
+    assert "reduce_scatter" not in by_phase["backward"]
 
 
 @pytest.mark.scenarios("tp2", "collectives")

@@ -390,6 +390,7 @@ def run_collectives(ctx: Context) -> dict:
         def on_after_backward(self, *args) -> None:
             self.mode.__exit__(None, None, None)
             self.counts = {kind: value["count"] for kind, value in self.mode.totals().items()}
+            self.by_phase = self.mode.by_phase()
 
     out = {}
     build = partial(build_causal_lm, tiny_config("qwen3"))
@@ -397,13 +398,15 @@ def run_collectives(ctx: Context) -> dict:
         "plain": {},
         "sequence_parallel": {"sequence_parallel": True},
         "sp_lp": {"sequence_parallel": True, "loss_parallel": True},
+        # A Gated DeltaNet layer's packed [q | k | v] projection and conv, with their bytes.
+        "packed_mixer": {},
     }.items():
         counter = Count()
-        module = ParityModule(build)
+        module = ParityModule(partial(build_causal_lm, tiny_config("qwen3_5")) if name == "packed_mixer" else build)
         trainer(TensorParallelStrategy(**layout, **kwargs), max_steps=1, callbacks=[counter]).fit(
             module, DataLoader(lm_batches(1), batch_size=None)
         )
-        out[name] = counter.counts
+        out[name] = counter.by_phase if name == "packed_mixer" else counter.counts
         if kwargs:  # greedy generation (odd prompt length, decoding steps of 1) against the same weights, whole
             plain = build()
             plain.load_state_dict(full_state(module.model))

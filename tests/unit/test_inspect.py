@@ -192,7 +192,9 @@ def test_gated_deltanet_heads_and_blocks_per_rank(hybrid_models):
         "in_proj_qkv.weight": ((16, 16, 32), (8, 8, 16)),
         "conv1d.weight": ((16, 16, 32), (8, 8, 16)),
     }
-    assert group.gathered == 64 * 64 + 64 * 4  # in_proj_qkv and conv1d weights
+    # Each rank holds half of the rows ([q | k] or v) and receives the half of its rows the other holds: 16 rows of
+    # in_proj_qkv and of conv1d, not the whole weights (64 rows each).
+    assert group.exchanged == 16 * 64 + 16 * 4
     rows = {name: (style, shape, local) for name, style, shape, local in report.rows}
     assert rows["model.layers.0.linear_attn.in_proj_qkv.weight"] == ("colwise_blocks", (64, 64), (32, 64))
     assert rows["model.layers.0.linear_attn.conv1d.weight"] == ("local_blocks", (64, 1, 4), (32, 1, 4))

@@ -25,6 +25,35 @@ def _with_plan(family: str, plan: dict[str, str] | None = None, *, without: tupl
     return build_causal_lm(config)
 
 
+@pytest.mark.parametrize(
+    ("blocks", "whole", "tp_size"),
+    [((4, 4, 8), (), 2), ((16, 16, 32), (), 4), ((8, 2, 2), (1, 2), 2), ((6, 6, 6), (), 3), ((12, 1, 1), (1, 2), 4)],
+)
+def test_the_row_exchange_gives_each_rank_its_rows_and_sends_the_gradients_back(blocks, whole, tp_size):
+    """The all-to-all of the packed parameters, simulated in one process: what each rank receives, in the ranks'
+    order, is its rows of every block; sending the gradients back sums, on the rank that holds each row, what every
+    rank that read it computed; without blocks taken whole no rank receives more than a shard's rows from the
+    others, and with them less than a gather of the whole tensor."""
+    from lightning_tp.parallel.blocks import row_exchange
+    from lightning_tp.parallel.collectives import chunk_sizes
+
+    whole_tensor = torch.arange(float(sum(blocks)))
+    shards = whole_tensor.split(chunk_sizes(sum(blocks), tp_size))
+    plans = [row_exchange(blocks, tp_size=tp_size, rank=r, whole=whole) for r in range(tp_size)]
+    sent = [shard[plan.send_rows].split(list(plan.send)) for shard, plan in zip(shards, plans, strict=True)]
+    grads = torch.zeros(sum(blocks))
+    for rank, plan in enumerate(plans):
+        received = torch.cat([sent[source][rank] for source in range(tp_size)])
+        assert received.tolist() == whole_tensor[rank_rows(blocks, tp_size=tp_size, rank=rank, whole=whole)].tolist()
+        assert plan.received <= (max(len(shard) for shard in shards) if not whole else sum(blocks) - len(shards[rank]))
+        grads[received.long()] += rank + 1  # what this rank's gradient gives each row it read
+    for rank, plan in enumerate(plans):
+        back = torch.cat([torch.full((plans[d].recv[rank],), d + 1.0) for d in range(tp_size)])
+        start = sum(len(shard) for shard in shards[:rank])
+        local = torch.zeros(len(shards[rank])).index_add_(0, plan.send_rows, back)
+        assert local.tolist() == grads[start : start + len(shards[rank])].tolist()
+
+
 def test_each_rank_takes_its_slice_of_every_block_and_the_whole_blocks():
     rows = [rank_rows((4, 4, 8), tp_size=2, rank=r).tolist() for r in (0, 1)]
     assert rows == [[0, 1, 4, 5, 8, 9, 10, 11], [2, 3, 6, 7, 12, 13, 14, 15]]
