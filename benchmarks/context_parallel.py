@@ -214,7 +214,7 @@ def skipped_compute(length: int, *, docs: int, cp_size: int) -> dict[str, float]
         pieces = [(i * piece, start, piece) for i, start in enumerate(piece_starts(length, cp_size, rank))]
         costs = []
         for doc_ids in (starts, torch.zeros_like(starts)):
-            low = first_keys(lambda b, h, q, k, d=doc_ids: (k <= q) & (d[q] == d[k]), local, batch=1)
+            low = first_keys(lambda b, h, q, k, d=doc_ids: (k <= q) & (d[q] == d[k]), local, batch=1, key_length=length)
             mask = range_mask(
                 positions=local, low=low, valid=None, pieces=pieces, key_length=length, piece_count=2 * cp_size
             )

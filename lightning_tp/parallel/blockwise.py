@@ -5,7 +5,8 @@ against the whole sequence's keys, in memory that grows with the length, not its
 padding) lets a query see an interval of keys that ends at itself, minus the padding keys: query ``i`` sees the key
 ``k`` iff ``low[b, i] <= k <= position[i]`` and ``valid[b, k]`` (:class:`RangeMask`). The first key of each query
 (``low``) is found from the model's own mask function by bisection (``log2(L)`` evaluations of it on one index per
-query), never by evaluating it on ``L x L`` indices.
+query), never by evaluating it on ``L x L`` indices; on the host, from host copies of the batch's positions and
+padding, so that cutting the tiles never waits for the device (:func:`range_mask`).
 
 **Tiles.** The queries and keys are cut into tiles on one grid (:data:`TILE` tokens, cut again at the pieces of the
 load-balanced split), and each query tile calls a kernel on the key tiles it can see: a tile wholly before it that
@@ -121,26 +122,32 @@ def grid(length: int, *, pieces: int, tile: int) -> list[tuple[int, int]]:
     return [(s, min(s + tile, p + piece)) for p in range(0, length, piece) for s in range(p, p + piece, tile)]
 
 
-def first_keys(mask_function: Callable[..., torch.Tensor], positions: torch.Tensor, *, batch: int) -> torch.Tensor:
+def first_keys(
+    mask_function: Callable[..., torch.Tensor], positions: torch.Tensor, *, batch: int, key_length: int
+) -> torch.Tensor:
     """The first key each query may see under ``mask_function`` (Transformers' index-based form: ``(batch, head,
     query, key) -> bool`` on broadcast index tensors), found by bisection: ``(batch, queries)``. Each query's keys must
-    be an interval that ends at itself; :func:`interval_violations` checks the ends.
+    be an interval that ends at itself; :func:`interval_violations` checks the ends. The bisection takes the steps
+    the longest interval needs (``log2(key_length)``), whatever the values: it reads none of them, so on an
+    accelerator it does not wait for the device.
 
     Args:
         mask_function: the mask function, without the padding (its keys are :attr:`RangeMask.valid`).
-        positions: ``(queries,)`` the global position of each query.
+        positions: ``(queries,)`` the global position of each query, each below ``key_length``.
         batch: the batch size.
+        key_length: the whole sequence's length.
     """
     b = torch.arange(batch, device=positions.device)[:, None]
     h = torch.zeros((), dtype=torch.long, device=positions.device)
     q = positions[None, :].expand(batch, -1)
     low = torch.zeros_like(q)
     high = q.clone()
-    while bool((low < high).any()):
+    for _ in range(max(key_length - 1, 0).bit_length()):  # halves every interval [low, high] of at most key_length
         middle = (low + high) // 2
         seen = _evaluate(mask_function, b, h, q, middle)
-        high = torch.where(seen, middle, high)
-        low = torch.where(seen, low, middle + 1)
+        open_ = low < high
+        high = torch.where(open_ & seen, middle, high)
+        low = torch.where(open_ & ~seen, middle + 1, low)
     return low
 
 
@@ -186,41 +193,45 @@ def range_mask(
     key_length: int,
     piece_count: int,
     tile: int | None = None,
+    device: torch.device | str | None = None,
 ) -> RangeMask:
-    """The tiles and calls of a rank's queries under the ranges ``low``/``valid`` (see :class:`RangeMask`).
+    """The tiles and calls of a rank's queries under the ranges ``low``/``valid`` (see :class:`RangeMask`), cut on
+    the host from host copies: nothing is read from the device (an accelerator's queue is never drained here).
 
     Args:
-        positions: ``(queries,)`` the global position of each local query.
-        low: ``(batch, queries)`` the first key each query sees (:func:`first_keys`).
-        valid: ``(batch, key_length)`` the keys that are not padding, or ``None``.
+        positions: ``(queries,)`` the global position of each local query, on the host.
+        low: ``(batch, queries)`` the first key each query sees (:func:`first_keys`), on the host.
+        valid: ``(batch, key_length)`` the keys that are not padding, on the host, or ``None``.
         pieces: the rank's pieces as ``(first local row, first global position, length)``.
         key_length: the whole sequence's length.
         piece_count: the pieces the whole sequence is cut into (every rank's), each a run of tiles.
         tile: tokens per tile (default :data:`TILE`).
+        device: where the mask's tensors go for the kernels (default: the host), copied without waiting for the
+            device.
     """
+    assert all(t is None or t.device.type == "cpu" for t in (positions, low, valid)), "the tiles are cut on the host"
     tile = TILE if tile is None else tile
     keys = grid(key_length, pieces=piece_count, tile=tile)
     starts = torch.tensor([s for s, _ in keys], dtype=torch.long)
     ends = torch.tensor([e for _, e in keys], dtype=torch.long)
     if valid is not None:
-        seen = torch.nn.functional.pad(valid.long().cumsum(-1), (1, 0)).cpu()  # (batch, keys + 1)
+        seen = torch.nn.functional.pad(valid.long().cumsum(-1), (1, 0))  # (batch, keys + 1)
         count = seen[:, ends] - seen[:, starts]  # (batch, tiles)
         whole = (count == (ends - starts)).all(0).tolist()
         some = (count > 0).any(0).tolist()
-        count_rows = seen.gather(1, (positions.cpu() + 1)[None, :].expand(low.shape[0], -1)) - seen.gather(1, low.cpu())
+        count_rows = seen.gather(1, (positions + 1)[None, :].expand(low.shape[0], -1)) - seen.gather(1, low)
         empty_rows = count_rows <= 0
     else:
         whole = some = [True] * len(keys)
-        empty_rows = low.cpu() > positions.cpu()[None, :]
+        empty_rows = low > positions[None, :]
     tiles = []
     bounds = []
     for row, start, length in pieces:
         for offset in range(0, length, tile):
             size = min(tile, length - offset)
             bounds.append((row + offset, start + offset, size))
-    lows = low.cpu()
-    first = [int(lows[:, r : r + n].min()) for r, _, n in bounds]
-    last = [int(lows[:, r : r + n].max()) for r, _, n in bounds]
+    first = torch.stack([low[:, r : r + n].amin() for r, _, n in bounds]).tolist()
+    last = torch.stack([low[:, r : r + n].amax() for r, _, n in bounds]).tolist()
     index = {s: i for i, (s, _) in enumerate(keys)}
     for (row, start, size), least, most in zip(bounds, first, last, strict=True):
         assert start in index, (start, tile)
@@ -236,8 +247,20 @@ def range_mask(
             else:
                 calls.append(Call(k0, k1, kind))
         tiles.append(QueryTile(row, start, size, tuple(calls)))
-    empty = empty_rows.to(low.device) if bool(empty_rows.any()) else None
-    return RangeMask(positions=positions, low=low, valid=valid, empty=empty, key_length=key_length, tiles=tuple(tiles))
+    empty = empty_rows if bool(empty_rows.any()) else None
+
+    def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        # From pageable host memory without waiting: the copy is queued behind the device's work, not waited for.
+        return tensor if tensor is None or device is None else tensor.to(device, non_blocking=True)
+
+    return RangeMask(
+        positions=moved(positions),
+        low=moved(low),
+        valid=moved(valid),
+        empty=moved(empty),
+        key_length=key_length,
+        tiles=tuple(tiles),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -290,6 +313,8 @@ def no_autocast(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def run(ctx: Any, *args: Any) -> Any:
         device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        if not torch.amp.is_autocast_available(device):  # the meta device (the calls checked without data)
+            return function(ctx, *args)
         with torch.autocast(device_type=device, enabled=False):
             return function(ctx, *args)
 

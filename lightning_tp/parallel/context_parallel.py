@@ -141,7 +141,10 @@ class Piece:
 @dataclass(eq=False)
 class BatchSplit:
     """One forward's split of its batch: lengths, this rank's positions, the whole sequence's position ids, packed
-    documents and padding, and what its attention layers did (for the first forward's checks)."""
+    documents and padding, and what its attention layers did (for the first forward's checks).
+
+    What the tiles are cut from is on the host (``host_*``, ``doc_ids``): copied from the device once per forward
+    (:func:`_host_copies`), so that the masks' ranges and tiles read nothing from the device."""
 
     cp: ContextParallel
     seq_len: int
@@ -151,8 +154,11 @@ class BatchSplit:
     gathered: torch.Tensor  # global position of each gathered index
     pieces: tuple[Piece, ...]
     position_ids: torch.Tensor  # (batch, padded_len) the whole sequence's
-    doc_ids: torch.Tensor | None = None  # (batch, padded_len): which packed document each token belongs to
+    host_positions: torch.Tensor  # `positions` on the host
+    host_position_ids: torch.Tensor  # `position_ids` on the host
+    doc_ids: torch.Tensor | None = None  # (batch, padded_len) on the host: which packed document each token is of
     valid: torch.Tensor | None = None  # (batch, padded_len): the keys that are not padding (None: all are)
+    host_valid: torch.Tensor | None = None  # `valid` on the host
     called: set[int] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)  # masks that are not one interval of keys per query
 
@@ -361,7 +367,6 @@ class ContextParallel:
         self.rows_checked = False  # the first split forward checks the ranks' rows, then the layers and masks
         self.layers_checked = False
         self.warned_packed = False
-        self._layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._forward_parameters = inspect.signature(stack.forward).parameters
         self._positions_from_mask = positions_from_mask(stack)
 
@@ -370,7 +375,6 @@ class ContextParallel:
         process group is not copied), its own checks; nothing of a forward is shared."""
         other = copy.copy(self)
         memo[id(self)] = other
-        other._layouts = dict(self._layouts)
         return other
 
     def register(self, owner: nn.Module) -> None:
@@ -475,23 +479,30 @@ class ContextParallel:
             )
         padded = padded_length(length, self.multiple)
         device = tokens.device
-        positions, order, gathered = self._layout(padded, device)
+        host_positions, *layout = _layout(padded, self.size, self.rank)
+        # Copied without waiting for the device (from pageable memory, staged at once): no host synchronisation.
+        positions, order, gathered = (t.to(device, non_blocking=True) for t in (host_positions, *layout))
         position_ids = _whole_positions(kwargs.get("position_ids"), batch, length, padded, device)
-        doc_ids = valid = None
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length)
+        ):
+            raise ValueError(
+                "Context parallelism takes a 2-D padding `attention_mask` of shape (batch, seq) = "
+                f"{(batch, length)}, got {_describe(attention_mask)}: a prepared (4-D or per-layer) mask cannot be "
+                "split. Pass the padding mask, or `position_ids` restarting at 0 for packed sequences."
+            )
+        given_ids, host_mask = _host_copies(kwargs.get("position_ids"), attention_mask)  # the forward's one read
+        host_position_ids = _whole_positions(given_ids, batch, length, padded, torch.device("cpu"))
+        doc_ids = valid = host_valid = None
         if attention_mask is None:
-            doc_ids = self._documents(module, kwargs, position_ids[:, :length].expand(batch, -1))
+            doc_ids = self._documents(module, kwargs, host_position_ids[:, :length].expand(batch, -1))
             if doc_ids is not None:  # each padding token a document of its own: it sees itself only
-                pad = torch.arange(1, padded - length + 1, device=device)
+                pad = torch.arange(1, padded - length + 1)
                 doc_ids = torch.cat([doc_ids, doc_ids[:, -1:] + pad], dim=SEQUENCE_DIM)
         else:
-            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
-                raise ValueError(
-                    "Context parallelism takes a 2-D padding `attention_mask` of shape (batch, seq) = "
-                    f"{(batch, length)}, got {_describe(attention_mask)}: a prepared (4-D or per-layer) mask cannot be "
-                    "split. Pass the padding mask, or `position_ids` restarting at 0 for packed sequences."
-                )
             # The padding at the end is visible (a causal mask hides it from every real token already).
             valid = nn.functional.pad(attention_mask.to(torch.bool), (0, padded - length), value=True)
+            host_valid = nn.functional.pad(host_mask.to(torch.bool), (0, padded - length), value=True)
         piece = padded // (2 * self.size)
         starts = piece_starts(padded, self.size, self.rank)
         split = BatchSplit(
@@ -503,8 +514,11 @@ class ContextParallel:
             gathered=gathered,
             pieces=(Piece(0, starts[0], piece), Piece(piece, starts[1], piece)),
             position_ids=position_ids,
+            host_positions=host_positions,
+            host_position_ids=host_position_ids,
             doc_ids=doc_ids,
             valid=valid,
+            host_valid=host_valid,
         )
         state.split = split
         if kwargs.get("input_ids") is not None:
@@ -609,17 +623,6 @@ class ContextParallel:
         self.layers_checked = True
         return output
 
-    def _layout(self, padded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = (padded, str(device))
-        if key not in self._layouts:
-            gathered = gathered_positions(padded, self.size)
-            self._layouts[key] = (
-                local_positions(padded, self.size, self.rank).to(device),
-                torch.argsort(gathered).to(device),
-                gathered.to(device),
-            )
-        return self._layouts[key]
-
     # --------------------------------------------------------------- Transformers' interfaces
 
     def mask(
@@ -651,15 +654,16 @@ class ContextParallel:
         function = mask_function
         if split.doc_ids is not None:  # as Transformers does for packed rows: positions within each document
             function = and_masks(
-                remap_positions_for_packed_sequence(function, split.position_ids),
+                remap_positions_for_packed_sequence(function, split.host_position_ids),
                 packed_sequence_mask_function(split.doc_ids),
             )
         try:
-            low = first_keys(function, split.positions, batch=batch_size)
+            low, positions = _first_keys(function, split, batch=batch_size)
             if not self.layers_checked:  # decided with the other ranks at the end of the first split forward
-                problem = interval_violations(function, split.positions, low, key_length=split.padded_len)
+                problem = interval_violations(function, positions, low, key_length=split.padded_len)
                 if problem is not None:
                     split.problems.append(problem)
+            low = low.cpu()  # on the host already, but where the function holds the device's tensors
         except Exception as err:  # an overlay that is not index-based (Transformers would vmap it)
             raise ValueError(
                 "Context parallelism evaluates the model's mask functions on index tensors; this model's mask "
@@ -667,12 +671,13 @@ class ContextParallel:
             ) from err
         piece = split.pieces
         ranges = make_range_mask(
-            positions=split.positions,
+            positions=split.host_positions,
             low=low,
-            valid=split.valid,
+            valid=split.host_valid,
             pieces=[(p.local_start, p.global_start, p.length) for p in piece],
             key_length=split.padded_len,
             piece_count=2 * self.size,
+            device=split.positions.device,
         )
         return SplitMask(split, ranges)
 
@@ -828,6 +833,43 @@ def install_context_parallel(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(padded: int, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the host, for a padded length: this rank's positions, the gathered index of each global position and the
+    global position of each gathered index. The last few lengths' are kept (dynamic padding makes a length per
+    batch)."""
+    gathered = gathered_positions(padded, size)
+    return local_positions(padded, size, rank), torch.argsort(gathered), gathered
+
+
+def _host_copies(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """``tensors`` (the batch's position ids and padding mask, each ``(batch, seq)`` or ``None``) on the host, for the
+    tiles of a split forward: one copy from the device for all of them (the forward's one host synchronisation),
+    none for a batch on the host already."""
+    on_device = [t for t in tensors if t is not None and t.device.type != "cpu"]
+    if not on_device:
+        return list(tensors)
+    flat = torch.cat([t.to(on_device[0].device, torch.long).flatten() for t in on_device]).cpu()
+    parts = flat.split([t.numel() for t in on_device])
+    copies = iter(part.view(t.shape) for part, t in zip(parts, on_device, strict=True))
+    return [next(copies) if t is not None and t.device.type != "cpu" else t for t in tensors]
+
+
+def _first_keys(function: Callable, split: BatchSplit, *, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first key each query sees under ``function`` and the positions it was found at: on the host, from the
+    split's host copies, so that nothing is read from the device. A mask function that holds tensors of the device
+    (Llama 4's chunks start after each row's left padding, which Transformers counts on the device) is evaluated
+    there instead, and its first keys are read once (a host synchronisation per such mask and forward)."""
+    try:
+        low = first_keys(function, split.host_positions, batch=batch, key_length=split.padded_len)
+        return low, split.host_positions
+    except (RuntimeError, NotImplementedError):  # tensors of two devices in one operation
+        if split.positions.device.type == "cpu":
+            raise
+    low = first_keys(function, split.positions, batch=batch, key_length=split.padded_len)
+    return low, split.positions
 
 
 def _pad_sequence(tensor: torch.Tensor, length: int, *, value: Any) -> torch.Tensor:

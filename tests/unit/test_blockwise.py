@@ -49,15 +49,22 @@ def _mask_function(docs: torch.Tensor | None, window: int | None):
     return function
 
 
-def _setup(*, length=96, cp=2, rank=1, batch=2, docs=None, window=None, padding=None, tile=8):
+def _setup(*, length=96, cp=2, rank=1, batch=2, docs=None, window=None, padding=None, tile=8, device=None):
     positions = local_positions(length, cp, rank)
     function = _mask_function(docs, window)
-    low = first_keys(function, positions, batch=batch)
+    low = first_keys(function, positions, batch=batch, key_length=length)
     assert interval_violations(function, positions, low, key_length=length) is None
     piece = length // (2 * cp)
     pieces = [(0, rank * piece, piece), (piece, (2 * cp - 1 - rank) * piece, piece)]
     mask = range_mask(
-        positions=positions, low=low, valid=padding, pieces=pieces, key_length=length, piece_count=2 * cp, tile=tile
+        positions=positions,
+        low=low,
+        valid=padding,
+        pieces=pieces,
+        key_length=length,
+        piece_count=2 * cp,
+        tile=tile,
+        device=device,
     )
     dense = torch.stack(
         [torch.stack([function(b, 0, positions[:, None], torch.arange(length)[None, :]) for b in range(batch)])]
@@ -172,7 +179,7 @@ def test_a_packed_row_skips_the_tiles_across_documents() -> None:
     docs = _docs(1, length, [cuts])
     positions = local_positions(length, cp, 0)
     function = _mask_function(docs, None)
-    low = first_keys(function, positions, batch=1)
+    low = first_keys(function, positions, batch=1, key_length=length)
     piece = length // (2 * cp)
     pieces = [(0, 0, piece), (piece, 3 * piece, piece)]
     mask = range_mask(
@@ -213,7 +220,7 @@ def test_a_boundary_inside_a_tile_is_masked_there_only() -> None:
 )
 def test_masks_that_are_not_intervals_ending_at_the_query_are_found(function, problem) -> None:
     positions = torch.arange(8, 16)
-    low = first_keys(function, positions, batch=1)
+    low = first_keys(function, positions, batch=1, key_length=16)
     assert problem in interval_violations(function, positions, low, key_length=16)
 
 
@@ -221,7 +228,7 @@ def test_a_chunked_mask_is_an_interval_found_by_bisection() -> None:
     """Llama 4's chunked attention: each query sees the keys of its chunk up to itself."""
     positions = torch.arange(0, 40)
     function = lambda b, h, q, k: (k <= q) & (k // 16 == q // 16)  # noqa: E731
-    low = first_keys(function, positions, batch=1)
+    low = first_keys(function, positions, batch=1, key_length=40)
     assert torch.equal(low[0], positions // 16 * 16)
     assert interval_violations(function, positions, low, key_length=40) is None
 

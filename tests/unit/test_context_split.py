@@ -506,3 +506,79 @@ def test_a_split_forward_inside_another_restores_its_state(one_rank_mesh) -> Non
     assert _FORWARD.get() is None
     outer.model(input_ids=batch["input_ids"])  # the decoder stack called directly: its state ends with it
     assert _FORWARD.get() is None
+
+
+class _OneRankOnMeta:
+    """A one-rank group's collectives as their results, for meta tensors (gloo takes none) and a ring's exchange with
+    itself (gloo's has no pair for it): each copies its input."""
+
+    @staticmethod
+    def copy(output, input, *args, **kwargs) -> None:
+        output.copy_(input)
+
+    @staticmethod
+    def all_reduce(tensor, *args, **kwargs) -> None:
+        return None
+
+    @staticmethod
+    def batch_isend_irecv(ops) -> list:
+        sends = [op.tensor for op in ops if op.op is torch.distributed.isend]
+        receives = [op.tensor for op in ops if op.op is torch.distributed.irecv]
+        for sent, received in zip(sends, receives, strict=True):
+            received.copy_(sent)
+        return []
+
+
+@pytest.mark.parametrize(("name", "comm"), [("padded", "all_gather"), ("packed", "ring")])
+def test_a_steady_state_split_step_reads_the_device_once(one_rank_mesh, name: str, comm: str, monkeypatch) -> None:
+    """No host synchronisation in a split forward and backward but the one copy of the batch's position ids and
+    padding mask to the host (`_host_copies`), however many layers and kinds of mask (full and sliding-window
+    layers): after the first forward (whose checks read the device), the model, its batch and so every tensor of
+    the step are moved to the meta device, where reading a value raises (`.item()`, `bool()`, `.tolist()`,
+    `.cpu()`), and the host copy gives the batch's values. The masks' ranges and tiles are cut from it alone."""
+    from lightning_tp.parallel import context_parallel
+
+    config = tiny_config("qwen3", num_hidden_layers=4, use_sliding_window=True, sliding_window=5)
+    config.layer_types = ["full_attention", "sliding_attention"] * 2
+    model = build_causal_lm(config)
+    split = copy.deepcopy(model)
+    install_context_parallel(split, one_rank_mesh, multiple=4, blocks=block_classes(split), comm=comm)
+    batch = padded_lm_batches(1, seq=16)[0] if name == "padded" else packed_lm_batches(1)[0]
+    for collective in ("all_gather_single", "reduce_scatter_single"):
+        monkeypatch.setattr(torch.distributed, collective, _OneRankOnMeta.copy)
+    monkeypatch.setattr(torch.distributed, "all_reduce", _OneRankOnMeta.all_reduce)
+    monkeypatch.setattr(torch.distributed, "batch_isend_irecv", _OneRankOnMeta.batch_isend_irecv)  # gloo: no self
+    split(**batch).loss.backward()  # the first split forward: its checks
+    split.to("meta")
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    host = {id(meta[k]): batch[k] for k in meta if isinstance(meta[k], torch.Tensor)}
+    copies = []
+
+    def host_copies(*tensors):
+        copies.append(len(tensors))
+        return [None if t is None else host[id(t)] for t in tensors]
+
+    monkeypatch.setattr(context_parallel, "_host_copies", host_copies)
+    out = split(**meta)
+    out.loss.backward()
+    assert out.loss.device.type == "meta" and len(copies) == 1
+    kinds = {type(layer.self_attn).__name__ for layer in split.model.layers}
+    assert len(kinds) == 1 and len(set(config.layer_types)) == 2
+
+
+def test_a_mask_function_holding_device_tensors_is_evaluated_on_the_device() -> None:
+    """Llama 4's chunked mask holds each row's left padding, which Transformers counts on the device: evaluated on
+    the host's index tensors it raises (two devices in one operation), so its first keys are found on the device
+    (meta here) and read once; with host tensors it runs on the host."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    from lightning_tp.parallel.context_parallel import _first_keys
+
+    split = SimpleNamespace(host_positions=torch.arange(8), positions=torch.arange(8, device="meta"), padded_len=8)
+    left_padding = torch.zeros(1, dtype=torch.long)
+    low, positions = _first_keys(chunked_causal_mask_function(4, left_padding.to("meta")), split, batch=1)
+    assert low.device.type == positions.device.type == "meta" and low.shape == (1, 8)
+    low, positions = _first_keys(chunked_causal_mask_function(4, left_padding), split, batch=1)
+    assert positions is split.host_positions and low.tolist() == [[0, 0, 0, 0, 4, 4, 4, 4]]
