@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_tp import compat
 from lightning_tp.parallel import blockwise
 from lightning_tp.parallel.blockwise import (
     CAUSAL,
@@ -249,3 +251,58 @@ def test_autocast_changes_nothing_inside_the_tiles(kernel: str, monkeypatch) -> 
         results.append((out, *torch.autograd.grad(out.float().square().sum(), (query, key, value))))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+class _FlashCalls(TorchDispatchMode):
+    """The calls of CUDA's flash attention ops: each forward's outputs, each backward's arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward: list[tuple] = []
+        self.backward: list[tuple[tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._scaled_dot_product_flash_attention.default:
+            self.forward.append(out)
+        elif func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
+            self.backward.append((args, kwargs))
+        return out
+
+
+def test_the_cuda_flash_backward_gets_what_torch_passes_it(monkeypatch) -> None:
+    """CUDA's flash kernels (selected on CUDA for bf16 from compute capability 8.0) through the tiles' forward and
+    backward, run on the meta device, whose kernels of the ops check their schemas and shapes without a GPU: each
+    backward gets what torch's own callers pass it (the forward's autograd formula; the ring attention of
+    ``torch.distributed.tensor.experimental``), the forward's outputs: ``cum_seq_q``/``cum_seq_k`` undefined
+    (``None``; a defined one, even empty, takes ATen's variable-length path, which wants int32 offsets), the call's
+    lengths, and a forward's philox seed and offset."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    selected = compat.fused_attention_kernels(torch.device("cuda"), torch.bfloat16, 16)
+    assert selected is not None and not selected[2]
+    assert selected[1].__qualname__.startswith(compat.cuda_flash_attention_kernels.__name__)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert compat.fused_attention_kernels(torch.device("cuda"), torch.bfloat16, 16) is None
+    monkeypatch.setattr(blockwise, "fused_attention_kernels", lambda *args: compat.cuda_flash_attention_kernels())
+
+    mask, _ = _setup(**CASES["packed"], device="meta")
+    fused = [c for t in mask.tiles for c in t.calls if c.kind != MASKED]  # masked calls take the explicit path
+    assert fused and len(fused) < sum(len(t.calls) for t in mask.tiles)
+    query, key, value = (
+        torch.empty(2, heads, length, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        for heads, length in ((4, 48), (2, 96), (2, 96))
+    )
+    with _FlashCalls() as calls:
+        out = blockwise_attention(query, key, value, mask, scores=Scores(scale=0.25))
+        out.backward(torch.empty_like(out))
+    assert len(calls.forward) == len(calls.backward) == len(fused)
+    for args, kwargs in calls.backward:
+        grad, q, k, v, out_, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout, _causal, seed, offset = args
+        assert cum_seq_q is None and cum_seq_k is None
+        assert (max_q, max_k) == (q.shape[2], k.shape[2])
+        assert any(seed is f[6] and offset is f[7] for f in calls.forward)
+        assert dropout == 0.0 and kwargs == {"scale": 0.25}
+        assert q.shape[1] == k.shape[1] == v.shape[1] == 4  # the key heads repeated to the query heads
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3] and out_.dtype == grad.dtype == q.dtype
+    assert [t.grad.shape for t in (query, key, value)] == [t.shape for t in (query, key, value)]
