@@ -64,6 +64,7 @@ TIMEOUT = timedelta(minutes=3)
 RANK = int(os.environ.get("RANK", 0))
 WORLD = int(os.environ.get("WORLD_SIZE", 1))
 RESULTS: list[dict[str, Any]] = []
+DEVICE_NAME = "cpu"
 
 #: (case of tests/helpers/cases.py, strategy arguments added, what it needs), on every layout that has what it needs.
 PARITY = [
@@ -89,7 +90,7 @@ PIPELINE_PARITY = [
 
 
 def report(name: str, ok: bool, **values: Any) -> None:
-    record = {"check": name, "ok": bool(ok), **values}
+    record = {"check": name, "ok": bool(ok), "device": DEVICE_NAME, **values}
     RESULTS.append(record)
     if RANK == 0:
         print(json.dumps(record, default=str), flush=True)
@@ -402,9 +403,11 @@ def main() -> None:
     checkpoints = args.out / f"checkpoints_rank{RANK}"
     build_causal_lm(tiny_config("qwen3")).save_pretrained(checkpoints / "qwen3")
     os.environ[CHECKPOINT_ENV] = str(checkpoints)
+    global DEVICE_NAME
+    DEVICE_NAME = "cpu" if args.cpu else torch.cuda.get_device_name()
     env = {
         "torch": torch.__version__,
-        "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
+        "device": DEVICE_NAME,
         "world_size": WORLD,
         "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
     }
