@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -497,3 +498,37 @@ def test_whole_tensors_gathered_in_slices_match_full_tensor(layout_results: list
     assert all(r["kept"] == 0 for r in results[1:])
     if layout == "2d":
         assert any("_StridedShard" in p for p in results[0]["placements"]), results[0]["placements"]
+
+
+@pytest.mark.scenarios("2d", "llama8_long_run")
+def test_a_long_run_with_dynamic_padding_validation_checkpoint_and_export(two_d_results: list[dict]) -> None:
+    """8 layers, 200 steps of 12 lengths, validation every 50 steps, a checkpoint at step 100 and an export at the end,
+    in 2-D (dp_shard 2 x tp 2): the training at parity (test_2d_matches_single_process), every validation loss at
+    the bound of the training loss after as many steps, live memory flat after the warm-up (the second validation's,
+    within 1% of the process's), the export the trained weights exactly, the checkpoint whole."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_tp.checkpoint.validation import check_checkpoint
+    from tests.helpers.parity import fp32_bounds, weight_drift
+
+    name = "llama8_long_run"
+    case, ref = CASES[name], reference_of(name)
+    for result in two_d_results:
+        split = result[name]["split"]
+        bounds = fp32_bounds(
+            ref, optimizer=case.optimizer, lr=case.lr, drift=weight_drift(result[name]["state"], ref["state"])
+        )
+        per_validation = len(ref["val_losses"]) // 4
+        assert len(split["val_losses"]) == len(ref["val_losses"]) == 4 * per_validation > 0
+        for i, (got, expected) in enumerate(zip(split["val_losses"], ref["val_losses"], strict=True)):
+            steps = case.val_every * (i // per_validation + 1)
+            assert abs(got - expected) <= bounds["loss"][steps - 1], (i, got, expected, bounds["loss"][steps - 1])
+        live = split["live_mib"]  # after each validation; the first two steps of 50 are the warm-up
+        assert len(live) == 4 and max(live[2:]) - live[1] <= 0.01 * live[1], live
+    directory = Path(two_d_results[0][name]["split"]["directory"])
+    check_checkpoint(directory / "checkpoint")
+    exported = AutoModelForCausalLM.from_pretrained(directory / "export", dtype=torch.float32).state_dict()
+    trained = two_d_results[0][name]["state"]
+    assert exported.keys() == trained.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(exported[key], value, atol=0, rtol=0)

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -40,6 +41,7 @@ from tests.helpers.models import (
     PROBE,
     ParityModule,
     full_state,
+    live_mib,
     lm_batches,
     pipeline_state,
     quiet_trainer,
@@ -104,6 +106,25 @@ class ReduceScatterCounter:
         _fsdp_collectives.dist = dist
 
 
+class LongRun(L.Callback):
+    """What a long run does beside training: its live memory after every validation, a checkpoint halfway and the
+    model exported on every rank at the end (rank 0 writes)."""
+
+    def __init__(self, directory: Path, *, steps: int) -> None:
+        self.directory, self.steps = directory, steps
+        self.live: list[float] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.live.append(live_mib())
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.steps // 2:
+            trainer.save_checkpoint(self.directory / "checkpoint")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.model.save_pretrained(self.directory / "export")
+
+
 def run_case(ctx: Context, name: str) -> dict:
     """A parity case: trained sharded; the test trains it on one process and compares."""
     layout, out = ctx.layout, ctx.out
@@ -111,12 +132,21 @@ def run_case(ctx: Context, name: str) -> dict:
     module = case.module()
     batches = case.batches()
     strategy = TensorParallelStrategy(**{**layout, **case.strategy_kwargs})
+    long_run = {}
+    if case.val_every is not None:  # validation every `val_every` steps, a checkpoint halfway, an export at the end
+        long_run = {
+            "val_check_interval": case.val_every,
+            "check_val_every_n_epoch": None,
+            "num_sanity_val_steps": 0,
+            "callbacks": [LongRun(out / name, steps=len(batches) // case.accumulate)],
+        }
     t = trainer(
         strategy,
         max_steps=len(batches) // case.accumulate,
         gradient_clip_val=case.clip,
         precision=case.precision,
         accumulate_grad_batches=case.accumulate,
+        **long_run,
     )
     initial: dict = {}
     if "meta" in name:  # the weights and buffers as loaded or initialised, before any step
@@ -137,7 +167,8 @@ def run_case(ctx: Context, name: str) -> dict:
 
         with ReduceScatterCounter() as counter, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            t.fit(module, DataLoader(batches, batch_size=None))
+            val = DataLoader(case.val_batches(), batch_size=None) if case.val_batches is not None else None
+            t.fit(module, DataLoader(batches, batch_size=None), val)
         # The layers compiled in place, and the graphs torch.compile built in this process so far (a later case may
         # reuse an earlier one's).
         compiled = {
@@ -187,6 +218,9 @@ def run_case(ctx: Context, name: str) -> dict:
         "frozen_with_grad": sum(p.grad is not None for p in module.parameters() if not p.requires_grad),
     }
     result["split"] = split = {}
+    if long_run:
+        callback = long_run["callbacks"][0]
+        split.update(val_losses=module.val_losses, live_mib=callback.live, directory=str(out / name))
     if re.search(r"_cp\d", name) and "_pp2" not in name:
         # The logits of a forward without labels (gathered over the CP group), and the token counts; a pipeline
         # returns its loss only.

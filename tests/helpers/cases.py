@@ -42,6 +42,10 @@ class Case:
 
     #: What the single-process reference builds, when it differs from ``build`` (a pre-sharded load).
     reference_build: Callable[[], Any] | None = None
+    #: A long run: validation on ``val_batches()`` after every this many optimizer steps (``val_check_interval``),
+    #: with a checkpoint halfway and an export at the end (tests/distributed/worker.py).
+    val_every: int | None = None
+    val_batches: Callable[[], list] | None = None
 
     def module(self, *, reference: bool = False) -> ParityModule:
         build = self.reference_build if reference and self.reference_build is not None else self.build
@@ -668,6 +672,15 @@ CASES: dict[str, Case] = {
     # stages of one layer), GPipe over 4 micro-batches with foreach AdamW, clipping (the norm over both stages) and
     # gradient accumulation, LoRA; on 4 ranks pp 2 x tp 2 and pp 2 x dp 2 (FSDP2 on each stage).
     "llama_pp2": lm("llama", 4, config=_DEEP, strategy_kwargs=_PP2),
+    # What a real run does, small: 8 layers, 200 steps of 12 lengths (dynamic padding), validation every 50 steps, a
+    # checkpoint at step 100 and an export at the end, in 2-D (dp_shard 2 x tp 2).
+    "llama8_long_run": Case(
+        partial(build_causal_lm, tiny_config("llama", num_hidden_layers=8, hidden_size=32, intermediate_size=64)),
+        partial(dynamic_lm_batches, 200),
+        lr=0.01,  # small steps: 200 of them amplify a rounding's difference little
+        val_every=50,
+        val_batches=partial(dynamic_lm_batches, 2, seed=9),
+    ),
     # Dynamic padding: 12 steps of 12 lengths. The pipeline keeps its stages for the last KEPT_SHAPES shapes only;
     # padded to multiples of 8, the lengths (9 to 20) take 2 shapes.
     "llama_pp2_dynamic_lengths": Case(
@@ -943,6 +956,8 @@ ERROR_MODULE_KWARGS: dict[str, dict[str, Any]] = {"direct_call_inside_unit": {"c
 # tests/distributed/worker.py each launch runs when every test is selected, in this order.
 
 TWO_D_CASES = [
+    # The long run: 200 steps of dynamic padding, validation, a checkpoint and an export.
+    "llama8_long_run",
     "qwen3_sp_lp_odd_length",
     "qwen3_sgd",
     "opt_derived",
@@ -1025,6 +1040,8 @@ DP_ONLY_CASES = {
     "qwen3_bf16_mixed",
     "qwen3_bf16_all_gather",
 }
+#: Long runs: 2-D only (one launch of hundreds of steps is enough), checked in test_tp_parity.py.
+LONG_RUN_CASES = {"llama8_long_run"}
 #: bf16 cases, compared with a bf16 single process (not at fp32's tolerance).
 BF16_CASES = {"qwen3_bf16_mixed", "qwen3_bf16_all_gather"}
 #: Cases with tp_size=1 (FSDP2 alone over every rank): run in both launches, checked on their own.
@@ -1048,6 +1065,7 @@ TP_PARITY_CASES = [
     for name in CASES
     if name
     not in DP_ONLY_CASES
+    | LONG_RUN_CASES
     | set(PP_CASES)
     | set(PP_2D_CASES)
     | set(THREE_D_CASES)

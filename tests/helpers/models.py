@@ -566,17 +566,17 @@ def dynamic_lm_batches(
     steps: int, batch_size: int = 4, lengths: range = range(9, 21), seed: int = 4
 ) -> list[dict[str, torch.Tensor]]:
     """Dynamic padding: each step's batch as long as its longest row, a new length each step (``lengths`` in turn),
-    every row right-padded by a different amount (``attention_mask`` 0 and labels -100 on the padding)."""
+    every other row right-padded by one token (``attention_mask`` 0 and labels -100 on the padding), so that each
+    half of a batch (a data-parallel rank's) holds as many labelled tokens and the mean of the halves' losses is the
+    batch's."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for step in range(steps):
         length = lengths[step % len(lengths)]
         ids = torch.randint(3, VOCAB, (batch_size, length), generator=g)
         mask = torch.ones_like(ids)
-        for row in range(batch_size):
-            pad = row % 3
-            if pad:
-                ids[row, -pad:], mask[row, -pad:] = 0, 0
+        for row in range(1, batch_size, 2):
+            ids[row, -1:], mask[row, -1:] = 0, 0
         labels = ids.masked_fill(mask == 0, -100)
         labels[:, 0] = -100
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
@@ -704,6 +704,19 @@ class ParityModule(L.LightningModule):
         return torch.optim.AdamW(params, lr=self.lr, **self.opt_kwargs)
 
 
+def live_mib() -> float:
+    """This process's live memory: its resident set once the garbage is collected and glibc has given its free pages
+    back (``malloc_trim``), so that what the allocator keeps of freed blocks does not count."""
+    import ctypes
+    import gc
+    import os
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of ``model``'s state dict whole, on the CPU of every rank (each rank must call it: gathering a
     shard is a collective), gathered as the package's own writers gather them (on the mesh's device, so CPU-offloaded
@@ -732,8 +745,12 @@ def reference_run(
     accumulate: int = 1,
     precision: str = "32-true",
     device: torch.device | str = "cpu",
+    val_every: int | None = None,
+    val_batches: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Train ``module`` on one process with a plain loop on ``device``: the same hooks Lightning calls, no strategy.
+    ``val_every``: after every this many optimizer steps, ``validation_step`` on each of ``val_batches`` (no grad,
+    eval mode), as Lightning's ``val_check_interval``.
     ``precision``: ``bf16-true`` trains a bf16 model, ``bf16-mixed`` runs the step under the device's autocast. The
     final state comes back on the CPU.
 
@@ -809,6 +826,12 @@ def reference_run(
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
+        if val_every is not None and ((i + 1) // accumulate) % val_every == 0:
+            module.eval()
+            with torch.no_grad():
+                for j, val_batch in enumerate(val_batches or []):
+                    module.validation_step({k: v.to(device) for k, v in val_batch.items()}, j)
+            module.train()
     hook.remove()
     for term_hook in term_hooks:
         term_hook.remove()
@@ -822,6 +845,7 @@ def reference_run(
         "grad_terms": grad_terms,
         "output_rows": rows,
         "output_classes": classes,
+        "val_losses": module.val_losses,
     }
 
 

@@ -29,7 +29,14 @@ def reference_of(name: str) -> dict:
     """Case ``name`` trained on one process: computed once per test session (the TP 2 and 2-D tests of a case, and
     the tests reading several, share it); read it, never change it."""
     case = CASES[name]
-    return reference_run(case.module(reference=True), case.batches(), clip=case.clip, accumulate=case.accumulate)
+    return reference_run(
+        case.module(reference=True),
+        case.batches(),
+        clip=case.clip,
+        accumulate=case.accumulate,
+        val_every=case.val_every,
+        val_batches=case.val_batches() if case.val_batches is not None else None,
+    )
 
 
 def fp32_bounds(ref: dict, *, optimizer: str, lr: float, accumulate: int = 1, drift: float = 0.0) -> dict:
