@@ -46,6 +46,7 @@ __all__ = [
     "config_value",
     "cuda_flash_attention_kernels",
     "distributed_is_initialized",
+    "drop_always_called_hooks",
     "flatten_mesh",
     "foreach_mul_",
     "foreach_norm",
@@ -265,6 +266,23 @@ def module_slots(module: nn.Module) -> list[str]:
 def buffer_dict(module: nn.Module) -> dict[str, Any]:
     """``module._buffers``, for the same reason as :func:`parameter_dict`."""
     return module._buffers
+
+
+def drop_always_called_hooks(module: nn.Module) -> int:
+    """Make ``module``'s forward hooks registered with ``always_call=True`` ordinary ones (run after a forward that
+    returns, not after one that raises), emptying its private ``_forward_hooks_always_called``; returns how many.
+
+    Why: dynamo (torch 2.13 to 2.15) guards a compiled module's graph on ``hook_id in
+    self._forward_hooks_always_called`` for every submodule with such a hook (``Module._call_impl``), and hook ids are
+    one counter for the whole process, so the decoder layers, which share one code object, fail each other's guards:
+    one recompilation per layer, and the layers past ``torch._dynamo.config.recompile_limit`` run uncompiled. Inside a
+    compiled layer the flag buys nothing: the hooks' mutations (a parameter swapped for its local tensor and put back)
+    are side effects dynamo applies after its graph has run, so a graph that raises leaves none behind. No public way
+    to unset it: ``RemovableHandle`` removes the hook itself."""
+    always_called = module._forward_hooks_always_called
+    count = len(always_called)
+    always_called.clear()
+    return count
 
 
 # ------------------------------------------------------------------------------------------------------ Transformers

@@ -31,6 +31,7 @@ from lightning_tp.checkpoint.loading import materialize, materialize_modules
 from lightning_tp.compat import (
     buffer_dict,
     distributed_is_initialized,
+    drop_always_called_hooks,
     flatten_mesh,
     parameter_dict,
     record_module_device,
@@ -58,6 +59,7 @@ from lightning_tp.parallel.expert_parallel import (
 )
 from lightning_tp.parallel.fsdp import BF16_NAMES, apply_fsdp, apply_fsdp_per_child, fsdp_mixed_precision
 from lightning_tp.parallel.fsdp import fsdp_units as check_fsdp_units
+from lightning_tp.parallel.hooks import no_cache_under_grad
 from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft, initialize_adapters
 from lightning_tp.parallel.loss_parallel import install_loss_parallel, loss_parallel_plan
 from lightning_tp.parallel.pipeline import (
@@ -344,6 +346,12 @@ def apply_parallelisms(
     #    DTensor's random-number tracker now, on every rank and without a collective: torch would create it at the
     #    first random DTensor op with a world broadcast, which hangs if only some ranks run that op.
     prepare_dtensor_random(mesh)
+    #    No KV cache in a forward under grad unless asked for (`use_cache` defaults to the config's, True): nothing
+    #    reads it in training, and under `compile` each layer's guard on its cache layer would recompile the layer
+    #    code once per layer (see `no_cache_under_grad`). A hook on each model users call, before any other stage's.
+    for target in targets.models:
+        if is_transformers_model(target.module):
+            no_cache_under_grad(target.module)
     # 2. The dtype of `*-true` precisions, before sharding: FSDP2 keeps the dtype it shards (on meta this is free).
     if convert_module is not None:
         convert_module(root)
@@ -749,6 +757,8 @@ def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None, compile_o
             )
         for layer in layers:
             if layer not in eager:
+                for module in layer.modules():
+                    drop_always_called_hooks(module)  # else each layer's graph is guarded on its hooks' ids
                 layer.compile(**compile_options)
 
 

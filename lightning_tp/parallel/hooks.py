@@ -1,8 +1,11 @@
-"""Forward hooks shared by the parallel styles: a module's parameters seen through a view during each call, and a
-module's ``hidden_states`` input passed through a function."""
+"""Forward hooks shared by the parallel styles: a module's parameters seen through a view during each call, a
+module's ``hidden_states`` input passed through a function, and a model's training forward kept from building a KV
+cache."""
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -62,3 +65,50 @@ def on_hidden_states(fn: Callable[[Any], Any]) -> Callable[..., tuple[tuple, dic
         raise ValueError(f"{type(module).__name__} was called without `hidden_states`; its TP region needs them.")
 
     return hook
+
+
+#: The models given :func:`no_cache_under_grad`, and its hook's handle: installed once per model.
+_NO_CACHE_HOOKS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def no_cache_under_grad(model: nn.Module) -> bool:
+    """Make ``model``'s forwards under autograd (a training step's) build no KV cache unless the caller asks for one.
+
+    A Transformers model's ``use_cache`` defaults to its config's, ``True`` for most causal LMs, so
+    ``model(input_ids, labels=labels)`` in a training step builds a ``DynamicCache`` that nothing reads: memory for
+    every layer's keys and values, and under ``torch.compile`` one guard per layer on the lazily initialised cache
+    layer it writes (``cache.layers[i].is_initialized``), so that each decoder layer recompiles the shared layer code
+    and the layers past dynamo's ``recompile_limit`` run uncompiled. Transformers already turns the cache off in a
+    training forward under its own gradient checkpointing; this does it for every forward under grad.
+
+    A forward pre-hook (with kwargs) passes ``use_cache=False`` when gradients are enabled and the caller gave
+    ``use_cache`` neither by keyword nor by position (``None`` counts as not given: it means the config's). Forwards
+    without grad (validation, ``generate``, which passes ``use_cache`` itself) are left as they are, and so is an
+    explicit ``use_cache=True``. "Under grad", not ``model.training``: a model loaded with ``from_pretrained`` is in
+    eval mode and Lightning keeps a submodule's mode, so it trains in eval mode.
+
+    Args:
+        model: a module whose ``forward`` takes ``use_cache`` (a parameter of that name, or ``**kwargs``).
+
+    Returns:
+        Whether the hook was installed now: ``False`` when ``model`` already has it or its forward takes no
+        ``use_cache``.
+    """
+    if model in _NO_CACHE_HOOKS:
+        return False
+    parameters = list(inspect.signature(type(model).forward).parameters.values())[1:]  # without `self`
+    names = [p.name for p in parameters]
+    if "use_cache" not in names and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return False
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    position = positional.index("use_cache") if "use_cache" in positional else None
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_grad_enabled() or kwargs.get("use_cache") is not None:
+            return None
+        if position is not None and len(args) > position:  # given by position
+            return None
+        return args, {**kwargs, "use_cache": False}
+
+    _NO_CACHE_HOOKS[model] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    return True
