@@ -42,6 +42,7 @@ __all__ = [
     "causal_lm_loss_function",
     "clear_received_sigterm",
     "cluster_environment",
+    "compiled_graph_count",
     "compute_local_shape_and_global_offset",
     "config_value",
     "cuda_flash_attention_kernels",
@@ -283,6 +284,14 @@ def drop_always_called_hooks(module: nn.Module) -> int:
     count = len(always_called)
     always_called.clear()
     return count
+
+
+def compiled_graph_count() -> int:
+    """The graphs dynamo has built in this process so far (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``;
+    ``torch.compiler.reset()`` does not clear it): a recompilation builds one more. torch has no public count."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 # ------------------------------------------------------------------------------------------------------ Transformers

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 import lightning_tp
 from lightning_tp import TensorParallelStrategy
+from lightning_tp.compat import compiled_graph_count
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
 from tests.helpers.launch import SCENARIO_SECONDS
 from tests.helpers.models import (
@@ -163,17 +164,17 @@ def run_case(ctx: Context, name: str) -> dict:
     rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's rank_zero_info
     rank_zero_log.addHandler(handler)
     try:
-        from torch._dynamo.utils import counters  # the graphs torch.compile built (`compile=True` cases)
-
+        graphs_before = compiled_graph_count()  # the graphs torch.compile built (`compile=True` cases)
         with ReduceScatterCounter() as counter, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             val = DataLoader(case.val_batches(), batch_size=None) if case.val_batches is not None else None
             t.fit(module, DataLoader(batches, batch_size=None), val)
-        # The layers compiled in place, and the graphs torch.compile built in this process so far (a later case may
-        # reuse an earlier one's).
+        # The layers compiled in place, the graphs torch.compile built in this process so far (a later case may reuse
+        # an earlier one's) and those this case built.
         compiled = {
             "layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()),
-            "graphs_so_far": counters["stats"]["unique_graphs"],
+            "graphs_so_far": compiled_graph_count(),
+            "graphs": compiled_graph_count() - graphs_before,
         }
     finally:
         rank_zero_log.removeHandler(handler)

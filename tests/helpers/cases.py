@@ -644,14 +644,17 @@ CASES: dict[str, Case] = {
         partial(packed_lm_batches, 3),
         strategy_kwargs={"cp_size": 4, "tp_size": 1, "cp_comm": "ring"},
     ),
-    # torch.compile per decoder layer: TP 2 with sequence parallelism, each layer one graph (`fullgraph`: a graph
-    # break fails the case), foreach AdamW, clipping; in 2-D with activation checkpointing and LoRA (breaks allowed).
+    # torch.compile per decoder layer: TP 2 with sequence parallelism at 12 layers, each layer one graph, shared by
+    # the layers (`fullgraph`: a graph break, or a recompilation per layer past dynamo's limit of 8, fails the case;
+    # the graphs built are counted), foreach AdamW, clipping; in 2-D with activation checkpointing and LoRA (breaks
+    # allowed).
     # TP 2 and LoRA compile with the `aot_eager` backend: what they check is the tracing of the sharded layers (with
     # PEFT's over DTensors) and their gradients through AOTAutograd; inductor's kernels are the 2-D case's
     # (`compile=True`, with activation checkpointing). A cold inductor compile of the TP 2 case took 43 s of the suite.
     "qwen3_compile": lm(
         "qwen3",
         3,
+        config={"num_hidden_layers": 12, "layer_types": ["full_attention"] * 12},
         optimizer="adamw",
         lr=1e-3,
         opt_kwargs={"foreach": True},

@@ -124,3 +124,9 @@ def assert_parity(result: dict, ref: dict, name: str) -> None:
         wanted = bool(CASES[name].strategy_kwargs.get("compile"))
         assert (result["compiled"]["layers"] > 0) == wanted, result["compiled"]
         assert result["compiled"]["graphs_so_far"] > 0 or not wanted, result["compiled"]
+        # `fullgraph`: one graph per layer, shared by the layers (qwen3_compile has 12). A recompilation per layer
+        # (guards on a training forward's KV cache, or on the ids of hooks inside the layers) built one per layer up
+        # to dynamo's recompile limit, and `fullgraph` then fails on it.
+        compile_options = CASES[name].strategy_kwargs.get("compile")
+        if isinstance(compile_options, dict) and compile_options.get("fullgraph"):
+            assert result["compiled"]["graphs"] <= 2, result["compiled"]
