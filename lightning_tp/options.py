@@ -212,13 +212,24 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "fsdp_param_dtype",
-        'Literal["bf16"] | None',
+        'Literal["auto", "bf16"] | None',
+        "auto",
+        '``"auto"`` (default): under ``bf16-mixed`` FSDP2 all-gathers bf16 copies of the fp32 parameters (half the '
+        "all-gather bytes) and reduces gradients in fp32 (torchtitan's recipe); every layer then runs on bf16 weights, "
+        "and the loss drifts further from fp32 than one device's ``bf16-mixed`` does; other precisions gather their "
+        'parameters\' own dtype. ``"bf16"``: the same, asked for (refused with ``32-true``/``16-true``, a warning '
+        "where it does nothing). ``None``: FSDP2 gathers parameters in their own dtype, so ``bf16-mixed`` gives the "
+        "numerics it gives on one device (autocast over fp32 weights) on every layout, for twice the all-gather "
+        "bytes.",
+    ),
+    Option(
+        "tp_grad_reduce_dtype",
+        'Literal["fp32"] | None',
         None,
-        "``None`` (default): FSDP2 gathers parameters in their own dtype, so ``bf16-mixed`` gives the numerics it "
-        'gives on one device (autocast over fp32 weights) on every layout. ``"bf16"``, with ``bf16-mixed`` and data '
-        "parallelism only: FSDP2 all-gathers bf16 copies of the fp32 parameters (half the all-gather bytes) and "
-        "reduces gradients in fp32 (torchtitan's recipe); every layer then runs on bf16 weights, and the loss drifts "
-        "further from fp32 than one device's ``bf16-mixed`` does.",
+        "``None`` (default): the backward all-reduces of TP sum the activations' gradients in their own dtype (bf16 "
+        'where the activations are bf16, as DTensor and Megatron-Core do). ``"fp32"``: 16-bit activation gradients '
+        "are summed in fp32 and rounded once (twice the bytes on the backward's critical path); sequence "
+        "parallelism's reduce-scatters stay in the activations' dtype.",
     ),
     Option(
         "throughput_monitor",

@@ -48,6 +48,7 @@ from lightning_tp.layout import (
     TP_AXIS,
     ParallelLayout,
 )
+from lightning_tp.parallel.collectives import TP_GRAD_REDUCE_DTYPES
 from lightning_tp.parallel.context_parallel import context_parallel_problem, install_context_parallel
 from lightning_tp.parallel.expert_parallel import (
     apply_expert_parallel,
@@ -128,7 +129,8 @@ class ParallelOptions:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     fsdp_blocks: tuple[str, ...] | None = None
-    fsdp_param_dtype: Literal["bf16"] | None = None
+    fsdp_param_dtype: Literal["auto", "bf16"] | None = "auto"
+    tp_grad_reduce_dtype: Literal["fp32"] | None = None
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
     pp_stages_per_rank: int = 1
@@ -168,11 +170,16 @@ class ParallelOptions:
             or self.pp_stages_per_rank < 1
         ):
             raise ValueError(f"`pp_stages_per_rank` must be a positive integer, got {self.pp_stages_per_rank!r}.")
-        if self.fsdp_param_dtype is not None and self.fsdp_param_dtype not in BF16_NAMES:
+        if self.fsdp_param_dtype not in (None, "auto", *BF16_NAMES):
             raise ValueError(
-                "`fsdp_param_dtype` must be None (gather parameters in their own dtype) or 'bf16' (gather bf16 copies, "
-                f"reduce gradients in fp32), got {self.fsdp_param_dtype!r}. fp16 would need loss scaling, which "
-                "sharded gradients do not have."
+                "`fsdp_param_dtype` must be 'auto' (bf16 all-gathers under `bf16-mixed`), 'bf16' (gather bf16 copies, "
+                "reduce gradients in fp32) or None (gather parameters in their own dtype), got "
+                f"{self.fsdp_param_dtype!r}. fp16 would need loss scaling, which sharded gradients do not have."
+            )
+        if self.tp_grad_reduce_dtype not in TP_GRAD_REDUCE_DTYPES:
+            raise ValueError(
+                "`tp_grad_reduce_dtype` must be None (TP sums activation gradients in their own dtype) or 'fp32' (sums "
+                f"16-bit ones in fp32), got {self.tp_grad_reduce_dtype!r}."
             )
         if self.precision not in PRECISION_DTYPES:
             raise ValueError(
@@ -221,7 +228,7 @@ class ParallelOptions:
                 "`cpu_offload=True` is FSDP2's offload and needs data or context parallelism, but the layout "
                 f"({layout}) has neither. Use fewer TP ranks (`tp_size` below the world size) or drop `cpu_offload`."
             )
-        if self.fsdp_param_dtype is None:
+        if self.fsdp_param_dtype in (None, "auto"):  # "auto" applies where it can, silently
             return
         if self.precision in ("32-true", "16-true"):
             raise ValueError(
@@ -385,7 +392,13 @@ def apply_parallelisms(
             targets.models[index] = replace(target, plan=target.plan.restricted_to(target.module))
     # 4. Tensor parallelism on the `tp` axis, innermost, so its frequent collectives stay on the fastest links; loss
     #    parallelism with it, since it changes what the TP'd `lm_head` returns.
-    apply_tp(targets, tp_mesh=tp_mesh, device=device, loss_parallel=options.loss_parallel and layout.tp_size > 1)
+    apply_tp(
+        targets,
+        tp_mesh=tp_mesh,
+        device=device,
+        loss_parallel=options.loss_parallel and layout.tp_size > 1,
+        grad_reduce_dtype=TP_GRAD_REDUCE_DTYPES[options.tp_grad_reduce_dtype],
+    )
     #    A mixture-of-experts router's load-balancing loss is a product of means over the tokens: with data
     #    parallelism each rank's would cover its own rows only, so it is computed over every data-parallel rank's.
     if layout.dp_size > 1:
@@ -638,7 +651,9 @@ def rewrite_for_regions(
             module, plan, blocks=blocks, recomputed=options.activation_checkpointing, stages=stages
         )
     elif not has_peft(module):  # PEFT's LoRA layers take plain-tensor inputs
-        plan = dense_layers_plan(module, plan, blocks=blocks)
+        plan = dense_layers_plan(
+            module, plan, blocks=blocks, grad_reduce_dtype=TP_GRAD_REDUCE_DTYPES[options.tp_grad_reduce_dtype]
+        )
     if options.loss_parallel:
         plan = loss_parallel_plan(module, plan)
     return plan
@@ -663,12 +678,22 @@ def take_rank_zero_weights(modules: list[nn.Module]) -> None:
             )
 
 
-def apply_tp(targets: Targets, *, tp_mesh: DeviceMesh, device: torch.device, loss_parallel: bool) -> None:
+def apply_tp(
+    targets: Targets,
+    *,
+    tp_mesh: DeviceMesh,
+    device: torch.device,
+    loss_parallel: bool,
+    grad_reduce_dtype: torch.dtype | None = None,
+) -> None:
     """Each model sharded by its plan (a model Transformers sharded at load time keeps its shards and only gets the
-    replicated DTensors); modules outside the models replicated over the TP group."""
+    replicated DTensors); modules outside the models replicated over the TP group. ``grad_reduce_dtype``: the dtype
+    TP's backward sums activation gradients in (``None``: their own)."""
     for target in targets.models:
         if target.presharded_mesh is None:
-            apply_tensor_parallel(target.module, tp_mesh, target.plan, device=device)
+            apply_tensor_parallel(
+                target.module, tp_mesh, target.plan, device=device, grad_reduce_dtype=grad_reduce_dtype
+            )
             if loss_parallel:
                 install_loss_parallel(target.module)  # the logits stay vocabulary-sharded: the loss runs on the shards
         else:

@@ -32,10 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from lightning_tp.compat import buffer_dict, parameter_dict
-from lightning_tp.parallel.collectives import SumOverGroupBothWays, chunk_sizes
+from lightning_tp.parallel.collectives import SumGradients, SumOverGroupBothWays, chunk_sizes
 from lightning_tp.parallel.hooks import run_on_parameter_views
 from lightning_tp.patches import install
 from lightning_tp.plans.resolve import ResolvedPlan
@@ -205,14 +205,14 @@ def norm_across_ranks(norm: nn.Module, mesh: DeviceMesh, *, width: int) -> None:
     install(norm, "forward", types.MethodType(forward, norm), owner=norm)
 
 
-def _replicated_input_grad_summed(mesh: DeviceMesh) -> Callable[..., Any]:
+def _replicated_input_grad_summed(mesh: DeviceMesh, reduce_dtype: torch.dtype | None) -> Callable[..., Any]:
     """A forward pre-hook: the input is replicated, and each rank's gradient of it covers its own rows only, so the
-    gradient is summed over the TP group in backward (as a column-wise layer does)."""
+    gradient is summed over the TP group in backward (as a column-wise layer does, in ``reduce_dtype``)."""
+    group = mesh.get_group()
 
     def hook(_module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-        return (x, *rest)
+        return (SumGradients.apply(x, group, reduce_dtype), *rest)
 
     return hook
 
@@ -236,9 +236,12 @@ def _owner(plan: ResolvedPlan, name: str) -> str:
     return max(owners, key=len) if owners else name.rpartition(".")[0]
 
 
-def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> None:
+def apply_blocks(
+    module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan, *, grad_reduce_dtype: torch.dtype | None = None
+) -> None:
     """Split the plan's ``colwise_blocks`` and ``local_blocks`` entries (modules or parameters) on dim 0 and make
-    their readers see the rank's rows; slice the mixers' packed buffers (not saved) to the rank's blocks."""
+    their readers see the rank's rows; slice the mixers' packed buffers (not saved) to the rank's blocks.
+    ``grad_reduce_dtype``: the dtype a column-wise block's input gradient is summed in (``None``: its own)."""
     modules = dict(module.named_modules())
     rank, tp_size = mesh.get_local_rank(), mesh.size()
     for name, width in plan.norms_across_ranks.items():
@@ -274,7 +277,7 @@ def apply_blocks(module: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> Non
             views[leaf] = block_view(blocks, mesh, whole=whole)
         if style == COLUMN_STYLE:
             run_on_parameter_views(holder, views)
-            holder.register_forward_pre_hook(_replicated_input_grad_summed(mesh))
+            holder.register_forward_pre_hook(_replicated_input_grad_summed(mesh, grad_reduce_dtype))
         else:
             # The mixer reads them itself (``self.conv1d.weight`` passed to a convolution function).
             owner = _owner(plan, holder_name)

@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_tp.compat import is_view
+
+#: ``tp_grad_reduce_dtype``'s values: the dtype TP sums activation gradients in (``None``: the gradient's own).
+TP_GRAD_REDUCE_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "fp32": torch.float32}
+
+
+class SumsInputGradients:
+    """Mixed into the package's TP styles whose backward sums their input's gradient over the TP group (a
+    column-wise layer's input, a dense region's, an experts module's): ``grad_reduce_dtype`` is the dtype of that sum
+    (``None``: the gradient's own, the compute dtype; set from ``tp_grad_reduce_dtype`` when the style is built)."""
+
+    grad_reduce_dtype: torch.dtype | None = None
+
+
+def _sum_dtype(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype to sum ``grad`` in: its own, or ``reduce_dtype`` where that is wider (never narrower)."""
+    return grad.dtype if reduce_dtype is None else torch.promote_types(grad.dtype, reduce_dtype)
 
 
 class SumOverGroup(torch.autograd.Function):
@@ -48,22 +67,49 @@ class SumOverGroupBothWays(torch.autograd.Function):
 class SumGradients(torch.autograd.Function):
     """Identity forward; backward sums the gradient over ``group``. For a replicated tensor used on sharded work
     (a column-wise layer's input; Qwen3's per-head q/k norms; norms under sequence parallelism): each rank's gradient
-    covers its own heads or tokens only. The sum is taken in fp32 where the gradient is 16-bit (FSDP2's bf16
-    all-gathers, the ``-true`` precisions), as one process sums those heads' or tokens' contributions in fp32 before
-    rounding."""
+    covers its own heads or tokens only.
+
+    ``reduce_dtype``: ``None`` sums in the gradient's own dtype (an activation's: the compute dtype, as DTensor's
+    reductions do, and Megatron's); a dtype sums a narrower gradient in that one (``torch.float32``: a 16-bit gradient
+    is summed in fp32 and rounded once, as one process sums those heads' or tokens' contributions in a matmul's fp32
+    accumulator, for twice the bytes). Parameters' gradients are summed in fp32 (as FSDP2's ``reduce_dtype``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        reduce_dtype = torch.float32 if grad.dtype in (torch.bfloat16, torch.float16) else grad.dtype
-        # A new tensor (autograd may share the incoming gradient), in fp32 for 16-bit gradients.
-        total = grad.to(reduce_dtype, memory_format=torch.contiguous_format, copy=True)
+        # A new tensor (autograd may share the incoming gradient).
+        total = grad.to(_sum_dtype(grad, ctx.reduce_dtype), memory_format=torch.contiguous_format, copy=True)
         dist.all_reduce(total, group=ctx.group)
-        return total.to(grad.dtype), None
+        return total.to(grad.dtype), None, None
+
+
+class ReplicatedFromLocal(torch.autograd.Function):
+    """``DTensor.from_local(local, mesh, [Replicate()])`` (a dense region's input, shared by the column-wise
+    projections inside) whose backward sums the projections' partial gradients over the mesh's group in
+    ``reduce_dtype`` (widening only): DTensor's own backward sums in the gradient's dtype."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, mesh: Any, reduce_dtype: torch.dtype) -> DTensor:  # type: ignore[override]
+        ctx.mesh, ctx.reduce_dtype = mesh, reduce_dtype
+        return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: Any):  # type: ignore[override]
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        if not any(placement.is_partial() for placement in grad.placements):
+            return grad.redistribute(ctx.mesh, [Replicate()]).to_local(), None, None
+        assert all(getattr(p, "reduce_op", "sum") == "sum" for p in grad.placements if p.is_partial()), grad.placements
+        local = grad.to_local()
+        total = local.to(_sum_dtype(local, ctx.reduce_dtype), memory_format=torch.contiguous_format, copy=True)
+        dist.all_reduce(total, group=ctx.mesh.get_group())
+        return total.to(local.dtype), None, None
 
 
 class SumPartialOutputs(torch.autograd.Function):

@@ -24,25 +24,27 @@ from torch.distributed.tensor import DTensor
 from lightning_tp.parallel.pipeline import modules_and_stages
 from lightning_tp.plans.structure import block_classes
 
-#: Values of ``TensorParallelStrategy(fsdp_param_dtype=...)`` that ask FSDP2 to all-gather parameters in bf16.
+#: Values of ``TensorParallelStrategy(fsdp_param_dtype=...)`` that ask FSDP2 to all-gather parameters in bf16 (the
+#: default, ``"auto"``, does under ``bf16-mixed``).
 BF16_NAMES = ("bf16", "bfloat16", torch.bfloat16)
 
 
-def fsdp_mixed_precision(precision: str, *, param_dtype: str | torch.dtype | None = None) -> MixedPrecisionPolicy:
+def fsdp_mixed_precision(precision: str, *, param_dtype: str | torch.dtype | None = "auto") -> MixedPrecisionPolicy:
     """FSDP2's policy for a Lightning precision.
 
-    By default nothing is cast: ``bf16-mixed`` means what it means on one device (Lightning's precision plugin
-    autocasts the forward over fp32 parameters; FSDP2 gathers fp32 parameters and reduces fp32 gradients), and
-    ``*-true`` precisions converted the parameters already. ``param_dtype="bf16"`` with ``bf16-mixed`` is torchtitan's
-    recipe: FSDP2 all-gathers bf16 copies of the parameters (half the bytes) and reduces gradients in fp32; every layer
-    then computes on bf16 weights, norms and residual stream included, which is less accurate than autocast.
+    ``bf16-mixed`` with ``param_dtype`` ``"auto"`` (the default) or ``"bf16"`` is torchtitan's recipe: FSDP2 all-gathers
+    bf16 copies of the fp32 parameters (half the bytes of fp32 gathers) and reduces gradients in fp32; every layer then
+    computes on bf16 weights, norms and residual stream included, so the numerics are a bf16 model's rather than one
+    device's autocast over fp32 weights. ``param_dtype=None`` casts nothing: FSDP2 gathers fp32 parameters and reduces
+    fp32 gradients, and ``bf16-mixed`` means what it means on one device (autocast over fp32 weights), for twice the
+    all-gather bytes. ``*-true`` precisions converted the parameters already.
 
     ``bf16-true`` and ``16-true`` reduce gradients in fp32 (``reduce_dtype``; the reduced shard is cast back): one
     process sums a whole batch's gradient in a matmul's fp32 accumulator and rounds once, where a 16-bit
     reduce-scatter would round at every hop of the ring, more ranks more roundings (and fp16 could overflow). Twice
     the reduce-scatter bytes, as torchtitan's ``mixed_precision_reduce`` and Megatron's ``grad_reduce_in_fp32``.
     """
-    if precision == "bf16-mixed" and param_dtype in BF16_NAMES:
+    if precision == "bf16-mixed" and (param_dtype == "auto" or param_dtype in BF16_NAMES):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision in ("bf16-true", "16-true"):
         return MixedPrecisionPolicy(reduce_dtype=torch.float32)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_tp.compat import parameter_dict
+from lightning_tp.parallel.collectives import SumGradients, SumsInputGradients
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.plans.styles import KV_GROUPS_ATTRIBUTE
 
@@ -100,7 +101,7 @@ def _span(heads: range) -> str:
     return str(heads.start) if len(heads) == 1 else f"{heads.start}-{heads[-1]}"
 
 
-class ColwiseKVHeads(ParallelStyle):
+class ColwiseKVHeads(SumsInputGradients, ParallelStyle):
     """A K or V projection (``nn.Linear``, weight [kv_heads * head_dim, in]) stored column-wise (``Shard(0)``) that
     computes the KV heads of its rank's query heads (see the module docstring). Hooks only: the weight and bias are
     swapped for the rank's rows during each call, the input enters as a replicated tensor whose gradient is summed
@@ -132,11 +133,14 @@ class ColwiseKVHeads(ParallelStyle):
             whole = param.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
             return whole[rows]
 
+        group, reduce_dtype = device_mesh.get_group(), self.grad_reduce_dtype
+
         def replicated_input(x: Any) -> Any:
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            # Each rank's input gradient covers its own heads: summed over the TP group.
-            return x.to_local(grad_placements=[Partial()])
+            # Each rank's input gradient covers its own heads: summed over the TP group (a region's DTensor input is
+            # summed where the region begins).
+            if isinstance(x, DTensor):
+                return x.to_local(grad_placements=[Partial()])
+            return SumGradients.apply(x, group, reduce_dtype)
 
         run_on_parameter_views(module, {name: rank_rows for name in ("weight", "bias") if params.get(name) is not None})
         module.register_forward_pre_hook(on_hidden_states(replicated_input), with_kwargs=True)

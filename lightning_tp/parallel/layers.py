@@ -32,7 +32,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_tp.compat import parameter_dict, strided_shard
-from lightning_tp.parallel.collectives import GatherLastDim, SumGradients, SumPartialOutputs, chunk_sizes
+from lightning_tp.parallel.collectives import (
+    GatherLastDim,
+    SumGradients,
+    SumPartialOutputs,
+    SumsInputGradients,
+    chunk_sizes,
+)
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads
 from lightning_tp.parallel.random_init import record_local_size
@@ -104,14 +110,15 @@ def run_on_local_shards(module: nn.Module, *, hide: tuple[str, ...] = ()) -> Non
         run_on_parameter_views(module, views)
 
 
-def _replicated_input(group: Any) -> Callable[[Any], Any]:
-    """A column-wise layer's input: whole on every rank; its gradient, each rank's part, summed over the TP group."""
+def _replicated_input(group: Any, reduce_dtype: torch.dtype | None = None) -> Callable[[Any], Any]:
+    """A column-wise layer's input: whole on every rank; its gradient, each rank's part, summed over the TP group (in
+    ``reduce_dtype``, see :class:`SumGradients`; a region's DTensor input is summed where the region begins)."""
 
     def enter(x: Any) -> Any:
         if isinstance(x, DTensor):
             return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local(grad_placements=[Partial()])
         if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
-            return SumGradients.apply(x, group)
+            return SumGradients.apply(x, group, reduce_dtype)
         return x
 
     return enter
@@ -129,7 +136,7 @@ class _LinearLayer(ParallelStyle):
             shard_parameter(module, name, self.fact, device_mesh)
 
 
-class ColumnParallel(_LinearLayer):
+class ColumnParallel(SumsInputGradients, _LinearLayer):
     """``colwise`` and its kin: the output features split (the weight's split dim per the style's facts), the input
     replicated, the output the rank's slice (``output_sharded``) or gathered on every rank."""
 
@@ -139,7 +146,8 @@ class ColumnParallel(_LinearLayer):
         assert isinstance(weight, DTensor), f"{type(module).__name__}: column-wise needs a weight it splits"
         run_on_local_shards(module)
         group = device_mesh.get_group()
-        module.register_forward_pre_hook(on_hidden_states(_replicated_input(group)), with_kwargs=True)
+        replicated = _replicated_input(group, self.grad_reduce_dtype)
+        module.register_forward_pre_hook(on_hidden_states(replicated), with_kwargs=True)
         if not self.fact.output_sharded:
             _gather_last_dim(module, group, weight.shape[self.fact.split_dim(weight.ndim)])
         return module
@@ -253,7 +261,7 @@ class _ShareOfWhole(torch.autograd.Function):
         return grad, None
 
 
-class ExpertsParallel(ParallelStyle):
+class ExpertsParallel(SumsInputGradients, ParallelStyle):
     """``moe_tp_experts``: an experts module whose stacked weights are split by their own plan entries (each rank a
     slice of every expert's intermediate features). It runs on those slices; the partial outputs are summed, and the
     gradients of the hidden states and routing weights it is given (``experts(hidden, ids, weights)``) are summed
@@ -277,7 +285,7 @@ class ExpertsParallel(ParallelStyle):
             # first: their view then meets a plain tensor and leaves it.
             run_on_parameter_views(module, dict.fromkeys(self.added_once, share))
         group = device_mesh.get_group()
-        replicated = _replicated_input(group)
+        replicated = _replicated_input(group, self.grad_reduce_dtype)
 
         def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             args, kwargs = on_hidden_states(replicated)(_module, args, kwargs)
@@ -328,7 +336,7 @@ class Conv1DParallel(ParallelStyle):
         return module
 
 
-class MlaKvAProj(ParallelStyle):
+class MlaKvAProj(SumsInputGradients, ParallelStyle):
     """``mla_kv_a_proj``: a latent attention's KV down-projection ([latent | rotary key]) stays whole, and the
     gradient of its rotary-key slice, which reaches the rank's heads unprojected, is summed over the TP group. The
     width is the attention module's own (``qk_rope_head_dim``, per layer where the config has per-layer values)."""
@@ -338,11 +346,11 @@ class MlaKvAProj(ParallelStyle):
         self.rope_dim = rope_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group, rope_dim = device_mesh.get_group(), self.rope_dim
+        group, rope_dim, reduce_dtype = device_mesh.get_group(), self.rope_dim, self.grad_reduce_dtype
 
         def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
             latent, rope = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
-            return torch.cat([latent, SumGradients.apply(rope, group)], dim=-1)
+            return torch.cat([latent, SumGradients.apply(rope, group, reduce_dtype)], dim=-1)
 
         module.register_forward_hook(hook)
         return module

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_tp.compat import distributed_is_initialized, parameter_dict, remove_transformers_grad_allreduce
 from lightning_tp.parallel.blocks import apply_blocks
-from lightning_tp.parallel.collectives import SumGradients
+from lightning_tp.parallel.collectives import ReplicatedFromLocal, SumGradients, SumsInputGradients
 from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR, on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import kv_head_layout, localize_kv_groups
 from lightning_tp.parallel.layers import APPLIED_ELSEWHERE, LAYERS, RowParallel, shard_parameter
@@ -49,13 +49,20 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, plan: ResolvedPlan, *, device: torch.device | None = None
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: ResolvedPlan,
+    *,
+    device: torch.device | None = None,
+    grad_reduce_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place following ``plan`` (from :func:`lightning_tp.plans.resolve.resolve_plan` on this
     module), with this package's layers (:mod:`lightning_tp.parallel.layers`) and the plan's torch styles.
 
     ``device``: where the parameters the plan leaves whole go (sharded ones land on the mesh's device while they are
-    cut). Modules on the meta device stay there, to be materialised after sharding.
+    cut). Modules on the meta device stay there, to be materialised after sharding. ``grad_reduce_dtype``: the dtype
+    the layers built here sum their inputs' gradients in over the TP group (``None``: the gradient's own; the plan's
+    own styles, a dense region's, were given theirs when the plan was rewritten).
     """
     assert tp_mesh.ndim == 1, "apply_tensor_parallel takes the 1-D TP sub-mesh"
     # Sharding slices each rank's local copy (no communication), so the weights must be identical on every TP rank
@@ -72,10 +79,13 @@ def apply_tensor_parallel(
         for name, style in plan.styles.items()
         if name in modules
     }
+    for name, layer in layers.items():
+        if isinstance(layer, SumsInputGradients) and not isinstance(plan.styles[name], ParallelStyle):
+            layer.grad_reduce_dtype = grad_reduce_dtype  # a layer built here (the plan's own are left as given)
     if layers := {name: layer for name, layer in layers.items() if layer is not None}:
         parallelize_module(module, tp_mesh, layers)
     # Before the head counts change: the mixers' block sizes were read from them when the plan was resolved.
-    apply_blocks(module, tp_mesh, plan)
+    apply_blocks(module, tp_mesh, plan, grad_reduce_dtype=grad_reduce_dtype)
     retie(module, plan.tied)
     localize_heads(module, plan, tp_size=tp_mesh.size(), rank=tp_mesh.get_local_rank())
     slice_alibi_heads(module, plan.alibi_heads, tp_mesh=tp_mesh)
@@ -524,7 +534,8 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
             return param
         local = param.to_local()
         if grad_group is not None and local.requires_grad and torch.is_grad_enabled():
-            local = SumGradients.apply(local, grad_group)
+            # A parameter's gradient (norms left whole): summed in fp32, as FSDP2's `reduce_dtype` reduces the rest.
+            local = SumGradients.apply(local, grad_group, torch.float32)
         return local
 
     return view
@@ -534,21 +545,37 @@ def _local_view(grad_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor]
 # Regions: the attention and MLP of a dense decoder layer, between one column-wise entry and one row-wise exit
 
 
-def dense_layers_plan(model: nn.Module, plan: ResolvedPlan, *, blocks: set[type]) -> ResolvedPlan:
+def dense_layers_plan(
+    model: nn.Module, plan: ResolvedPlan, *, blocks: set[type], grad_reduce_dtype: torch.dtype | None = None
+) -> ResolvedPlan:
     """``plan`` with its dense decoder layers rewritten so that each attention and MLP takes one replicated input
     DTensor (:class:`ReplicateRegionInput`; 2 backward all-reduces per layer instead of one per column-wise
-    projection): :func:`lightning_tp.plans.rewrite.rewrite_dense_layers` with this module's styles."""
+    projection, in ``grad_reduce_dtype``): :func:`lightning_tp.plans.rewrite.rewrite_dense_layers` with this module's
+    styles."""
     return rewrite_dense_layers(
-        model, plan, blocks=blocks, rowwise=lambda: RowParallel(STYLES["rowwise"]), region=ReplicateRegionInput
+        model,
+        plan,
+        blocks=blocks,
+        rowwise=lambda: RowParallel(STYLES["rowwise"]),
+        region=lambda: ReplicateRegionInput(grad_reduce_dtype),
     )
 
 
-class ReplicateRegionInput(ParallelStyle):
+class ReplicateRegionInput(SumsInputGradients, ParallelStyle):
     """The module's ``hidden_states`` (whole on every rank) enter as one replicated DTensor, shared by the
-    column-wise projections inside: the backward sums their partial input gradients, then all-reduces once."""
+    column-wise projections inside: the backward sums their partial input gradients, then all-reduces once (in the
+    gradient's dtype, DTensor's own backward, or in ``grad_reduce_dtype``)."""
+
+    def __init__(self, grad_reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.grad_reduce_dtype = grad_reduce_dtype
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        reduce_dtype = self.grad_reduce_dtype
+
         def as_dtensor(local: Any) -> Any:
+            if reduce_dtype is not None and isinstance(local, torch.Tensor) and torch.is_grad_enabled():
+                return ReplicatedFromLocal.apply(local, device_mesh, reduce_dtype)
             return DTensor.from_local(local, device_mesh, [Replicate()], run_check=False)
 
         module.register_forward_pre_hook(on_hidden_states(as_dtensor), with_kwargs=True)

@@ -463,9 +463,10 @@ CASES: dict[str, Case] = {
         3,
         strategy_kwargs={"activation_checkpointing": True},
     ),
-    # bf16-mixed (autocast over fp32 weights, as on one device), and with FSDP2's bf16 all-gathers (2-D only).
-    "qwen3_bf16_mixed": lm("qwen3", 3, precision="bf16-mixed"),
-    "qwen3_bf16_all_gather": lm("qwen3", 3, precision="bf16-mixed", strategy_kwargs={"fsdp_param_dtype": "bf16"}),
+    # bf16-mixed with fp32 all-gathers (autocast over fp32 weights, as on one device: `fsdp_param_dtype=None`), and
+    # with FSDP2's bf16 all-gathers, the default (2-D only).
+    "qwen3_bf16_mixed": lm("qwen3", 3, precision="bf16-mixed", strategy_kwargs={"fsdp_param_dtype": None}),
+    "qwen3_bf16_all_gather": lm("qwen3", 3, precision="bf16-mixed"),
     # HSDP: two replicas of a (shard 1 x tp 2) group on 4 ranks.
     "qwen3_hsdp": lm("qwen3", 3, strategy_kwargs={"dp_replicate_size": 2}),
     # HSDP with accumulation: the all-reduce across the replicas waits for each step's last micro-batch.

@@ -177,18 +177,6 @@ def test_each_child_holding_parameters_is_one_fsdp_unit_and_shared_weights_are_r
         fsdp_units(root)
 
 
-def test_bf16_mixed_keeps_fp32_parameters_in_fsdp2_unless_bf16_all_gathers_are_asked_for() -> None:
-    """``bf16-mixed`` means autocast over fp32 weights on every layout; FSDP2 casts only with ``fsdp_param_dtype``."""
-    from lightning_tp.parallel.fsdp import fsdp_mixed_precision
-
-    default = fsdp_mixed_precision("bf16-mixed")
-    assert default.param_dtype is None and default.reduce_dtype is None
-    for value in ("bf16", torch.bfloat16):
-        recipe = fsdp_mixed_precision("bf16-mixed", param_dtype=value)
-        assert recipe.param_dtype == torch.bfloat16 and recipe.reduce_dtype == torch.float32
-    assert fsdp_mixed_precision("32-true", param_dtype=None).param_dtype is None
-
-
 def test_16_bit_true_precisions_reduce_gradients_in_fp32() -> None:
     """A 16-bit reduce-scatter rounds at every hop of the ring; one process rounds a batch's gradient once."""
     from lightning_tp.parallel.fsdp import fsdp_mixed_precision
@@ -226,7 +214,7 @@ def test_bf16_all_gathers_warn_where_ignored(precision: str, world: int, fragmen
 
 
 def test_fsdp_param_dtype_values_are_checked_when_the_strategy_is_built() -> None:
-    with pytest.raises(ValueError, match="`fsdp_param_dtype` must be None .* or 'bf16'.*got 'fp16'"):
+    with pytest.raises(ValueError, match="`fsdp_param_dtype` must be 'auto' .* 'bf16' .* or None .*got 'fp16'"):
         TensorParallelStrategy(fsdp_param_dtype="fp16")
 
 
