@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "add_compile_callbacks",
     "CUDA_FLOPS",
     "BackwardSyncControl",
     "FSDP_MANAGED_ATTR",
@@ -284,6 +285,29 @@ def drop_always_called_hooks(module: nn.Module) -> int:
     count = len(always_called)
     always_called.clear()
     return count
+
+
+def add_compile_callbacks(start: Callable[[], None], end: Callable[[], None]) -> Callable[[], None]:
+    """Call ``start`` when torch.compile (dynamo) begins compiling in this process and ``end`` when it is done (the
+    outermost compilation: nested ones do not call them again); returns what removes them. torch runs them on the
+    compiling thread (``torch._dynamo.callback.callback_handler``, which passes a ``CallbackArgs`` dropped here); no
+    public registration."""
+    from torch._dynamo.callback import callback_handler
+
+    def on_start(*_args: Any) -> None:
+        start()
+
+    def on_end(*_args: Any) -> None:
+        end()
+
+    callback_handler.register_start_callback(on_start)
+    callback_handler.register_end_callback(on_end)
+
+    def remove() -> None:
+        callback_handler.remove_start_callback(on_start)
+        callback_handler.remove_end_callback(on_end)
+
+    return remove
 
 
 def compiled_graph_count() -> int:

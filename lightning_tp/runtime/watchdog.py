@@ -6,13 +6,31 @@ their next collective. On gloo they give up at the process-group timeout; on NCC
 signals it. Exiting the stuck rank hands the job to the launcher: torchrun stops the other workers when one exits
 non-zero, Lightning's launcher SIGKILLs the group when a child does, and on gloo the peers see the closed sockets.
 
-Progress is any training or validation batch starting or ending, or a checkpoint being saved; the clock starts at
-``on_train_start`` (after setup and checkpoint loading) and stops when training ends.
+Progress is any training or validation batch starting or ending, a checkpoint being saved, or torch.compile starting
+or ending a compilation; the clock starts at ``on_train_start`` (after setup and checkpoint loading) and stops when
+training ends.
 
 The default (``adaptive``) learns how long a training step takes: once the first steps (allocation, compilation) are
 behind, a step may take :data:`AUTO_STEP_FACTOR` times the slowest one seen, and at least :data:`AUTO_FLOOR_S`
 seconds, so that a stuck rank ends the job within about a minute. Whatever is not a training step (the first steps,
-validation, a checkpoint being written, an epoch boundary) gets the generous fixed limit instead.
+validation, a checkpoint being written, an epoch boundary) gets the generous fixed limit instead, and so does
+first-time work later in training, on this rank or on any other:
+
+- a compilation (torch.compile recompiling for a new shape takes minutes for a large model): from its start to the
+  end of its step;
+- a step on a batch shape this rank has not trained on before: the step that may recompile, and whose collectives
+  have new sizes (NCCL connects the algorithm a new size picks lazily, at its first use, which can take long across
+  nodes); a pipeline builds its stages for the new shape.
+
+A rank doing first-time work adds one to a counter in the job's store (the process group's) until it is done; a peer
+about to end the job for a step past the learned limit reads it first and waits, up to the fixed limit, while it is
+above zero: with dynamic padding the data-parallel ranks meet new lengths at different steps, and a rank that waits
+in a collective for a peer compiling makes no progress of its own. A step that outlives the learned limit so is not
+timed. The store is read only then, and written only at first-time work (a bounded number of times: one per distinct
+shape and compilation).
+
+A real hang in a step on a shape seen before, with no first-time work running anywhere, still ends the job at the
+learned limit; in first-time work, at the fixed limit.
 """
 
 from __future__ import annotations
@@ -28,6 +46,7 @@ from typing import Any
 import lightning as L
 
 from lightning_tp.checkpoint.publish import MAIN_WRITE_TIMEOUT
+from lightning_tp.compat import add_compile_callbacks, distributed_is_initialized, get_default_store
 
 
 def resolve_step_timeout(step_timeout: timedelta | float | None) -> float | None:
@@ -49,6 +68,22 @@ AUTO_STEP_FACTOR = 10
 AUTO_FLOOR_S = 45.0
 #: ... once this many steps are behind (the first ones allocate, compile and warm caches: not timed).
 AUTO_WARMUP_STEPS = 2
+#: The store key counting the ranks doing first-time work now (see the module docstring).
+FIRST_TIME_KEY = "lightning_tp/step_watchdog/first_time"
+
+
+def batch_shapes(batch: Any, *, depth: int = 4) -> tuple:
+    """The shapes of the tensors in ``batch`` (a tensor, or mappings and sequences of them), in order: what a new
+    batch shape changes."""
+    if hasattr(batch, "shape") and hasattr(batch, "dtype"):
+        return (tuple(batch.shape),)
+    if depth == 0:
+        return ()
+    if isinstance(batch, dict):
+        return tuple((key, batch_shapes(value, depth=depth - 1)) for key, value in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return tuple(batch_shapes(value, depth=depth - 1) for value in batch)
+    return ()
 
 
 class StepWatchdog(L.Callback):
@@ -57,13 +92,22 @@ class StepWatchdog(L.Callback):
 
     ``adaptive``: ``timeout`` is the limit outside training steps only; from the step after
     :data:`AUTO_WARMUP_STEPS` on, a step (from one batch's start to the next one's, nothing else in between) may take
-    :data:`AUTO_STEP_FACTOR` times the slowest step so far, at least :data:`AUTO_FLOOR_S` seconds."""
+    :data:`AUTO_STEP_FACTOR` times the slowest step so far, at least :data:`AUTO_FLOOR_S` seconds, unless this rank or
+    another is doing first-time work (a compilation, a new batch shape: see the module docstring).
 
-    def __init__(self, timeout: timedelta | float, *, adaptive: bool = False) -> None:
+    ``store``: where the ranks count their first-time work (default: the process group's store when one is
+    initialised with more than one rank; ``None`` there: this rank's own only)."""
+
+    def __init__(self, timeout: timedelta | float, *, adaptive: bool = False, store: Any | None = None) -> None:
         seconds = resolve_step_timeout(timeout)
         assert seconds is not None
         self.timeout = seconds
         self.adaptive = adaptive
+        self._store = store
+        self._shapes: set[tuple] = set()  # the batch shapes this rank has trained on
+        self._first_time = False  # this rank is doing first-time work (counted in the store when there is one)
+        self._compiling = False
+        self._remove_compile_callbacks: Any = None
         self._limit = seconds  # the limit in force now
         self._beat = time.monotonic()
         self._stop = threading.Event()
@@ -76,6 +120,8 @@ class StepWatchdog(L.Callback):
     def _watch(self) -> None:
         while not self._stop.wait(min(self._limit / 4, 5.0)):
             idle, limit = time.monotonic() - self._beat, self._limit
+            if idle > limit and limit < self.timeout and self._others_first_time():
+                continue  # a peer compiles or meets a new shape, and this rank may be waiting for it: the fixed limit
             if idle > limit:
                 why = f"step_timeout {limit:.0f} s"
                 if self.adaptive and limit < self.timeout:
@@ -94,16 +140,72 @@ class StepWatchdog(L.Callback):
     def beat(self, *args: Any, **kwargs: Any) -> None:
         self._beat = time.monotonic()
 
-    def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+    # ----------------------------------------------------------------------------------------- first-time work
+
+    def _others_first_time(self) -> bool:
+        """Whether some rank is doing first-time work now, as the store counts it (the watchdog's thread, only when
+        a step has run past the learned limit). A store that does not answer says nothing."""
+        if self._store is None:
+            return False
+        try:
+            return int(self._store.add(FIRST_TIME_KEY, 0)) > 0
+        except Exception:  # the store's host is gone: the job is ending anyway
+            return False
+
+    def _begin_first_time(self) -> None:
+        """This step is first-time work: the fixed limit, the step not timed, and the peers told."""
+        self._limit = self.timeout
+        self._step_start = None
+        if not self._first_time:
+            self._first_time = True
+            self._count_first_time(1)
+
+    def _end_first_time(self) -> None:
+        if self._first_time:
+            self._first_time = False
+            self._count_first_time(-1)
+
+    def _count_first_time(self, delta: int) -> None:
+        if self._store is not None:
+            try:
+                self._store.add(FIRST_TIME_KEY, delta)
+            except Exception:  # the peers then apply their learned limit: a fault elsewhere ends the job anyway
+                pass
+
+    def _compile_started(self) -> None:
+        """torch.compile began compiling (on this thread): progress, and first-time work until its step ends."""
         self.beat()
-        self._limit = self.timeout  # a save before this step may have lengthened it
+        self._compiling = True
+        self._begin_first_time()
+
+    def _compile_ended(self) -> None:
+        self.beat()
+        self._compiling = False
+
+    # ----------------------------------------------------------------------------------------- Lightning's hooks
+
+    def on_train_batch_start(
+        self, trainer: Any = None, pl_module: Any = None, batch: Any = None, batch_idx: int = 0, *args: Any
+    ) -> None:
+        self.beat()
+        previous_limit, self._limit = self._limit, self.timeout  # a save before this step may have lengthened it
+        if not self._compiling:
+            self._end_first_time()  # the previous step's first-time work is done
         if not self.adaptive:
             return
-        if self._step_start is not None:  # the previous step ran alone: time it
+        # The previous step, if it ran alone, is timed; not one that outlived its limit (it lived because a peer was
+        # doing first-time work, which it waited for: not its own time).
+        if self._step_start is not None and self._beat - self._step_start <= previous_limit:
             self._steps_seen += 1
             if self._steps_seen > AUTO_WARMUP_STEPS:
                 self._slowest = max(self._slowest, self._beat - self._step_start)
         self._step_start = self._beat
+        shapes = batch_shapes(batch)
+        if shapes not in self._shapes:
+            self._shapes.add(shapes)
+            if self._slowest > 0:  # before that, every step has the fixed limit anyway
+                self._begin_first_time()
+                return
         if self._slowest > 0:
             self._limit = min(self.timeout, max(AUTO_FLOOR_S, AUTO_STEP_FACTOR * self._slowest))
 
@@ -127,6 +229,9 @@ class StepWatchdog(L.Callback):
         self._rank = trainer.global_rank
         self._stop_thread()
         self._stop = threading.Event()
+        if self._store is None and trainer.world_size > 1 and distributed_is_initialized():
+            self._store = get_default_store()
+        self._remove_compile_callbacks = add_compile_callbacks(self._compile_started, self._compile_ended)
         self.beat()
         self._thread = threading.Thread(target=self._watch, name="lightning_tp-step-watchdog", daemon=True)
         self._thread.start()
@@ -136,6 +241,11 @@ class StepWatchdog(L.Callback):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._remove_compile_callbacks is not None:
+            self._remove_compile_callbacks()
+            self._remove_compile_callbacks = None
+        self._compiling = False
+        self._end_first_time()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop_thread()

@@ -115,3 +115,74 @@ def test_auto_limit_learns_the_step_time_and_spares_validation(stuck_at: int) ->
     assert "step_timeout 'auto': 10 x the slowest step so far" in proc.stderr, proc.stderr
     assert "in training_step" in proc.stderr
     assert time.monotonic() - start < 60  # the 600 s limit would have run into the subprocess timeout
+
+
+FIRST_TIME = """
+import sys, time
+import lightning as L
+import torch
+import torch.distributed as dist
+import lightning_tp.runtime.watchdog as watchdog
+from tests.helpers.models import quiet_trainer
+
+watchdog.AUTO_FLOOR_S = 1.0  # the 45 s floor, scaled down to this test's millisecond steps
+SLOW = 3.0  # first-time work longer than the learned limit (the floor), far shorter than the fixed one
+# After the warm-up (2 steps) and 2 timed steps, while the watchdog checks every 0.25 s (a quarter of the floor).
+PEER, COMPILES, NEW_SHAPE, STUCK = 5, 7, 9, 13
+store = dist.HashStore()  # the job's store: where a peer doing first-time work counts itself
+
+
+def slow_backend(graph, example_inputs):  # a compilation that takes long (inductor on a large model)
+    time.sleep(SLOW)
+    return graph.forward
+
+
+double = torch.compile(lambda x: x * 2.0, backend=slow_backend)
+
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+    def training_step(self, batch, batch_idx):
+        print("step", batch_idx, flush=True)
+        if batch_idx == COMPILES:
+            batch = double(batch)  # torch.compile compiling (for a new shape, say)
+        if batch_idx == NEW_SHAPE:
+            assert batch.shape[0] == 3
+            time.sleep(SLOW)  # the first step of a new length: a recompile, NCCL connecting a new algorithm
+        if batch_idx == PEER:
+            store.add(watchdog.FIRST_TIME_KEY, 1)  # another rank compiles; this one waits for it in a collective
+            time.sleep(SLOW)
+            store.add(watchdog.FIRST_TIME_KEY, -1)
+        if batch_idx == STUCK:
+            time.sleep(1e6)  # a real hang, on a seen shape, no first-time work anywhere
+        return self.net(batch).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        sizes = [3 if i == NEW_SHAPE else 2 for i in range(STUCK + 2)]
+        return torch.utils.data.DataLoader([torch.randn(size, 2) for size in sizes], batch_size=None)
+
+trainer = quiet_trainer(
+    accelerator="cpu", devices=1, max_epochs=1, callbacks=[watchdog.StepWatchdog(600, adaptive=True, store=store)]
+)
+trainer.fit(Module())
+"""
+
+
+def test_first_time_work_is_progress_and_a_hang_after_it_still_ends_the_job() -> None:
+    """``step_timeout="auto"`` after its warm-up, with the learned limit at its floor (scaled to 1 s): a step that
+    compiles (torch.compile's callbacks), the first step of a new batch shape and a step waiting for a peer that does
+    either (counted in the job's store) each run 3 s, past that limit, where they ended a healthy job before; none is
+    timed (the limit stays the floor). A hang in a later step on a seen shape, with no first-time work anywhere,
+    still ends the job at the learned limit."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FIRST_TIME)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert proc.returncode == 1 and steps[-1] == "step 13", proc.stdout + proc.stderr  # not at a first-time step
+    assert "step_timeout 'auto': 10 x the slowest step so far (0." in proc.stderr, proc.stderr
+    assert "in training_step" in proc.stderr
+    assert time.monotonic() - start < 60  # the 600 s limit would have run into the subprocess timeout
