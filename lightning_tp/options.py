@@ -312,8 +312,9 @@ OPTIONS: tuple[Option, ...] = (
         "A rank that makes no training progress (no batch starting or ending, no save) for this long dumps every "
         "thread's stack and exits, so that the launcher ends the job instead of its peers waiting in a collective. "
         '``"auto"``: a step may take 10 times the slowest step so far, at least 45 s, once the first two are behind; '
-        "anything else (the first steps, validation, saves, epoch ends) twice ``timeout``. A number: that limit for "
-        "everything. ``None``: no watchdog.",
+        "anything else (the first steps, validation, saves, epoch ends) and first-time work (a torch.compile "
+        "compilation, the first step of a new batch shape, on this rank or on a peer it may be waiting for) twice "
+        "``timeout``. A number: that limit for everything. ``None``: no watchdog.",
         trainer_only="it watches the Trainer's steps; in Fabric, `timeout` bounds every collective",
     ),
     Option(
