@@ -88,7 +88,7 @@ def no_cache_under_grad(model: nn.Module) -> bool:
     eval mode and Lightning keeps a submodule's mode, so it trains in eval mode.
 
     Args:
-        model: a module whose ``forward`` takes ``use_cache`` (a parameter of that name, or ``**kwargs``).
+        model: a module whose ``forward`` takes a ``use_cache`` parameter (others are left alone).
 
     Returns:
         Whether the hook was installed now: ``False`` when ``model`` already has it or its forward takes no
@@ -97,8 +97,7 @@ def no_cache_under_grad(model: nn.Module) -> bool:
     if model in _NO_CACHE_HOOKS:
         return False
     parameters = list(inspect.signature(type(model).forward).parameters.values())[1:]  # without `self`
-    names = [p.name for p in parameters]
-    if "use_cache" not in names and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    if "use_cache" not in [p.name for p in parameters]:  # not one taken through `**kwargs`: it may not reach a cache
         return False
     positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     position = positional.index("use_cache") if "use_cache" in positional else None
