@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_tp.compat import buffer_dict, parameter_dict
 from lightning_tp.parallel.collectives import SumGradients, SumOverGroupBothWays, chunk_sizes

@@ -36,6 +36,7 @@ import lightning_tp
 from lightning_tp import TensorParallelStrategy
 from lightning_tp.compat import compiled_graph_count
 from tests.helpers.cases import CASES, ERROR_CASES, ERROR_MODULE_KWARGS
+from tests.helpers.inference import HeldShare
 from tests.helpers.launch import SCENARIO_SECONDS
 from tests.helpers.models import (
     PP_PROBE,
@@ -107,11 +108,13 @@ class ReduceScatterCounter:
         _fsdp_collectives.dist = dist
 
 
-class LongRun(L.Callback):
-    """What a long run does beside training: its live memory after every validation, a checkpoint halfway and the
+class LongRun(HeldShare):
+    """What a long run does beside training: its live memory after every validation, the share of the parameters
+    the rank holds at every batch's start (:class:`~tests.helpers.inference.HeldShare`), a checkpoint halfway and the
     model exported on every rank at the end (rank 0 writes)."""
 
     def __init__(self, directory: Path, *, steps: int) -> None:
+        super().__init__()
         self.directory, self.steps = directory, steps
         self.live: list[float] = []
 
@@ -221,7 +224,9 @@ def run_case(ctx: Context, name: str) -> dict:
     result["split"] = split = {}
     if long_run:
         callback = long_run["callbacks"][0]
-        split.update(val_losses=module.val_losses, live_mib=callback.live, directory=str(out / name))
+        split.update(
+            val_losses=module.val_losses, live_mib=callback.live, held=callback.shares, directory=str(out / name)
+        )
     if re.search(r"_cp\d", name) and "_pp2" not in name:
         # The logits of a forward without labels (gathered over the CP group), and the token counts; a pipeline
         # returns its loss only.
