@@ -160,9 +160,9 @@ def cut_strided_shards_when_distributing(misplaced: Callable[[Any], bool]) -> No
     """Wrap torch's ``_distribute_tensors`` (``set_model_state_dict``/``set_optimizer_state_dict`` with
     ``full_state_dict`` and ``broadcast_from_rank0``: Lightning's load of a full checkpoint file), once: it cuts each
     rank's shard as the contiguous chunk at the offset ``compute_local_shape_and_global_offset`` gives, which for a
-    DTensor where ``misplaced`` holds (a lone ``_StridedShard``, torch 2.13) is neither that chunk nor the rank's
-    blocks: rows of the whole are lost. Those are cut by ``distribute_tensor`` from the whole each rank holds (no
-    communication); every other key as torch does."""
+    DTensor where ``misplaced`` holds (a lone ``_StridedShard``; torch 2.13 to 2.15, whose function is the same) is
+    neither that chunk nor the rank's blocks: rows of the whole are lost. Those are cut by ``distribute_tensor`` from
+    the whole each rank holds (no communication); every other key as torch does."""
     from torch.distributed import _state_dict_utils as utils
     from torch.distributed.tensor import distribute_tensor
 
@@ -204,13 +204,22 @@ def install_dtensor_rng_tracker(mesh: DeviceMesh) -> bool:
 
 def forward_only_actions(schedule: Any) -> None:
     """Keep only the forward actions (and their sends, receives and FSDP2 unshards/reshards) of each rank's list in
-    a V-shaped schedule of torch 2.13 (``ZBVZeroBubble``, ``DualPipeV``). Why: its ``eval()`` still runs the
-    backward actions, and one of them, handing an input gradient to the adjacent stage on the same rank, asserts that
-    the stage has a backward. Its action lists (``pipeline_order_with_comms``) and their kinds are private; no public
-    forward-only mode of these schedules works."""
+    a V-shaped schedule (``ZBVZeroBubble``, ``DualPipeV``). Why: its ``eval()`` still runs the backward actions (torch
+    2.13 to 2.15): on 2.13 one of them, handing an input gradient to the adjacent stage on the same rank, asserts that
+    the stage has a backward; on 2.15 the ranks wait in a receive no peer sends until gloo's timeout (120 s, measured
+    without this rewrite). Its action lists (``pipeline_order_with_comms``) and their kinds are private; no public
+    forward-only mode of these schedules works.
+
+    torch 2.15 retires each send by an explicit ``WAIT_SEND_F``/``WAIT_SEND_B`` action (placed after the backward
+    that proves the peer received it) and fails a step that leaves one unwaited ("Pipeline sends have no matching
+    wait"): the forward sends' waits are kept, where torch put them. torch 2.13 and 2.14 have no such kind (they wait
+    on every send at the end of the step). Dropping actions from every rank's list never deadlocks a list that did not:
+    each kept action waits only on kept actions of other ranks, in the same order as before."""
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
     kept = {Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.UNSHARD, Kind.RESHARD}
+    if hasattr(Kind, "WAIT_SEND_F"):  # torch >= 2.15
+        kept.add(Kind.WAIT_SEND_F)
     for rank, actions in schedule.pipeline_order_with_comms.items():
         schedule.pipeline_order_with_comms[rank] = [a for a in actions if a is not None and a.computation_type in kept]
 
@@ -232,14 +241,23 @@ def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
 
 
 def fsspec_writer_class() -> type:
-    """DCP's fsspec writer: torch 2.13 does not export it from ``torch.distributed.checkpoint``."""
+    """DCP's fsspec writer: public from torch 2.15 (``torch.distributed.checkpoint.FsspecWriter``); torch 2.13 and 2.14
+    have only the private ``_fsspec_filesystem`` module, which 2.15 deprecates with a warning at its import."""
+    import torch.distributed.checkpoint as dcp
+
+    if hasattr(dcp, "FsspecWriter"):  # torch >= 2.15
+        return dcp.FsspecWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     return FsspecWriter
 
 
 def fsspec_reader_class() -> type:
-    """DCP's fsspec reader, private for the same reason as :func:`fsspec_writer_class`."""
+    """DCP's fsspec reader, public or private as :func:`fsspec_writer_class` says."""
+    import torch.distributed.checkpoint as dcp
+
+    if hasattr(dcp, "FsspecReader"):  # torch >= 2.15
+        return dcp.FsspecReader
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader
@@ -461,8 +479,8 @@ def fused_attention_kernels(
     ``forward(q, k, v, *, is_causal, bias, scale) -> (out, lse)`` and ``backward(grad, q, k, v, out, lse, *,
     is_causal, bias, scale) -> (dq, dk, dv)`` on ``(batch, heads, length, head_dim)`` tensors; ``lse`` fp32
     ``(batch, heads, queries)``; ``is_causal`` aligns the causal mask to the first key (the calls' are square).
-    Present in torch 2.13 and 2.14 (the declared range). Each call makes a new pair: a backward belongs to the pair
-    whose forward ran (the CUDA backward takes arguments from it)."""
+    Present, with these signatures, in torch 2.13 to 2.15 (the declared range). Each call makes a new pair: a
+    backward belongs to the pair whose forward ran (the CUDA backward takes arguments from it)."""
     if device.type == "cpu":
         forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
