@@ -206,8 +206,8 @@ def forward_only_actions(schedule: Any) -> None:
     """Keep only the forward actions (and their sends, receives and FSDP2 unshards/reshards) of each rank's list in
     a V-shaped schedule (``ZBVZeroBubble``, ``DualPipeV``). Why: its ``eval()`` still runs the backward actions (torch
     2.13 to 2.15): on 2.13 one of them, handing an input gradient to the adjacent stage on the same rank, asserts that
-    the stage has a backward; on 2.15 the ranks wait in a receive no peer sends until gloo's timeout (120 s, measured
-    without this rewrite). Its action lists (``pipeline_order_with_comms``) and their kinds are private; no public
+    the stage has a backward; on 2.15 the ranks block in a receive until the process group's timeout (measured without
+    this rewrite: gloo, 120 s). Its action lists (``pipeline_order_with_comms``) and their kinds are private; no public
     forward-only mode of these schedules works.
 
     torch 2.15 retires each send by an explicit ``WAIT_SEND_F``/``WAIT_SEND_B`` action (placed after the backward
