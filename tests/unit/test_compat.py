@@ -1,6 +1,8 @@
 """The upstream shims (lightning_tp/compat.py) and what moved onto them: parameter views as forward hooks, one
 publishing ``save_pretrained`` for Transformers and PEFT models."""
 
+import sys
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -21,6 +23,26 @@ def test_distributed_is_initialized_without_a_process_group():
 def test_group_options_carry_the_timeout():
     options = compat.group_options("gloo", timedelta(seconds=7))
     assert options._timeout == timedelta(seconds=7)
+
+
+def test_fsspec_reader_and_writer_by_their_public_names_where_torch_has_them():
+    """torch 2.15 exports DCP's fsspec reader and writer and deprecates its private module with a warning at import:
+    the shims then hand back the public classes and never import that module."""
+    import torch.distributed.checkpoint as dcp
+
+    if not hasattr(dcp, "FsspecWriter"):
+        pytest.skip("torch < 2.15: the private module is their only spelling (tests/unit/test_remote.py uses it)")
+    private = "torch.distributed.checkpoint._fsspec_filesystem"
+    saved = sys.modules.pop(private, None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            assert compat.fsspec_writer_class() is dcp.FsspecWriter
+            assert compat.fsspec_reader_class() is dcp.FsspecReader
+        assert private not in sys.modules
+    finally:
+        if saved is not None:
+            sys.modules[private] = saved
 
 
 class _Fails(nn.Module):
