@@ -378,18 +378,12 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    if args.lengths:
+    single = lengths_growth if args.lengths else rebuild_cost if args.rebuild else None
+    if single is not None:  # one measurement alone, printed per size
         for size in args.sizes:
-            growth = lengths_growth(args, size=size)
+            measured = single(args, size=size)
             if dist.get_rank() == 0:
-                print(f"{size}: {json.dumps(growth)}")
-        dist.destroy_process_group()
-        return
-    if args.rebuild:
-        for size in args.sizes:
-            cost = rebuild_cost(args, size=size)
-            if dist.get_rank() == 0:
-                print(f"{size}: {json.dumps(cost)}")
+                print(f"{size}: {json.dumps(measured)}")
         dist.destroy_process_group()
         return
     results: dict[str, dict] = {}
