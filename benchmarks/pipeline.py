@@ -200,20 +200,9 @@ def rebuild_cost(args: argparse.Namespace, *, size: str) -> dict:
     return {"first_step_new_shape_s": first_new, "steady_step_s": steady, "ratio": first_new / steady}
 
 
-def resident_mib() -> float:
-    """This process's live memory: its resident set (from /proc) once the garbage is collected and glibc has given
-    its free pages back (``malloc_trim``), so that what the allocator keeps of freed blocks does not count."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def lengths_growth(args: argparse.Namespace, *, size: str) -> dict:
-    """What dynamic padding costs in memory under pp 2 (1F1B, 4 micro-batches): live memory (:func:`resident_mib`)
+    """What dynamic padding costs in memory under pp 2 (1F1B, 4 micro-batches): live memory
+    (``tests.helpers.models.live_mib``: the resident set after a garbage collection and glibc's ``malloc_trim``)
     after each of 12 steps of 12 lengths (``--seq`` to 2.2 x ``--seq``, shuffled), its growth from the second step to
     the last, against 12 steps of the longest length; with the stages kept as shipped (the last ``KEPT_SHAPES``
     shapes), kept for every shape (what the package did before), and with ``pp_pad_to_multiple_of=64``."""
@@ -225,6 +214,7 @@ def lengths_growth(args: argparse.Namespace, *, size: str) -> dict:
     import lightning_tp
     import lightning_tp.parallel.pipeline as pipeline
     from lightning_tp.parallelize import ParallelOptions
+    from tests.helpers.models import live_mib
 
     shipped = pipeline.KEPT_SHAPES
     lengths = [args.seq + step * args.seq // 10 for step in range(12)]
@@ -249,7 +239,7 @@ def lengths_growth(args: argparse.Namespace, *, size: str) -> dict:
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            live.append(resident_mib())
+            live.append(live_mib())
         growth = torch.tensor([live[-1] - live[1]])
         dist.all_reduce(growth, op=dist.ReduceOp.MAX)
         shapes = len(pipeline.pipeline_runner(model)._schedules)

@@ -158,8 +158,9 @@ OPTIONS: tuple[Option, ...] = (
         "Pad each batch's sequence length up to a multiple of this before the pipeline runs it (input ids with the "
         "pad token, labels with -100, the attention mask with zeros, position ids counting on): torch's stages fix "
         "their buffers' shapes, so a pipeline builds its stages for each new length, and with dynamic padding fewer "
-        "lengths mean fewer rebuilds. The loss is unchanged: the padding comes after every real token of a causal "
-        "model and its labels are ignored. ``None``: each batch as it comes.",
+        "lengths mean fewer rebuilds. The model's own loss is unchanged: the padding comes after every real token of "
+        "a causal model and its labels are ignored (a custom pipeline loss sees the padded positions, labelled -100). "
+        "``None``: each batch as it comes.",
     ),
     Option(
         "activation_checkpointing",

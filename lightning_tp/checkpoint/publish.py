@@ -77,10 +77,12 @@ def run_on_main_and_share_failure(fn: Any, *, is_main: bool) -> None:
 
 
 #: How long a rank waits in a collective save (``save_pretrained`` of a sharded model, ``save_merged``) for the other
-#: ranks to call it too. Ranks reach a save together, a step's skew apart; one called on rank 0 alone (under
-#: ``if trainer.is_global_zero:``) fails after this at the latest, and at once where another rank leaves a sign that
-#: it will not come (its process exits, or it reaches one of the strategy's barriers instead).
-ARRIVAL_TIMEOUT = timedelta(minutes=5)
+#: ranks to call it too: Lightning's default process-group timeout, how long a collective would wait (a rank may do
+#: long work of its own first, an upload, say). One called on rank 0 alone (under ``if trainer.is_global_zero:``)
+#: fails after this at the latest, and usually at once: where another rank leaves a sign that it will not come (its
+#: process exits, or it reaches one of the strategy's barriers instead). A refused save leaves the ranks' counts of
+#: saves apart: the job cannot go on saving after it.
+ARRIVAL_TIMEOUT = timedelta(minutes=30)
 _ARRIVALS = "lightning_tp/arrivals"
 _EXITED = "lightning_tp/exited"
 _arrived = 0  # the collective saves this process has called: every rank calls the same ones in the same order

@@ -58,6 +58,7 @@ def grad_norm(
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             if g is not None:
+                assert not isinstance(g, DTensor) or tuple(g.placements) == key[2], f"{g.placements} != {key[2]}"
                 local = g.to_local() if isinstance(g, DTensor) else g
                 by_dtype.setdefault(local.dtype, []).append(local)
         # fp32 norms of bf16 gradients: their squares would lose precision in bf16.

@@ -728,12 +728,22 @@ class PipelineRunner:
                 f"The batch has {rows} rows, not divisible by pp_microbatches={self.plan.microbatches}: each "
                 "micro-batch of the pipeline takes the same number of rows. Use a batch size divisible by it."
             )
+        length = input_ids.shape[-1]
         if self.plan.pad_to_multiple_of is not None:
+            length = -(-length // self.plan.pad_to_multiple_of) * self.plan.pad_to_multiple_of
+        if self.dp_mesh is not None and self.dp_mesh.size() > 1:
+            # Every data-parallel replica runs the same shape, the longest: a replica meeting a new shape alone would
+            # build stages, whose shape inference runs a forward through FSDP2's all-gathers that the others do not
+            # join. One small all-reduce per step, decided from the layout.
+            longest = torch.tensor([length], device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_mesh.get_group())
+            length = int(longest.item())
+        if length != input_ids.shape[-1]:
             input_ids, labels, kwargs = pad_batch(
                 input_ids,
                 labels,
                 kwargs,
-                multiple=self.plan.pad_to_multiple_of,
+                length=length,
                 pad_token_id=getattr(self.model.config, "pad_token_id", None) or 0,
                 with_mask=self.plan.router is not None,
             )
@@ -956,12 +966,12 @@ def pad_batch(
     labels: torch.Tensor | None,
     kwargs: dict[str, Any],
     *,
-    multiple: int,
+    length: int,
     pad_token_id: int,
     with_mask: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
-    """The batch with its sequence length padded at the end up to a multiple of ``multiple``
-    (``pp_pad_to_multiple_of``): input ids with ``pad_token_id``, labels with -100, a 2-D attention mask with zeros,
+    """The batch padded at the end to ``length`` (``pp_pad_to_multiple_of``; the longest of the data-parallel
+    replicas' under pp): input ids with ``pad_token_id``, labels with -100, a 2-D attention mask with zeros,
     position ids counting on. A causal model's real tokens never attend to later positions, and ignored labels add
     nothing to the loss or to the labelled tokens it is divided by: the loss is the unpadded batch's. ``with_mask``:
     give the padding an attention mask (ones on the real tokens) where the batch has none, so that a router's
@@ -970,8 +980,8 @@ def pad_batch(
     Raises:
         ValueError: an attention mask that is not ``(rows, length)``.
     """
-    length = input_ids.shape[-1]
-    extra = -length % multiple
+    extra = length - input_ids.shape[-1]
+    assert extra >= 0, f"padding a batch of length {input_ids.shape[-1]} to {length}"
     if not extra:
         return input_ids, labels, kwargs
     kwargs = dict(kwargs)

@@ -120,8 +120,10 @@ class StepWatchdog(L.Callback):
     def _watch(self) -> None:
         while not self._stop.wait(min(self._limit / 4, 5.0)):
             idle, limit = time.monotonic() - self._beat, self._limit
-            if idle > limit and limit < self.timeout and self._others_first_time():
-                continue  # a peer compiles or meets a new shape, and this rank may be waiting for it: the fixed limit
+            if limit < idle <= self.timeout and self._others_first_time():
+                # A peer compiles or meets a new shape, and this rank may be waiting for it: the fixed limit, and no
+                # more (a peer killed while counted leaves its count in the store for good).
+                continue
             if idle > limit:
                 why = f"step_timeout {limit:.0f} s"
                 if self.adaptive and limit < self.timeout:

@@ -86,11 +86,26 @@ def check_eval_weights(eval_weights: str) -> Literal["sharded", "gathered"]:
     return eval_weights  # type: ignore[return-value]
 
 
-def check_even_batches(model: nn.Module, dataloader: object, *, loop: str) -> None:
+def batches_run(length: int | None, limit: int | float | None) -> int | None:
+    """How many batches Lightning's loop runs of a loader of ``length`` batches (``None``: no length) under its
+    ``limit_*_batches`` (an int: at most that many; a float: that share, 1.0 all) or ``num_sanity_val_steps``
+    (``None``: no limit); ``None`` where that is unknown (no length, no int limit)."""
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0:
+        return limit if length is None else min(length, limit)
+    if length is None:
+        return None
+    return length if limit is None else int(length * float(limit))
+
+
+def check_even_batches(
+    model: nn.Module, dataloader: object, *, loop: str, limit: int | float | None = None, cap: int | None = None
+) -> None:
     """Refuse, on every rank alike, an evaluation loader that gives the ranks different numbers of batches while the
     weights stay sharded: a rank that runs out would leave the others in a layer's all-gather. Every rank calls it
     for each loader of the loop (Lightning processes every loader on every rank, also where a rank then skips the
-    loop for having no batch), so the one all-gather of the counts is reached by all. Nothing to check (and no
+    loop for having no batch), so the one all-gather of the counts is reached by all. The counts are what the loop
+    runs under ``limit`` (:func:`batches_run`: ``limit_val_batches=8`` runs 8 of an unsized loader, or of loaders of
+    11 and 12) and at most ``cap`` (sanity checking's ``num_sanity_val_steps``). Nothing to check (and no
     collective) for a model without FSDP2, whose forwards gather nothing over the data-parallel ranks.
 
     Raises:
@@ -99,15 +114,19 @@ def check_even_batches(model: nn.Module, dataloader: object, *, loop: str) -> No
     if not fsdp_modules(model) or not distributed_is_initialized() or dist.get_world_size() == 1:
         return
     try:
-        count: int | None = len(dataloader)  # type: ignore[arg-type]
+        length: int | None = len(dataloader)  # type: ignore[arg-type]
     except TypeError:  # an iterable without a length
-        count = None
+        length = None
+    count = batches_run(length, limit)
+    if cap is not None:
+        count = cap if count is None else min(count, cap)
     counts: list[int | None] = [None] * dist.get_world_size()
     dist.all_gather_object(counts, count)
     if None not in counts and len(set(counts)) == 1:
         return
     raise ValueError(
-        f"The {loop} loader gives the ranks {counts} batches (rank by rank; None: no length). With "
+        f"The {loop} loader gives the ranks {counts} batches (rank by rank, as the loop runs them; None: no length "
+        "and no int limit). With "
         '`eval_weights="sharded"` (the default) every forward gathers each layer\'s weights over the data-parallel '
         "ranks, so each must run as many batches, or the ranks left would wait for the others in a collective. "
         "Give every rank as many batches (Lightning's own sampler pads validation and test: keep "

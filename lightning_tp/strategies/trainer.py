@@ -453,14 +453,18 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
                     self._rng_to_restore = None
         dataloader = super().process_dataloader(dataloader)
         if trainer is not None and self.model is not None and self._eval_weights == "sharded":
+            stage = trainer.state.stage
             loop = {
                 RunningStage.SANITY_CHECKING: "validation",
                 RunningStage.VALIDATING: "validation",
                 RunningStage.TESTING: "test",
                 RunningStage.PREDICTING: "predict",
-            }.get(trainer.state.stage)
+            }.get(stage)
             if loop is not None:  # every rank, for every loader, also where the loop then has no batch for it
-                check_even_batches(self.model, dataloader, loop=loop)
+                limit = getattr(trainer, f"limit_{'val' if loop == 'validation' else loop}_batches")
+                sanity = stage == RunningStage.SANITY_CHECKING and trainer.num_sanity_val_steps >= 0
+                cap = trainer.num_sanity_val_steps if sanity else None  # sanity checking: at most this many
+                check_even_batches(self.model, dataloader, loop=loop, limit=limit, cap=cap)
         return dataloader
 
     @override

@@ -21,6 +21,7 @@ from tests.helpers.models import (
     mlp_batches,
     packed_lm_batches,
     padded_lm_batches,
+    ragged_lm_batches,
     tiny_config,
     vlm_batches,
 )
@@ -39,6 +40,7 @@ class Case:
     accumulate: int = 1
     head: bool = False
     call_directly: str | None = None
+    trim_padding: bool = False
 
     #: What the single-process reference builds, when it differs from ``build`` (a pre-sharded load).
     reference_build: Callable[[], Any] | None = None
@@ -55,6 +57,7 @@ class Case:
             lr=self.lr,
             head=self.head,
             call_directly=self.call_directly,
+            trim_padding=self.trim_padding,
             **self.opt_kwargs,
         )
 
@@ -796,6 +799,14 @@ CASES: dict[str, Case] = {
         strategy_kwargs={"tp_size": 2, "pp_size": 2, "loss_parallel": True},
     ),
     "qwen3_pp2_dp2": lm("qwen3", 3, config=_DEEP_QWEN3, strategy_kwargs=_PP2),
+    # Each data-parallel replica trims its half's trailing padding: on odd steps the replicas' lengths differ, and one
+    # would meet a new shape alone (the replicas agree on the longest and pad to it).
+    "llama_pp2_dp2_ragged": Case(
+        partial(build_causal_lm, tiny_config("llama", **_DEEP)),
+        partial(ragged_lm_batches, 4),
+        strategy_kwargs=_PP2,
+        trim_padding=True,
+    ),
     # Context parallelism inside each stage: cp 2 (padded rows at an odd length, AdamW, clipping), and a ring over
     # packed documents with Interleaved1F1B.
     "llama_pp2_cp2_padded": Case(
@@ -1024,6 +1035,7 @@ TWO_D_CASES = [
     "llama_pp2_tp2_sp_activation_checkpointing",
     "qwen3_pp2_tp2_sp_lp_interleaved",
     "qwen3_pp2_dp2",
+    "llama_pp2_dp2_ragged",
     "qwen3_pp2_hsdp",
     "llama_pp2_cp2_padded",
     "qwen3_pp2_cp2_ring_packed",

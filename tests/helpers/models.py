@@ -583,6 +583,26 @@ def dynamic_lm_batches(
     return out
 
 
+def ragged_lm_batches(steps: int, batch_size: int = 4, seed: int = 5) -> list[dict[str, torch.Tensor]]:
+    """Dynamic padding whose data-parallel halves differ in length: a new length every step, and on odd steps row 1
+    padded by 2 and rows 2 and 3 by 1, so that the second half (rows 2 and 3) ends in a column of padding alone (a
+    rank that trims it, :class:`ParityModule`'s ``trim_padding``, runs a shorter batch), while each half keeps as many
+    labelled tokens (the mean of the halves' losses is the batch's)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(steps):
+        length = 9 + step
+        ids = torch.randint(3, VOCAB, (batch_size, length), generator=g)
+        mask = torch.ones_like(ids)
+        if step % 2:
+            for row, pad in ((1, 2), (2, 1), (3, 1)):
+                ids[row, -pad:], mask[row, -pad:] = 0, 0
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, 0] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
 def packed_lm_batches(steps: int, batch_size: int = 2, seed: int = 3) -> list[dict[str, torch.Tensor]]:
     """Batches of packed sequences: several documents per row, ``position_ids`` restarting at 0 at each (no
     ``attention_mask``), labels -100 on each document's first token. ``use_cache=False``: with its default cache,
@@ -610,6 +630,9 @@ def mlp_batches(steps: int, batch_size: int = 8, seed: int = 1) -> list[dict[str
 class ParityModule(L.LightningModule):
     """Trains a model built in ``configure_model`` and records the loss and the pre-clip gradient norm per step.
 
+    ``trim_padding``: each rank drops the columns of padding alone at the end of its rows (its replicas' lengths
+    then differ).
+
     ``call_directly``: the path of a module inside the model that the step also calls on its own (plain models).
     ``dp_split``: with data parallelism each rank trains on its slice of the global batch, so that the run is
     comparable with one process on the whole batch.
@@ -623,10 +646,12 @@ class ParityModule(L.LightningModule):
         lr: float = 0.1,
         head: bool = False,
         call_directly: str | None = None,
+        trim_padding: bool = False,
         **opt_kwargs: Any,
     ):
         super().__init__()
         self.build = build
+        self.trim_padding = trim_padding
         self.call_directly = call_directly
         self.model: nn.Module | None = None
         if head:  # a trainable module outside the Transformers model, e.g. a value head
@@ -665,6 +690,9 @@ class ParityModule(L.LightningModule):
         dp_mesh = getattr(self._trainer.strategy, "dp_mesh", None) if self._trainer is not None else None
         if dp_mesh is not None and dp_mesh.size() > 1:
             batch = {k: v.chunk(dp_mesh.size())[dp_mesh.get_local_rank()] for k, v in batch.items()}
+        if self.trim_padding:  # the columns of padding alone at the end dropped, as a collator pads to the longest row
+            keep = int(batch["attention_mask"].sum(0).nonzero().max()) + 1
+            batch = {k: v[:, :keep] for k, v in batch.items()}
         loss = self.compute_loss(batch)
         if dp_mesh is not None and dp_mesh.size() > 1:
             reported = loss.detach().clone()

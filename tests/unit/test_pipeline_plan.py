@@ -319,17 +319,17 @@ def test_padding_to_a_multiple_leaves_a_causal_models_loss_as_it_was():
     mask[1, :3] = 0  # left padding of the second row, as a tokenizer pads for a decoder
     positions = torch.arange(11).expand(2, 11)
     for kwargs in ({}, {"attention_mask": mask}, {"position_ids": positions}):
-        padded_ids, padded_labels, padded = pad_batch(ids, labels, kwargs, multiple=8, pad_token_id=0, with_mask=False)
+        padded_ids, padded_labels, padded = pad_batch(ids, labels, kwargs, length=16, pad_token_id=0, with_mask=False)
         assert padded_ids.shape == (2, 16) and padded_labels.shape == (2, 16)
         assert labelled_tokens(padded_labels) == labelled_tokens(labels)
         with torch.no_grad():
             expected = model(input_ids=ids, labels=labels, **kwargs).loss
             got = model(input_ids=padded_ids, labels=padded_labels, **padded).loss
         torch.testing.assert_close(got, expected, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
-    _, _, made = pad_batch(ids, labels, {}, multiple=8, pad_token_id=0, with_mask=True)
+    _, _, made = pad_batch(ids, labels, {}, length=16, pad_token_id=0, with_mask=True)
     assert made["attention_mask"].tolist() == [[1] * 11 + [0] * 5] * 2
-    assert pad_batch(ids, labels, {}, multiple=11, pad_token_id=0, with_mask=True)[0] is ids  # a multiple already
-    _, _, counted = pad_batch(ids, labels, {"position_ids": positions}, multiple=8, pad_token_id=0, with_mask=False)
+    assert pad_batch(ids, labels, {}, length=11, pad_token_id=0, with_mask=True)[0] is ids  # a multiple already
+    _, _, counted = pad_batch(ids, labels, {"position_ids": positions}, length=16, pad_token_id=0, with_mask=False)
     assert counted["position_ids"][0].tolist() == list(range(16))
     with pytest.raises(ValueError, match="pads a \\(rows, length\\) attention mask"):
-        pad_batch(ids, labels, {"attention_mask": mask[:, None, None]}, multiple=8, pad_token_id=0, with_mask=False)
+        pad_batch(ids, labels, {"attention_mask": mask[:, None, None]}, length=16, pad_token_id=0, with_mask=False)

@@ -345,3 +345,14 @@ def test_accumulate_grads_is_checked_when_built_and_warned_about_where_ignored()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         options.layout(4)  # dp_shard 2 x tp 2: it applies, no warning
+
+
+def test_the_batches_an_evaluation_loop_runs_under_its_limits() -> None:
+    """What sharded evaluation compares across ranks: the batches Lightning's loop runs, not the loader's length."""
+    from lightning_tp.strategies.inference import batches_run
+
+    assert batches_run(12, 1.0) == 12 and batches_run(12, None) == 12
+    assert batches_run(11, 8) == batches_run(12, 8) == 8  # `limit_val_batches=8`: even, whatever the lengths
+    assert batches_run(None, 8) == 8  # an unsized (streaming) loader under an int limit
+    assert batches_run(None, 1.0) is None  # unsized, unlimited: unknown, refused with sharded weights
+    assert batches_run(10, 0.25) == 2

@@ -186,3 +186,50 @@ def test_first_time_work_is_progress_and_a_hang_after_it_still_ends_the_job() ->
     assert "step_timeout 'auto': 10 x the slowest step so far (0." in proc.stderr, proc.stderr
     assert "in training_step" in proc.stderr
     assert time.monotonic() - start < 60  # the 600 s limit would have run into the subprocess timeout
+
+
+LEAKED = """
+import time
+import lightning as L
+import torch
+import torch.distributed as dist
+import lightning_tp.runtime.watchdog as watchdog
+from tests.helpers.models import quiet_trainer
+
+watchdog.AUTO_FLOOR_S = 1.0
+store = dist.HashStore()
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+    def training_step(self, batch, batch_idx):
+        print("step", batch_idx, flush=True)
+        if batch_idx == 5:
+            store.add(watchdog.FIRST_TIME_KEY, 1)  # a peer counted itself, then died: its count stays for good
+        if batch_idx == 7:
+            time.sleep(1e6)
+        return self.net(batch).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([torch.randn(2, 2) for _ in range(9)], batch_size=None)
+
+trainer = quiet_trainer(
+    accelerator="cpu", devices=1, max_epochs=1, callbacks=[watchdog.StepWatchdog(4, adaptive=True, store=store)]
+)
+trainer.fit(Module())
+"""
+
+
+def test_a_peers_count_left_in_the_store_waits_the_fixed_limit_and_no_more() -> None:
+    """A peer killed while it counted itself as doing first-time work leaves its count: a hang after it still ends
+    the job, at the fixed limit (4 s here) instead of the learned one, not never."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LEAKED)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert proc.returncode == 1 and steps[-1] == "step 7", proc.stdout + proc.stderr
+    assert "in training_step" in proc.stderr
+    assert time.monotonic() - start < 60
