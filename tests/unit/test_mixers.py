@@ -436,8 +436,12 @@ def test_a_share_of_a_whole_parameter_keeps_the_whole_gradient():
     ],
 )
 def test_mlps_and_experts_modules_a_plan_leaves_whole_are_split(family, module, kind):
+    from transformers import CONFIG_MAPPING
+
     from benchmarks import coverage
 
+    if family not in CONFIG_MAPPING:  # Ergo came with Transformers 5.25; the lower bound, 5.24, lacks it
+        pytest.skip(f"{family} is not a family of this Transformers")
     with torch.device("meta"):
         model = build_causal_lm(coverage.tiny_config(family))
     plan = resolve_plan(model, "auto", tp_size=2)
