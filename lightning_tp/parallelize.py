@@ -431,7 +431,12 @@ def apply_parallelisms(
     #    parameter names, state dicts and checkpoints stay the uncompiled model's (torchtitan wraps each block
     #    instead, which renames its parameters).
     if options.compile is not False:
-        apply_compile(targets, blocks=options.fsdp_blocks, compile_options=compile_options(options.compile))
+        apply_compile(
+            targets,
+            blocks=options.fsdp_blocks,
+            compile_options=compile_options(options.compile),
+            checkpointed=options.activation_checkpointing,
+        )
     # 7. FSDP2 on the data-parallel axes (and the CP axis: its ranks hold the same weights and reduce their gradients
     #    together), after TP: it shards the TP shards further (2-D) and must see the final DTensor parameters. HSDP
     #    when dp_replicate_size > 1.
@@ -759,10 +764,19 @@ def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any]:
     return dict(compile) if isinstance(compile, Mapping) else {}
 
 
-def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None, compile_options: Mapping[str, Any]) -> None:
+def apply_compile(
+    targets: Targets,
+    *,
+    blocks: tuple[str, ...] | None,
+    compile_options: Mapping[str, Any],
+    checkpointed: bool = False,
+) -> None:
     """Each decoder layer (``blocks`` or ``_no_split_modules``) of each model compiled in place with
     ``compile_options`` (``torch.compile``'s arguments); the first forward compiles it. By default graph breaks are
-    allowed (a family's hooks may break some); ``{"fullgraph": True}`` makes one an error, naming the break."""
+    allowed (a family's hooks may break some); ``{"fullgraph": True}`` makes one an error, naming the break.
+    ``checkpointed``: the layers are recomputed by activation checkpointing, whose recomputation stops each layer's
+    forward with an exception once it has what backward needs (torch's early stop), in eager where dynamo skips the
+    checkpointed frame: their always-called hooks (which put swapped parameters back) stay always called."""
     for target in targets.models:
         classes = block_classes(target.module, blocks)
         layers = [m for m in target.module.modules() if type(m) in classes]
@@ -782,7 +796,7 @@ def apply_compile(targets: Targets, *, blocks: tuple[str, ...] | None, compile_o
             )
         for layer in layers:
             if layer not in eager:
-                for module in layer.modules():
+                for module in layer.modules() if not checkpointed else ():
                     drop_always_called_hooks(module)  # else each layer's graph is guarded on its hooks' ids
                 layer.compile(**compile_options)
 

@@ -257,7 +257,7 @@ def run_case(ctx: Context, name: str) -> dict:
         runner = pipeline_runner(model)
         split["kept_shapes"] = len(runner._schedules)
         owned = {id(m) for m in runner.stage_modules}
-        split["live_stages"] = sum(isinstance(o, PipelineStage) and id(o.submod) in owned for o in gc.get_objects())
+        split["live_stages"] = sum(type(o) is PipelineStage and id(o.submod) in owned for o in gc.get_objects())
         model.save_pretrained(out / f"{name}_pretrained")  # every stage's weights (a LoRA model's: its adapters)
         split["pretrained"] = str(out / f"{name}_pretrained")
         if "lora" in name:  # every stage's adapters merged into its base weights, gathered on rank 0

@@ -682,11 +682,11 @@ CASES: dict[str, Case] = {
     # What a real run does, small: 8 layers, 200 steps of 12 lengths (dynamic padding), validation every 50 steps, a
     # checkpoint at step 100 and an export at the end, in 2-D (dp_shard 2 x tp 2).
     "llama8_long_run": Case(
-        partial(build_causal_lm, tiny_config("llama", num_hidden_layers=8, hidden_size=32, intermediate_size=64)),
+        partial(build_causal_lm, tiny_config("llama", num_hidden_layers=8, hidden_size=16, intermediate_size=32)),
         partial(dynamic_lm_batches, 200),
         lr=0.01,  # small steps: 200 of them amplify a rounding's difference little
         val_every=50,
-        val_batches=partial(dynamic_lm_batches, 2, seed=9),
+        val_batches=partial(dynamic_lm_batches, 1, seed=9),
     ),
     # Dynamic padding: 12 steps of 12 lengths. The pipeline keeps its stages for the last KEPT_SHAPES shapes only;
     # padded to multiples of 8, the lengths (9 to 20) take 2 shapes.
