@@ -1,3 +1,5 @@
+from datetime import timedelta
+
 import pytest
 
 from lightning_tp import ParallelLayout
@@ -64,3 +66,24 @@ def test_checkpoints_record_cp_only_when_it_splits():
 
     assert layout_sizes(ParallelLayout(tp_size=2, dp_shard_size=2)) == {"tp": 2, "dp_shard": 2, "dp_replicate": 1}
     assert layout_sizes(ParallelLayout(tp_size=2, cp_size=2))["cp"] == 2
+
+
+def test_meshes_are_built_once_per_world_group():
+    """A second Trainer of the same layout (``fit`` then ``test``, a sweep) gets the first one's meshes: torch never
+    frees a process group before the world group, so each mesh built anew would leak its groups' threads, sockets
+    and, on NCCL, communicators. A new world group starts afresh."""
+    import torch.distributed as dist
+
+    from tests.helpers.process_group import one_rank_mesh
+
+    layout = ParallelLayout(tp_size=1)
+    with one_rank_mesh():
+        first = layout.build_device_mesh("cpu")
+        assert layout.build_device_mesh("cpu") == first and layout.build_device_mesh("cpu")[0] is first[0]
+        other = layout.build_device_mesh("cpu", timeout=timedelta(seconds=30))
+        assert other[0] is not first[0]  # another timeout: groups of its own
+        groups = len(dist.distributed_c10d._world.pg_map)
+        layout.build_device_mesh("cpu")
+        assert len(dist.distributed_c10d._world.pg_map) == groups
+    with one_rank_mesh():
+        assert layout.build_device_mesh("cpu")[0] is not first[0]
