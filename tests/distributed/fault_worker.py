@@ -36,7 +36,7 @@ from tests.helpers.tripwire import worker_setup
 
 FAULT_STEP = 3
 PG_TIMEOUT = timedelta(seconds=60)
-STEP_TIMEOUT = 10.0  # a step takes well under a second here: ten is no false alarm, and the stuck row waits it out
+STEP_TIMEOUT = 6.0  # a step takes well under a second here: six is no false alarm, and the stuck row waits it out
 
 
 def _mark_fault(out: Path) -> None:

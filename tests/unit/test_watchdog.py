@@ -126,7 +126,7 @@ import lightning_tp.runtime.watchdog as watchdog
 from tests.helpers.models import quiet_trainer
 
 watchdog.AUTO_FLOOR_S = 1.0  # the 45 s floor, scaled down to this test's millisecond steps
-SLOW = 3.0  # first-time work longer than the learned limit (the floor), far shorter than the fixed one
+SLOW = 2.0  # first-time work longer than the learned limit (the floor), far shorter than the fixed one
 # After the warm-up (2 steps) and 2 timed steps, while the watchdog checks every 0.25 s (a quarter of the floor).
 PEER, COMPILES, NEW_SHAPE, STUCK = 5, 7, 9, 13
 store = dist.HashStore()  # the job's store: where a peer doing first-time work counts itself
@@ -174,7 +174,7 @@ trainer.fit(Module())
 def test_first_time_work_is_progress_and_a_hang_after_it_still_ends_the_job() -> None:
     """``step_timeout="auto"`` after its warm-up, with the learned limit at its floor (scaled to 1 s): a step that
     compiles (torch.compile's callbacks), the first step of a new batch shape and a step waiting for a peer that does
-    either (counted in the job's store) each run 3 s, past that limit, where they ended a healthy job before; none is
+    either (counted in the job's store) each run 2 s, past that limit, where they ended a healthy job before; none is
     timed (the limit stays the floor). A hang in a later step on a seen shape, with no first-time work anywhere,
     still ends the job at the learned limit."""
     start = time.monotonic()
