@@ -10,7 +10,7 @@ Every stage is a small function of this module; each technique lives in its own 
 (:mod:`~lightning_tp.plans.resolve`, :mod:`~lightning_tp.parallel.tensor_parallel`,
 :mod:`~lightning_tp.parallel.sequence_parallel`, :mod:`~lightning_tp.parallel.fsdp`, ...).
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``options``, ``plans``,
+May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``state``, ``options``, ``plans``,
 ``parallel``, ``checkpoint``, ``runtime``: every layer below the strategies.
 """
 
@@ -100,6 +100,7 @@ from lightning_tp.plans.resolve import (
     uneven_kv_projections,
 )
 from lightning_tp.plans.structure import block_classes
+from lightning_tp.state import ParallelState
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -461,6 +462,10 @@ def apply_parallelisms(
     # 10. What no stage placed (buffers of the root or of parameterless modules; with CPU offload, every buffer, which
     #    the forward needs on the device while FSDP2 keeps the parameters on the CPU).
     place_on_device(root, device, cpu_offload=options.cpu_offload)
+    # 11. What was made, on the module given and on each model inside it, for what runs on them later (gradient norms
+    #    over every pipeline stage, the writers, `generate`): read with `parallel_state(model)`.
+    state = ParallelState(layout=layout, mesh=mesh, options=options, targets=targets, expert_mesh=expert_mesh)
+    state.attach([root, *(target.module for target in targets.models)])
     return targets
 
 

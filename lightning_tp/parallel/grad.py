@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tp.compat import foreach_mul_, foreach_norm
 from lightning_tp.parallel.pipeline import counted_on_another_stage
+from lightning_tp.state import parallel_state
 
 
 def _group_key(param: torch.Tensor) -> object:
@@ -29,22 +31,44 @@ def _group_key(param: torch.Tensor) -> object:
     return ("tensor", param.device)
 
 
+def _parameters_and_pipeline(
+    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, pp_group: Any | None
+) -> tuple[list[torch.Tensor], Any | None]:
+    """The parameters to take the norm of, and the pipeline's group: a module's own (its parallel state's) unless
+    ``pp_group`` is given."""
+    if isinstance(parameters, nn.Module):
+        state = parallel_state(parameters)
+        if pp_group is None and state is not None:
+            pp_group = state.pp_group
+        return list(parameters.parameters()), pp_group
+    if isinstance(parameters, torch.Tensor):
+        return [parameters], pp_group
+    return list(parameters), pp_group
+
+
 @torch.no_grad()
 def grad_norm(
-    parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, *, pp_group: Any | None = None
+    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2.0,
+    *,
+    pp_group: Any | None = None,
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of the parameters' gradients, as a plain (replicated) 0-dim tensor.
-
-    ``pp_group``: the ranks of this rank's pipeline, each holding other parameters (their stages'): the norm then
-    covers every stage's, an embedding tied to the head across stages counted once.
 
     Each group's norm is taken on the local shards and reduced over the mesh dimensions the group is sharded on
     (sum of p-th powers, or max for inf), on the mesh's device: with FSDP2's CPU offload the local gradients live on
     the CPU while NCCL reduces only device tensors. Which reductions run is decided from the parameters that require
     a gradient, the same on every rank: a gradient missing on one rank counts as zeros there.
+
+    Args:
+        parameters: a parallelised model (its parameters, and under pipeline parallelism every stage's: the model
+            knows its pipeline), or parameters or one tensor as torch's ``clip_grad_norm_`` takes them.
+        norm_type: the norm's order (``inf`` for the largest magnitude).
+        pp_group: the ranks of this rank's pipeline, each holding other parameters (their stages'), for parameters
+            given without their model: the norm then covers every stage's, an embedding tied to the head across
+            stages counted once. Every rank of it must call this.
     """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
+    parameters, pp_group = _parameters_and_pipeline(parameters, pp_group)
     groups: dict[object, list[torch.Tensor | None]] = {}
     for p in parameters:
         if not p.requires_grad or (pp_group is not None and counted_on_another_stage(p)):
@@ -103,21 +127,28 @@ def _pp_device(group: Any) -> torch.device:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float,
     norm_type: float = 2.0,
     *,
     error_if_nonfinite: bool = False,
     pp_group: Any | None = None,
 ) -> torch.Tensor:
-    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` that works on tensor-parallel and 2-D models, and on pipelined
-    ones given ``pp_group`` (the norm over every stage).
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` that works on tensor-parallel, 2-D and pipelined models (the
+    norm over every stage): :func:`grad_norm`, then every gradient scaled by the same factor.
 
-    Returns the total norm before clipping, like torch.
+    Args:
+        parameters, norm_type, pp_group: as :func:`grad_norm`'s.
+        max_norm: the largest norm the gradients keep.
+        error_if_nonfinite: raise when the norm is ``nan`` or ``inf``, as torch does.
+
+    Returns:
+        The total norm before clipping, like torch.
+
+    Raises:
+        RuntimeError: with ``error_if_nonfinite``, when the norm is not finite (torch's error).
     """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    parameters = list(parameters)
+    parameters, pp_group = _parameters_and_pipeline(parameters, pp_group)
     total = grad_norm(parameters, norm_type, pp_group=pp_group)  # every rank's reductions, gradients or not
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(

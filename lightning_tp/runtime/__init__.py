@@ -1,7 +1,7 @@
 """What runs beside training: preemption (save and exit when the scheduler says so), the step watchdog (a stuck rank
 dumps its stack and exits), garbage collection at the same step on every rank, throughput and memory monitors.
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``options``, ``plans``,
+May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``state``, ``options``, ``plans``,
 ``parallel``, ``checkpoint``.
 """
 

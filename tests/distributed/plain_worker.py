@@ -22,7 +22,9 @@ STEPS = 3
 SCENARIOS = Scenarios("plain_worker.py")
 
 
-def _train(model: torch.nn.Module, batches: list[dict], *, clip: bool) -> list[float]:
+def _train(model: torch.nn.Module, batches: list[dict], *, clip: bool, norms: list | None = None) -> list[float]:
+    """SGD over ``batches``; with ``clip`` each step's gradients clipped to norm 0.5 (the norms appended to
+    ``norms``), the model given whole: a pipelined model knows which ranks hold its other stages."""
     import lightning_tp
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # exact: AdamW would amplify rounding in tiny gradients
@@ -31,7 +33,9 @@ def _train(model: torch.nn.Module, batches: list[dict], *, clip: bool) -> list[f
         loss = model(**batch).loss
         loss.backward()
         if clip:
-            lightning_tp.clip_grad_norm_(model.parameters(), 0.5)
+            norm = lightning_tp.clip_grad_norm_(model, 0.5)
+            if norms is not None:
+                norms.append(norm.item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -97,6 +101,33 @@ def case_ep_from_sizes() -> dict:
     halves = [{k: v.chunk(2)[rank] for k, v in batch.items()} for batch in batches]
     losses = _train_data_parallel(model, halves, dp_group=None)
     return _compare("ep_from_sizes", model, reference, losses, _train(reference, batches, clip=False))
+
+
+@SCENARIOS.register("pp_clip_from_sizes")
+def case_pp_clip_from_sizes() -> dict:
+    """Pipeline parallelism over both ranks (each holds two of the four layers; both read the same batches), clipped
+    by ``clip_grad_norm_(model, 0.5)`` with no group: the model's parallel state names its pipeline, so the norm is
+    every stage's (a rank's own stage's would clip by another factor on each rank)."""
+    import lightning_tp
+
+    model = build_causal_lm(tiny_config("llama", num_hidden_layers=4))
+    reference = copy.deepcopy(model)
+    batches = lm_batches(STEPS)
+    lightning_tp.parallelize(model, tp_size=1, pp_size=2)
+    norms: list[float] = []
+    ref_norms: list[float] = []
+    losses = _train(model, batches, clip=True, norms=norms)
+    ref_losses = _train(reference, batches, clip=True, norms=ref_norms)
+    held = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    ref_weights = dict(reference.named_parameters())
+    return {
+        "case": "pp_clip_from_sizes",
+        "names_match": bool(held) and set(held) < set(ref_weights),  # this rank's stage: some of the weights
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "weight_diff": max((held[n] - ref_weights[n].detach()).abs().max().item() for n in held),
+        "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
+        "clipped": min(ref_norms) > 0.5,
+    }
 
 
 @SCENARIOS.register("fsdp_from_mesh")

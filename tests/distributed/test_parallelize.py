@@ -29,6 +29,13 @@ def test_plain_pytorch_loop_matches_one_process(plain_results: dict[str, dict], 
     assert result["weight_diff"] < 1e-5, result
 
 
+def test_clip_grad_norm_of_a_pipelined_model_covers_every_stage(plain_results: dict[str, dict]) -> None:
+    """``clip_grad_norm_(model, ...)`` with no group under pp 2: every stage's norm, as one process's."""
+    result = plain_results["pp_clip_from_sizes"]
+    assert result["names_match"] and result["clipped"], result
+    assert result["norm_rel_diff"] < 1e-5 and result["loss_diff"] < 1e-5 and result["weight_diff"] < 1e-5, result
+
+
 def test_clip_grad_norm_with_a_gradient_on_one_rank_only(plain_results: dict[str, dict]) -> None:
     """Without the fix rank 0 runs two reductions and rank 1 one: a hang (the launch's tripwire) or a wrong norm."""
     result = plain_results["grad_norm_missing_gradient"]

@@ -996,8 +996,6 @@ TWO_D_CASES = [
     "qwen3_5_hybrid_sgd",
     "deepseek_v3_mla_sgd",
     "gpt_oss_experts_sgd",
-    "qwen3_5_hybrid_lora",
-    "deepseek_v3_mla_lora",
     "qwen3_sp_lp_adamw_clip",
     "qwen2_5_vl_sgd",
     "gemma3_sgd",

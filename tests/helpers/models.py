@@ -707,8 +707,8 @@ class ParityModule(L.LightningModule):
         self.val_losses.append(self.compute_loss(batch).item())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        pp_group = getattr(self._trainer.strategy, "pp_group", None) if self._trainer is not None else None
-        self.grad_norms.append(grad_norm(self.parameters(), pp_group=pp_group).item())
+        # The module itself: under pipeline parallelism its parallel state says which ranks hold the other stages.
+        self.grad_norms.append(grad_norm(self).item())
         from torch.distributed.tensor import DTensor
 
         # Each gradient is laid out as its parameter (a replicated gradient of a sharded weight wastes memory).

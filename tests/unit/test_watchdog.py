@@ -7,7 +7,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from subprocess import PIPE
 
 import pytest
 
@@ -50,15 +52,46 @@ quiet_trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[StepWatchdo
 """
 
 
-def test_a_stuck_step_ends_the_process_with_every_stack() -> None:
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(STUCK)], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+@dataclass
+class Ended:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float  # from the start of its process to its end
+
+
+@pytest.fixture(scope="module")
+def ended() -> dict[str, Ended]:
+    """Every script of this module run at once, each in a process of its own (the watchdog ends its process): they
+    wait far more than they compute, so together they take about as long as the longest."""
+    scripts = {
+        "stuck": [STUCK],
+        "adaptive_-1": [ADAPTIVE, "-1"],
+        "adaptive_9": [ADAPTIVE, "9"],
+        "first_time": [FIRST_TIME],
+        "leaked": [LEAKED],
+    }
+    started = {}
+    for name, (script, *args) in scripts.items():
+        command = [sys.executable, "-c", textwrap.dedent(script), *args]
+        started[name] = (time.monotonic(), subprocess.Popen(command, cwd=ROOT, stdout=PIPE, stderr=PIPE, text=True))
+    results = {}
+    for name, (start, proc) in started.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, 150 - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        results[name] = Ended(proc.returncode, stdout, stderr, time.monotonic() - start)
+    return results
+
+
+def test_a_stuck_step_ends_the_process_with_every_stack(ended: dict[str, Ended]) -> None:
+    proc = ended["stuck"]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "no training progress for" in proc.stderr and "step_timeout 2 s" in proc.stderr, proc.stderr
     assert "in training_step" in proc.stderr  # the stuck frame, from faulthandler
-    assert time.monotonic() - start < 100
+    assert proc.seconds < 100
 
 
 ADAPTIVE = """
@@ -97,24 +130,17 @@ trainer.fit(Module())
 
 
 @pytest.mark.parametrize("stuck_at", [-1, 9])
-def test_auto_limit_learns_the_step_time_and_spares_validation(stuck_at: int) -> None:
+def test_auto_limit_learns_the_step_time_and_spares_validation(ended: dict[str, Ended], stuck_at: int) -> None:
     """``step_timeout="auto"``: millisecond steps get the floor (scaled to 1 s here) instead of the 600 s limit, while
     validation batches longer than that floor run through."""
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(ADAPTIVE), str(stuck_at)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = ended[f"adaptive_{stuck_at}"]
     if stuck_at < 0:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "step_timeout 'auto': 10 x the slowest step so far" in proc.stderr, proc.stderr
     assert "in training_step" in proc.stderr
-    assert time.monotonic() - start < 60  # the 600 s limit would have run into the subprocess timeout
+    assert proc.seconds < 60  # the 600 s limit would have run into the fixture's timeout
 
 
 FIRST_TIME = """
@@ -171,21 +197,18 @@ trainer.fit(Module())
 """
 
 
-def test_first_time_work_is_progress_and_a_hang_after_it_still_ends_the_job() -> None:
+def test_first_time_work_is_progress_and_a_hang_after_it_still_ends_the_job(ended: dict[str, Ended]) -> None:
     """``step_timeout="auto"`` after its warm-up, with the learned limit at its floor (scaled to 1 s): a step that
     compiles (torch.compile's callbacks), the first step of a new batch shape and a step waiting for a peer that does
     either (counted in the job's store) each run 2 s, past that limit, where they ended a healthy job before; none is
     timed (the limit stays the floor). A hang in a later step on a seen shape, with no first-time work anywhere,
     still ends the job at the learned limit."""
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(FIRST_TIME)], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    proc = ended["first_time"]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert proc.returncode == 1 and steps[-1] == "step 13", proc.stdout + proc.stderr  # not at a first-time step
     assert "step_timeout 'auto': 10 x the slowest step so far (0." in proc.stderr, proc.stderr
     assert "in training_step" in proc.stderr
-    assert time.monotonic() - start < 60  # the 600 s limit would have run into the subprocess timeout
+    assert proc.seconds < 60  # the 600 s limit would have run into the fixture's timeout
 
 
 LEAKED = """
@@ -222,14 +245,11 @@ trainer.fit(Module())
 """
 
 
-def test_a_peers_count_left_in_the_store_waits_the_fixed_limit_and_no_more() -> None:
+def test_a_peers_count_left_in_the_store_waits_the_fixed_limit_and_no_more(ended: dict[str, Ended]) -> None:
     """A peer killed while it counted itself as doing first-time work leaves its count: a hang after it still ends
     the job, at the fixed limit (4 s here) instead of the learned one, not never."""
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(LEAKED)], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    proc = ended["leaked"]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert proc.returncode == 1 and steps[-1] == "step 7", proc.stdout + proc.stderr
     assert "in training_step" in proc.stderr
-    assert time.monotonic() - start < 60
+    assert proc.seconds < 60
