@@ -130,6 +130,47 @@ def case_pp_clip_from_sizes() -> dict:
     }
 
 
+@SCENARIOS.register("three_models_in_turn")
+def case_three_models_in_turn() -> dict:
+    """Three models parallelised differently in one process (TP 2 with sequence and loss parallelism, CP 2, PP 2),
+    trained a step of each in turn and clipped by ``clip_grad_norm_(model, 0.5)``: each at parity with its own
+    one-process run, so nothing one model's parallelisation set up reaches another's forward, loss or norm."""
+    import lightning_tp
+
+    options = {"tp": lightning_tp.ParallelOptions(sequence_parallel=True, loss_parallel=True), "cp": None, "pp": None}
+    sizes = {"tp": {"tp_size": 2}, "cp": {"tp_size": 1, "cp_size": 2}, "pp": {"tp_size": 1, "pp_size": 2}}
+    models = {
+        "tp": build_causal_lm(tiny_config("qwen3")),
+        "cp": build_causal_lm(tiny_config("llama")),
+        "pp": build_causal_lm(tiny_config("llama", num_hidden_layers=4)),
+    }
+    references = {name: copy.deepcopy(model) for name, model in models.items()}
+    batches = lm_batches(STEPS)
+    for name, model in models.items():
+        lightning_tp.parallelize(model, options=options[name], **sizes[name])
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.5) for name, model in models.items()}
+    losses: dict[str, list[float]] = {name: [] for name in models}
+    for batch in batches:
+        for name, model in models.items():
+            loss = model(**batch).loss
+            loss.backward()
+            lightning_tp.clip_grad_norm_(model, 0.5)
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            losses[name].append(loss.item())
+    result: dict = {"case": "three_models_in_turn"}
+    for name, model in models.items():
+        ref_losses = _train(references[name], batches, clip=True)
+        held = {n: _full(p.detach()) for n, p in model.named_parameters()}
+        ref_weights = dict(references[name].named_parameters())
+        result[name] = {
+            "held": bool(held) and set(held) <= set(ref_weights),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses[name], ref_losses, strict=True)),
+            "weight_diff": max((held[n] - ref_weights[n].detach()).abs().max().item() for n in held),
+        }
+    return result
+
+
 @SCENARIOS.register("fsdp_from_mesh")
 def case_fsdp_from_mesh() -> dict:
     """FSDP2 over both ranks from a mesh the script built: each rank takes its half of every batch (the sampler over

@@ -36,6 +36,15 @@ def test_clip_grad_norm_of_a_pipelined_model_covers_every_stage(plain_results: d
     assert result["norm_rel_diff"] < 1e-5 and result["loss_diff"] < 1e-5 and result["weight_diff"] < 1e-5, result
 
 
+@pytest.mark.parametrize("model", ["tp", "cp", "pp"])
+def test_models_parallelised_differently_train_in_turn_each_at_parity(plain_results: dict[str, dict], model: str):
+    """No state of one model's parallelisation reaches another's: TP 2 (sequence and loss parallelism), CP 2 and
+    PP 2 in one process, a step of each in turn."""
+    result = plain_results["three_models_in_turn"][model]
+    assert result["held"], result
+    assert result["loss_diff"] < 1e-5 and result["weight_diff"] < 1e-5, result
+
+
 def test_clip_grad_norm_with_a_gradient_on_one_rank_only(plain_results: dict[str, dict]) -> None:
     """Without the fix rank 0 runs two reductions and rank 1 one: a hang (the launch's tripwire) or a wrong norm."""
     result = plain_results["grad_norm_missing_gradient"]

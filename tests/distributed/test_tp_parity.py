@@ -503,7 +503,7 @@ def test_whole_tensors_gathered_in_slices_match_full_tensor(layout_results: list
 
 @pytest.mark.scenarios("2d", "llama8_long_run")
 def test_a_long_run_with_dynamic_padding_validation_checkpoint_and_export(two_d_results: list[dict]) -> None:
-    """8 layers, 120 steps of 12 lengths, validation every 30 steps, a checkpoint at step 60 and an export at the end,
+    """8 layers, 200 steps of 12 lengths, validation every 50 steps, a checkpoint at step 100 and an export at the end,
     in 2-D (dp_shard 2 x tp 2): the training at parity (test_2d_matches_single_process), every validation loss at
     the bound of the training loss after as many steps, a rank's share of the parameters in validation as in
     training, live memory flat after the warm-up (the second validation's,
@@ -527,7 +527,7 @@ def test_a_long_run_with_dynamic_padding_validation_checkpoint_and_export(two_d_
             assert abs(got - expected) <= bounds["loss"][steps - 1], (i, got, expected, bounds["loss"][steps - 1])
         # The share of the parameters a rank holds at each validation batch's start is a training batch's (1/4).
         assert set(split["held"]["validation"]) == set(split["held"]["train"]), split["held"]
-        live = split["live_mib"]  # after each validation; the first two of 30 steps are the warm-up
+        live = split["live_mib"]  # after each validation; the first two steps of 50 are the warm-up
         assert len(live) == 4 and max(live[2:]) - live[1] <= 0.01 * live[1], live
     directory = Path(two_d_results[0][name]["split"]["directory"])
     check_checkpoint(directory / "checkpoint")

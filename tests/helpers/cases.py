@@ -679,13 +679,13 @@ CASES: dict[str, Case] = {
     # stages of one layer), GPipe over 4 micro-batches with foreach AdamW, clipping (the norm over both stages) and
     # gradient accumulation, LoRA; on 4 ranks pp 2 x tp 2 and pp 2 x dp 2 (FSDP2 on each stage).
     "llama_pp2": lm("llama", 4, config=_DEEP, strategy_kwargs=_PP2),
-    # What a real run does, small: 8 layers, 120 steps of 12 lengths (dynamic padding), validation every 30 steps, a
-    # checkpoint at step 60 and an export at the end, in 2-D (dp_shard 2 x tp 2).
+    # What a real run does, small: 8 layers, 200 steps of 12 lengths (dynamic padding), validation every 50 steps, a
+    # checkpoint at step 100 and an export at the end, in 2-D (dp_shard 2 x tp 2).
     "llama8_long_run": Case(
         partial(build_causal_lm, tiny_config("llama", num_hidden_layers=8, hidden_size=16, intermediate_size=32)),
-        partial(dynamic_lm_batches, 120),
-        lr=0.01,  # small steps: 120 of them amplify a rounding's difference little
-        val_every=30,
+        partial(dynamic_lm_batches, 200),
+        lr=0.01,  # small steps: 200 of them amplify a rounding's difference little
+        val_every=50,
         val_batches=partial(dynamic_lm_batches, 1, seed=9),
     ),
     # Dynamic padding: 12 steps of 12 lengths. The pipeline keeps its stages for the last KEPT_SHAPES shapes only;
@@ -971,7 +971,7 @@ ERROR_MODULE_KWARGS: dict[str, dict[str, Any]] = {"direct_call_inside_unit": {"c
 # tests/distributed/worker.py each launch runs when every test is selected, in this order.
 
 TWO_D_CASES = [
-    # The long run: 120 steps of dynamic padding, validation, a checkpoint and an export.
+    # The long run: 200 steps of dynamic padding, validation, a checkpoint and an export.
     "llama8_long_run",
     "qwen3_sp_lp_odd_length",
     "qwen3_sgd",
