@@ -204,9 +204,9 @@ class ParallelLayout:
         Built once per world group: a later call with the same layout, device type and timeout returns the same
         meshes (see :func:`_once_per_world`).
         """
-        return _once_per_world(
-            ("dense", self, device_type, timeout), lambda: self._build_device_mesh(device_type, timeout)
-        )
+        # Keyed without `ep_size`: the dense mesh is the same with or without experts (theirs is another mesh).
+        key = ("dense", replace(self, ep_size=1), device_type, timeout)
+        return _once_per_world(key, lambda: self._build_device_mesh(device_type, timeout))
 
     def _build_device_mesh(self, device_type: str, timeout: timedelta | None) -> tuple[DeviceMesh, DeviceMesh]:
         from torch.distributed.device_mesh import init_device_mesh
@@ -281,13 +281,14 @@ def _once_per_world(key: tuple, build: Callable[[], Any]) -> Any:
     build them again. A new world group (after ``destroy_process_group``) starts afresh."""
     import torch.distributed as dist
 
-    world = dist.group.WORLD
-    if _BUILT[0] is not world:
-        _BUILT[:] = [world, {}]
-    built = _BUILT[1]
-    if key not in built:
-        built[key] = build()
-    return built[key]
+    if _BUILT[0] is not dist.group.WORLD:
+        _BUILT[:] = [dist.group.WORLD, {}]
+    if key not in _BUILT[1]:
+        meshes = build()
+        if _BUILT[0] is not dist.group.WORLD:  # `init_device_mesh` made the world group itself
+            _BUILT[:] = [dist.group.WORLD, {}]
+        _BUILT[1][key] = meshes
+    return _BUILT[1][key]
 
 
 def group_options(timeout: timedelta | None) -> Any:

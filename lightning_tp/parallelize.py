@@ -463,7 +463,7 @@ def apply_parallelisms(
     #    the forward needs on the device while FSDP2 keeps the parameters on the CPU).
     place_on_device(root, device, cpu_offload=options.cpu_offload)
     # 11. What was made, on the module given and on each model inside it, for what runs on them later (gradient norms
-    #    over every pipeline stage, the writers, `generate`): read with `parallel_state(model)`.
+    #    over every pipeline stage): read with `parallel_state(model)`.
     state = ParallelState(layout=layout, mesh=mesh, options=options, targets=targets, expert_mesh=expert_mesh)
     state.attach([root, *(target.module for target in targets.models)])
     return targets

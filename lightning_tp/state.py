@@ -2,10 +2,11 @@
 model through one attribute.
 
 It holds the layout and the meshes the model was sharded over, the options it was built with and the resolved plan
-of each model inside it, so that what runs on the model later (gradient norms and clipping, the monitors, the
-checkpoint writers, ``generate``) reads it from the model instead of being handed each piece again:
-``grad_norm(model)`` covers every pipeline stage with no extra argument. Built once per :func:`parallelize` (or
-strategy setup) and never changed after it.
+of each model inside it, so that what runs on the model later reads it from the model instead of being handed each
+piece again: ``grad_norm(model)`` and ``clip_grad_norm_(model, ...)`` cover every pipeline stage with no extra
+argument. Built once per :func:`parallelize` (or strategy setup) and never changed after it. Found from the module
+given or one holding it, not from a submodule: under pipeline parallelism ``grad_norm(model.model.layers[0])`` is
+that stage's norm.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ParallelState:
         """Make this the state of each of ``modules`` that has none yet (a module parallelised by an earlier call,
         fit then validate, keeps its own)."""
         for module in modules:
-            if getattr(module, STATE_ATTR, None) is None:
+            if module.__dict__.get(STATE_ATTR) is None:  # its own, not one a wrapper's `__getattr__` forwards
                 setattr(module, STATE_ATTR, self)
 
 

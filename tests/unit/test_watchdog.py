@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,7 +64,8 @@ class Ended:
 @pytest.fixture(scope="module")
 def ended() -> dict[str, Ended]:
     """Every script of this module run at once, each in a process of its own (the watchdog ends its process): they
-    wait far more than they compute, so together they take about as long as the longest."""
+    wait far more than they compute, so together they take about as long as the longest. Each is read by a thread of
+    its own, so that its time is its own and no pipe fills up while another is read."""
     scripts = {
         "stuck": [STUCK],
         "adaptive_-1": [ADAPTIVE, "-1"],
@@ -71,18 +73,32 @@ def ended() -> dict[str, Ended]:
         "first_time": [FIRST_TIME],
         "leaked": [LEAKED],
     }
-    started = {}
-    for name, (script, *args) in scripts.items():
-        command = [sys.executable, "-c", textwrap.dedent(script), *args]
-        started[name] = (time.monotonic(), subprocess.Popen(command, cwd=ROOT, stdout=PIPE, stderr=PIPE, text=True))
-    results = {}
-    for name, (start, proc) in started.items():
+    results: dict[str, Ended] = {}
+    procs: list[subprocess.Popen] = []
+
+    def run(name: str, script: str, *args: str) -> None:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, stdout=PIPE, stderr=PIPE, text=True
+        )
+        procs.append(proc)
         try:
-            stdout, stderr = proc.communicate(timeout=max(1.0, 150 - (time.monotonic() - start)))
+            stdout, stderr = proc.communicate(timeout=150)
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate()
         results[name] = Ended(proc.returncode, stdout, stderr, time.monotonic() - start)
+
+    threads = [threading.Thread(target=run, args=(name, *script)) for name, script in scripts.items()]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for proc in procs:  # none left behind if the fixture itself fails
+            if proc.poll() is None:
+                proc.kill()
     return results
 
 
