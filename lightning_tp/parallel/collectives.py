@@ -22,6 +22,14 @@ class SumsInputGradients:
     grad_reduce_dtype: torch.dtype | None = None
 
 
+def collective_device(group: Any | None) -> torch.device:
+    """Where a collective over ``group`` (``None``: the world) runs its tensors: the current CUDA device where NCCL is
+    the group's backend or one of them (``"cpu:gloo,cuda:nccl"``: device tensors go to NCCL), else the CPU."""
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _sum_dtype(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype to sum ``grad`` in: its own, or ``reduce_dtype`` where that is wider (never narrower)."""
     return grad.dtype if reduce_dtype is None else torch.promote_types(grad.dtype, reduce_dtype)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tp.compat import foreach_mul_, foreach_norm
+from lightning_tp.parallel.collectives import collective_device
 from lightning_tp.parallel.pipeline import counted_on_another_stage
 from lightning_tp.state import parallel_state
 
@@ -110,19 +111,12 @@ def grad_norm(
             total = torch.maximum(total, value) if is_inf else total + value
     if pp_group is not None:
         # Every rank of the pipeline takes part, also one whose stages have no gradient.
-        device = _pp_device(pp_group)
+        device = collective_device(pp_group)
         total = torch.zeros((), device=device) if total is None else total.to(device)
         dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=pp_group)
     if total is None:
         return torch.tensor(0.0)
     return total if is_inf else total.pow(1.0 / norm_type)
-
-
-def _pp_device(group: Any) -> torch.device:
-    """Where a reduction over ``group`` runs: the current CUDA device where NCCL is its backend."""
-    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @torch.no_grad()

@@ -21,7 +21,12 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_tp.compat import distributed_is_initialized, parameter_dict, remove_transformers_grad_allreduce
 from lightning_tp.parallel.blocks import apply_blocks
-from lightning_tp.parallel.collectives import ReplicatedFromLocal, SumGradients, SumsInputGradients
+from lightning_tp.parallel.collectives import (
+    ReplicatedFromLocal,
+    SumGradients,
+    SumsInputGradients,
+    collective_device,
+)
 from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR, on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import kv_head_layout, localize_kv_groups
 from lightning_tp.parallel.layers import APPLIED_ELSEWHERE, LAYERS, RowParallel, shard_parameter
@@ -232,7 +237,7 @@ def take_rank_zero_values(module: nn.Module, group: dist.ProcessGroup | None = N
         sums.append(torch.stack([data.sum(dtype=torch.float64), torch.linalg.vector_norm(data, dtype=torch.float64)]))
     if not sums:
         return []
-    device = _collective_device(group)
+    device = collective_device(group)
     local = torch.stack(sums).to(device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
@@ -245,12 +250,6 @@ def take_rank_zero_values(module: nn.Module, group: dist.ProcessGroup | None = N
     indices = differs.nonzero().flatten().tolist()
     _broadcast_from_rank_zero([tensors[i] for i in indices], group=group, device=device)
     return [names[i] for i in indices]
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _broadcast_from_rank_zero(
