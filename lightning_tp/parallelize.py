@@ -801,8 +801,9 @@ def apply_compile(
             )
         for layer in layers:
             if layer not in eager:
-                for module in layer.modules() if not checkpointed else ():
-                    drop_always_called_hooks(module)  # else each layer's graph is guarded on its hooks' ids
+                if not checkpointed:
+                    for module in layer.modules():
+                        drop_always_called_hooks(module)  # else each layer's graph is guarded on its hooks' ids
                 layer.compile(**compile_options)
 
 

@@ -47,7 +47,7 @@ class ParallelState:
     def pp_group(self) -> Any | None:
         """The process group of this rank's pipeline, or ``None`` with ``pp_size=1``: what sums a gradient norm over
         every stage."""
-        return self.mesh[PP_AXIS].get_group() if self.layout.pp_size > 1 else None
+        return pipeline_group(self.layout, self.mesh)
 
     def attach(self, modules: Iterable[nn.Module]) -> None:
         """Make this the state of each of ``modules`` that has none yet (a module parallelised by an earlier call,
@@ -55,6 +55,11 @@ class ParallelState:
         for module in modules:
             if module.__dict__.get(STATE_ATTR) is None:  # its own, not one a wrapper's `__getattr__` forwards
                 setattr(module, STATE_ATTR, self)
+
+
+def pipeline_group(layout: ParallelLayout, mesh: DeviceMesh) -> Any | None:
+    """The process group of this rank's pipeline on ``mesh`` (``layout``'s), or ``None`` with ``pp_size=1``."""
+    return mesh[PP_AXIS].get_group() if layout.pp_size > 1 else None
 
 
 def parallel_state(module: nn.Module) -> ParallelState | None:
@@ -72,4 +77,4 @@ def parallel_state(module: nn.Module) -> ParallelState | None:
     return None
 
 
-__all__ = ["STATE_ATTR", "ParallelState", "parallel_state"]
+__all__ = ["STATE_ATTR", "ParallelState", "parallel_state", "pipeline_group"]

@@ -17,12 +17,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized
-from lightning_tp.layout import CP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout
+from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.parallel.fsdp import ACCUMULATE_GRADS
 from lightning_tp.parallel.grad import clip_grad_norm_
 from lightning_tp.parallelize import ParallelOptions
 from lightning_tp.patches import Patch, install, installed, undo_owned
 from lightning_tp.plans.discovery import torchmetrics_in
+from lightning_tp.state import pipeline_group
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -193,9 +194,9 @@ class MeshMixin:
     @property
     def pp_group(self) -> Any | None:
         """The process group of this rank's pipeline (``None`` with ``pp_size=1``): gradient norms sum over it."""
-        if self._layout is None or self.layout.pp_size == 1:
+        if self._layout is None:
             return None
-        return self.device_mesh[PP_AXIS].get_group()
+        return pipeline_group(self.layout, self.device_mesh)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
