@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.cases import CHECKPOINT_ENV, LAUNCHES, _lora
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import workers
 from tests.helpers.models import build_causal_lm, build_vlm, tiny_config
 from tests.helpers.selection import selected_scenarios
 
@@ -59,7 +59,7 @@ def _launch(request: pytest.FixtureRequest, out: Path, launch: str, nprocs: int,
     scenarios = selected_scenarios(request.session.items, launch=launch, fixture=fixture, default=default)
     if not scenarios:  # requested by a test that reads nothing of it (getfixturevalue without a mark)
         return [{} for _ in range(nprocs)]
-    torchrun(WORKER, nprocs, str(out), *extra, *scenarios)
+    workers(WORKER, nprocs, str(out), *extra, *scenarios)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 

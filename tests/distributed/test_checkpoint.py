@@ -19,7 +19,7 @@ import torch
 
 from lightning_tp.checkpoint.publish import partial_path
 from lightning_tp.checkpoint.validation import IncompleteCheckpointError, check_checkpoint, stored_entries
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import workers
 from tests.helpers.models import build_causal_lm, quiet_trainer, tiny_config
 from tests.helpers.resume import (
     MIXER_KINDS,
@@ -131,7 +131,7 @@ def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     if "ep" in scenarios:
         source += ["--from-moe", str(request.getfixturevalue("single_moe")["checkpoint"])]
     _write_tiny_checkpoints(request, [s.split(":", 1)[1] for s in scenarios if s.startswith("mixers:")])
-    torchrun(WORKER, 2, str(out), *scenarios, "--label", "tp2", *source)
+    workers(WORKER, 2, str(out), *scenarios, "--label", "tp2", *source)
     return {"out": out, "ranks": _load(out, "tp2", 2)}
 
 
@@ -148,7 +148,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory, _checkpoint_env: None) -> 
     """A TP 2 run that saved ``last`` at the end of epoch 0, then was killed while replacing it at step 6."""
     out = tmp_path_factory.mktemp("ckpt_crash")
     with pytest.raises(AssertionError, match="failed"):
-        torchrun(WORKER, 2, str(out), "crash", "--label", "crash")
+        workers(WORKER, 2, str(out), "crash", "--label", "crash")
     return out
 
 
@@ -337,7 +337,7 @@ def test_tp2_checkpoint_resumes_on_one_process(one_process: dict[str, Any], sing
 def four(crashed: Path, truncated: Path) -> list[dict[str, Any]]:
     """One 4-process launch: the killed run's checkpoint resumed on 2-D (and its truncated copy), then a TP 4 run
     with replicated KV heads (its checkpoint resumed on 2-D)."""
-    torchrun(
+    workers(
         WORKER,
         4,
         str(crashed),
@@ -389,7 +389,7 @@ def one_process(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     labels = selected_scenarios(items, launch="ckpt_one", fixture="one_process", default=list(ONE_PROCESS))
     runs = {label: f"{ONE_PROCESS[label]}@{_one_process_source(label, request)}" for label in labels}
     out = tmp_path_factory.mktemp("ckpt_one")
-    torchrun(WORKER, 1, str(out), *runs.values(), "--label", "one")
+    workers(WORKER, 1, str(out), *runs.values(), "--label", "one")
     (result,) = _load(out, "one", 1)
     return {label: result[run] for label, run in runs.items()}
 

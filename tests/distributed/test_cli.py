@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.launch import run_script, torchrun
+from tests.helpers.launch import run_script, workers
 from tests.helpers.selection import selected_scenarios
 
 WORKER = Path(__file__).with_name("cli_worker.py")
@@ -27,7 +27,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         if not configs:
             continue
         out = tmp_path_factory.mktemp(launch)
-        torchrun(WORKER, nprocs, str(out / "steps"), str(out / "runs"), *configs)
+        workers(WORKER, nprocs, str(out / "steps"), str(out / "runs"), *configs)
         ranks = [json.loads((out / "steps" / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
         steps.update({config: [r[config] for r in ranks] for config in configs})
     return steps

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import workers
 from tests.helpers.models import ParityModule, build_causal_lm, lm_batches, reference_run, tiny_config
 from tests.helpers.tolerances import assert_step_gaps, cross_entropy_scale, parity_tolerances
 
@@ -45,7 +45,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _launch(out: Path, nprocs: int, checkpoints: Path, cases: list[str]) -> list[dict]:
-    torchrun(WORKER, nprocs, str(out), str(checkpoints), *cases)
+    workers(WORKER, nprocs, str(out), str(checkpoints), *cases)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 

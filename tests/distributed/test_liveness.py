@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.inference import generate_kwargs, prompts, reference_losses, reference_outputs
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import torchrun, workers
 
 WORKER = Path(__file__).with_name("liveness_worker.py")
 
@@ -20,7 +20,7 @@ WORKER = Path(__file__).with_name("liveness_worker.py")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """One launch of 2 processes for every check below (a cold start costs more than the checks)."""
     out = tmp_path_factory.mktemp("liveness")
-    torchrun(WORKER, 2, str(out))
+    workers(WORKER, 2, str(out))
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 

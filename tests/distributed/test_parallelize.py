@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import workers
 
 WORKER = Path(__file__).with_name("plain_worker.py")
 
 
 @pytest.fixture(scope="module")
 def plain_results() -> dict[str, dict]:
-    output = torchrun(WORKER, 2)
+    output = workers(WORKER, 2)
     results = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     return {r["case"]: r for r in results}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import workers
 from tests.helpers.models import ParityModule, reference_run
 from tests.helpers.parity import fp32_bounds
 from tests.helpers.real_model import (
@@ -35,7 +35,7 @@ def smollm2() -> Path:
 @pytest.fixture(scope="module")
 def sharded(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("smollm2_tp3")
-    torchrun(WORKER, 3, str(smollm2), str(out), timeout=900)
+    workers(WORKER, 3, str(smollm2), str(out), timeout=900)
     return torch.load(out / "result.pt", weights_only=False)
 
 

@@ -1,4 +1,6 @@
-"""Launch a script on several CPU processes with torchrun (gloo), once per group of cases.
+"""Launch a script on several CPU processes (gloo), once per group of cases: the suite's workers with
+:func:`workers` (torchrun's environment, the imports made once: :mod:`tests.helpers.forkrun`), what a user launches
+with :func:`torchrun` (the real one).
 
 Every launch arms the hang tripwire (see :mod:`tests.helpers.tripwire`): the workers get a short process-group timeout
 (``LIGHTNING_TP_TEST_TIMEOUT``) and ``PYTHONFAULTHANDLER=1``; if the launch itself outlives ``timeout``, every process
@@ -37,7 +39,9 @@ def _label(cmd: list[str]) -> str:
     scripts = [i for i, arg in enumerate(cmd) if arg.endswith(".py")]
     if not scripts:
         return " ".join(cmd)[-160:]
-    procs = next((arg.split("=", 1)[1] for arg in cmd if arg.startswith("--nproc_per_node=")), "1")
+    procs = next((arg.split("=", 1)[1] for arg in cmd if arg.startswith("--nproc_per_node=")), None)
+    if procs is None:  # forkrun's: `-m tests.helpers.forkrun NPROCS script`
+        procs = cmd[scripts[0] - 1] if "tests.helpers.forkrun" in cmd else "1"
     args = [arg for arg in cmd[scripts[0] + 1 :] if os.sep not in arg]
     return f"{Path(cmd[scripts[0]]).name} x{procs} {' '.join(args)}"[:160]
 
@@ -128,16 +132,21 @@ def run_script(script: str | Path, *args: str, timeout: float = 600) -> str:
 
 
 def torchrun(script: str | Path, nprocs: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:
-    """Run ``script`` on ``nprocs`` processes; return its output, or fail the test with it."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nprocs}",
-        str(script),
-        *args,
-    ]
+    """Run ``script`` on ``nprocs`` processes with the real ``torchrun --standalone`` (what a user types: the examples,
+    the benchmarks, the tripwire's own test); return its output, or fail the test with it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+    return _launch(cmd, script, nprocs, *args, timeout=timeout, env=env)
+
+
+def workers(script: str | Path, nprocs: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:
+    """Run one of the suite's worker scripts on ``nprocs`` processes as torchrun would, with the heavy imports made
+    once and the ranks forked from them (:mod:`tests.helpers.forkrun`); return its output, or fail the test."""
+    cmd = [sys.executable, "-m", "tests.helpers.forkrun", str(nprocs)]
+    return _launch(cmd, script, nprocs, *args, timeout=timeout, env=env)
+
+
+def _launch(cmd: list[str], script: str | Path, nprocs: int, *args: str, timeout: float, env: dict | None) -> str:
+    cmd = [*cmd, str(script), *args]
     proc = _run(cmd, env=child_env(env), timeout=timeout)
     output = proc.stdout + proc.stderr
     for line in proc.stdout.splitlines():
