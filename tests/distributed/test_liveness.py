@@ -4,6 +4,7 @@ hang tripwire of the test launcher."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -142,6 +143,49 @@ def test_tripwire_prints_every_rank_stack_on_a_hang(tmp_path: Path) -> None:
     assert str(err.value).count("stuck_forever") == 2, str(err.value)[-3000:]
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(script).encode() in _cmdline(p)]
     assert not left, "the launcher left processes of the stuck launch running"
+
+
+#: What a rank reports of its start: the environment torchrun documents for its workers, Lightning's detection and
+#: rank, the process group's size, and how the script runs.
+_START_REPORT = """
+import json, os, sys
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+dist.init_process_group("gloo")
+names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+         "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+         "OMP_NUM_THREADS"]
+report = {"env": {n: os.environ.get(n) for n in names}, "elastic": TorchElasticEnvironment.detect(),
+          "rank_zero_only": rank_zero_only.rank, "world": dist.get_world_size(), "rank": dist.get_rank(),
+          "argv": sys.argv[2:], "path0": sys.path[0], "main": __name__}
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()
+"""
+
+
+def test_the_suites_launcher_starts_the_ranks_as_torchrun_does(tmp_path: Path) -> None:
+    """tests/helpers/forkrun.py (the suite's workers' launcher) gives each rank what torchrun gives it; the first rank
+    that fails ends the launch, the others stopped, with a non-zero status."""
+    script = tmp_path / "start.py"
+    script.write_text(_START_REPORT)
+    reports = {}
+    for launch in (torchrun, workers):
+        out = tmp_path / launch.__name__
+        out.mkdir()
+        launch(script, 2, str(out), "an", "argument")
+        reports[launch.__name__] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["rank"] for r in reports["torchrun"]] == [r["rank_zero_only"] for r in reports["torchrun"]] == [0, 1]
+    assert reports["workers"] == reports["torchrun"]
+    failing = tmp_path / "failing.py"
+    failing.write_text("import os, time\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\ntime.sleep(1000)\n")
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"failed \(3\)") as err:
+        workers(failing, 2, timeout=60)
+    assert time.monotonic() - start < 45
+    assert "rank 1" in str(err.value)
 
 
 def _cmdline(proc: Path) -> bytes:

@@ -35,7 +35,7 @@ GRACE_S = 10
 def _free_port() -> int:
     """A port nothing listens on now (rank 0's store binds it a moment later; nothing else in a test binds ports)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
@@ -51,13 +51,15 @@ def _child(rank: int, nprocs: int, port: int, run_id: str, script: Path, args: l
         ROLE_RANK=str(rank),
         ROLE_WORLD_SIZE=str(nprocs),
         ROLE_NAME="default",
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR="localhost",
         MASTER_PORT=str(port),
         TORCHELASTIC_RUN_ID=run_id,
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_USE_AGENT_STORE="False",  # no agent: rank 0 hosts the store, as a plain env:// start does
+        TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
     )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     rank_zero_only.rank = rank  # what Lightning's import reads from RANK
