@@ -203,7 +203,7 @@ def skipped_compute(length: int, *, docs: int, cp_size: int) -> dict[str, float]
     """What the tiles of a packed row compute against a single document's, on the busiest rank, and the theory:
     the sum of the documents' squared lengths over the whole row's squared length."""
     from lightning_tp.parallel.blockwise import first_keys, range_mask
-    from lightning_tp.parallel.context_parallel import local_positions, piece_starts
+    from lightning_tp.parallel.cp_split import local_positions, piece_starts
 
     positions = documents(length, docs)[0]
     starts = positions.eq(0).cumsum(0)

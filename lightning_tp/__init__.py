@@ -10,7 +10,7 @@ model); ``parallel/`` (the parallelisms); ``checkpoint/`` (storage); ``runtime/`
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_tp import compat, fabric
+from lightning_tp import fabric
 from lightning_tp.checkpoint.hf_saves import save_merged
 from lightning_tp.checkpoint.loading import from_pretrained, load_sharded
 from lightning_tp.checkpoint.trust import UntrustedCheckpointError
@@ -25,28 +25,24 @@ from lightning_tp.parallel.loss_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_tp.parallel.pipeline import set_pipeline_loss
-from lightning_tp.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_tp.parallelize import ParallelOptions, parallelize
-from lightning_tp.plans.resolve import REFUSED_STYLES, SUPPORTED_STYLES, ResolvedPlan, resolve_plan
 from lightning_tp.runtime.garbage_collection import GarbageCollection
 from lightning_tp.runtime.monitor import ExpertLoadMonitor, ThroughputMonitor
+from lightning_tp.state import ParallelState, parallel_state
 from lightning_tp.strategies.trainer import TensorParallelStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "REFUSED_STYLES",
-    "SUPPORTED_STYLES",
     "ExpertLoadMonitor",
     "GarbageCollection",
     "IncompleteCheckpointError",
     "ParallelLayout",
     "ParallelOptions",
-    "ResolvedPlan",
+    "ParallelState",
     "TensorParallelStrategy",
     "ThroughputMonitor",
     "UntrustedCheckpointError",
-    "apply_tensor_parallel",
     "clip_grad_norm_",
     "set_pipeline_loss",
     "expert_load",
@@ -54,15 +50,41 @@ __all__ = [
     "grad_norm",
     "keep_logits_sharded",
     "load_sharded",
+    "parallel_state",
     "parallelize",
-    "resolve_plan",
     "save_merged",
     "token_entropy",
     "token_logprobs",
     "vocab_parallel_cross_entropy",
 ]
 
-compat.quiet_upstream_deprecations()
+#: Names this module exported before that are internals (the plan's machinery), by where they live now: still
+#: importable from here, with a FutureWarning, for one release.
+_MOVED = {
+    "REFUSED_STYLES": "lightning_tp.plans.resolve",
+    "SUPPORTED_STYLES": "lightning_tp.plans.resolve",
+    "ResolvedPlan": "lightning_tp.plans.resolve",
+    "resolve_plan": "lightning_tp.plans.resolve",
+    "apply_tensor_parallel": "lightning_tp.parallel.tensor_parallel",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The names in :data:`_MOVED`, from their modules, with a warning that says where to import them from."""
+    if name not in _MOVED:
+        raise AttributeError(f"module 'lightning_tp' has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(
+        f"`lightning_tp.{name}` is internal and no longer part of the public surface; import it from "
+        f"`{_MOVED[name]}` (this alias goes in the next release). `lightning_tp.parallelize` and the strategies "
+        "resolve and apply plans themselves.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)
+
 
 # `Trainer(strategy="tp")` and `--trainer.strategy=tp` in LightningCLI; `Fabric(strategy="tp")`. Two registries, one
 # name each: neither overrides the other.

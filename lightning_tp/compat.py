@@ -9,7 +9,6 @@ the package does elsewhere): importing this module costs nothing beyond torch an
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -422,6 +421,19 @@ def remove_transformers_grad_allreduce(module: nn.Module) -> None:
             del hooks[key]
 
 
+def remove_forward_hooks(module: nn.Module, marker: str) -> int:
+    """Remove the forward hooks of ``module`` whose function carries the attribute ``marker`` (hooks this package
+    registered, found again without keeping their handles anywhere: torch's public handles are per registration,
+    the hooks themselves live in the module's private ``_forward_hooks``); returns how many."""
+    hooks = module._forward_hooks
+    marked = [key for key, hook in hooks.items() if getattr(hook, marker, False)]
+    for key in marked:
+        del hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
+        module._forward_hooks_always_called.pop(key, None)
+    return len(marked)
+
+
 def transformers_apply_expert_parallelism() -> Callable[..., Any]:
     """Transformers' expert parallelism (``grouped_gemm`` weights, ``ep_dispatch_experts`` all-to-all dispatch) on a
     built model: internal, like its TP."""
@@ -611,26 +623,6 @@ def wrapped_initialize_weights(
 
 
 # --------------------------------------------------------------------------------------------------------- Lightning
-
-
-def quiet_upstream_deprecations() -> None:
-    """Lightning 2.6.6's ``utilities/_pytree.py`` asks ``isinstance(spec, LeafSpec)``, which torch 2.13 deprecates with
-    a FutureWarning on the first training step of every run: Lightning's code, not the user's, so filtered here by its
-    message and module (anything else keeps warning)."""
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        category=FutureWarning,
-        module=r"lightning\.pytorch\.utilities\._pytree",
-    )
-    # PEFT 0.21 reads `model.is_gradient_checkpointing`, which Transformers 5.24 deprecates with a FutureWarning
-    # attributed to its own modeling_utils: PEFT's to change, printed by every `get_peft_model`.
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`is_gradient_checkpointing` is deprecated",
-        category=FutureWarning,
-        module=r"transformers\.modeling_utils",
-    )
 
 
 def clear_received_sigterm(trainer: L.Trainer) -> None:

@@ -52,7 +52,15 @@ EXPERT_MESH_AXES = (DP_REPLICATE_AXIS, EFSDP_AXIS, EP_AXIS)
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Sizes of the mesh axes. Build it with :meth:`resolve`, which fills in unset sizes and validates them."""
+    """Sizes of the mesh axes. Build it with :meth:`resolve`, which fills in unset sizes and validates them.
+
+    Args:
+        tp_size, dp_shard_size, dp_replicate_size, cp_size, ep_size, pp_size: each mesh axis's size (positive).
+
+    Raises:
+        ValueError: a size is not a positive integer, or ``ep_size`` neither is a multiple of ``tp_size`` nor divides
+            the ranks below it (the message lists the sizes that would).
+    """
 
     tp_size: int
     dp_shard_size: int = 1
@@ -131,6 +139,15 @@ class ParallelLayout:
         infers it from ``WORLD_SIZE``); ``dp_shard_size=None`` takes what ``tp_size``, ``cp_size`` and
         ``dp_replicate_size`` leave. ``pp_size`` ranks hold the stages of one model: the other sizes split what is
         left (``world_size / pp_size``).
+
+        Args:
+            world_size: the number of ranks.
+            tp_size, dp_shard_size, dp_replicate_size, cp_size, ep_size, pp_size: as the strategy's arguments of those
+                names; ``None`` is filled in as above.
+
+        Raises:
+            ValueError: the sizes do not multiply to ``world_size``, or one is not a positive integer (named, with the
+                sizes that would).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be positive, got {world_size}.")

@@ -380,6 +380,19 @@ def document(strategy: Literal["trainer", "fabric"]) -> Callable[[_T], _T]:
             for option in options
         ]
         parts.append("    Args:\n" + "\n".join(entries))
+        parts.append(
+            "    Raises:\n"
+            + textwrap.fill(
+                "ValueError: an argument of the wrong type or value, or arguments that do not compose (each message "
+                "names the arguments and the fix); raised when the strategy is built, or at its setup, on every rank "
+                "alike and before any weight moves, for what needs the world size or the model.",
+                width=120,
+                initial_indent="        ",
+                subsequent_indent=" " * 12,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        )
         cls.__doc__ = "\n\n".join(parts) + "\n    "
         return cls
 

@@ -49,7 +49,8 @@ from lightning_tp.layout import (
     ParallelLayout,
 )
 from lightning_tp.parallel.collectives import TP_GRAD_REDUCE_DTYPES
-from lightning_tp.parallel.context_parallel import context_parallel_problem, install_context_parallel
+from lightning_tp.parallel.context_parallel import install_context_parallel
+from lightning_tp.parallel.cp_checks import context_parallel_problem
 from lightning_tp.parallel.expert_parallel import (
     apply_expert_parallel,
     check_expert_mesh,
@@ -63,17 +64,15 @@ from lightning_tp.parallel.fsdp import fsdp_units as check_fsdp_units
 from lightning_tp.parallel.hooks import no_cache_under_grad
 from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters, has_peft, initialize_adapters
 from lightning_tp.parallel.loss_parallel import install_loss_parallel, loss_parallel_plan
-from lightning_tp.parallel.pipeline import (
+from lightning_tp.parallel.pipeline import install_pipeline, pipeline_runner, stage_modules_of
+from lightning_tp.parallel.pipeline_plan import (
     SPLIT_BACKWARD_SCHEDULES,
     PipelinePlan,
-    install_pipeline,
     pipeline_problem,
-    pipeline_runner,
     resolve_pipeline_plan,
     schedule_class,
-    stage_modules_of,
-    tied_head,
 )
+from lightning_tp.parallel.pipeline_tied import tied_head
 from lightning_tp.parallel.random_init import random_state_of_rank_zero
 from lightning_tp.parallel.rng import prepare_dtensor_random, warn_repeated_dropout
 from lightning_tp.parallel.router_loss import install_global_router_loss
@@ -119,7 +118,14 @@ CP_COMMS = ("all_gather", "ring")
 class ParallelOptions:
     """How to parallelise, apart from the sizes: each field but ``precision`` (the Trainer's or Fabric's flag) is the
     strategies' argument of that name, defined in :data:`lightning_tp.options.OPTIONS` (tests/unit/test_options.py
-    checks the defaults agree). Checked when built, so that a typo fails before any process starts."""
+    checks the defaults agree). Checked when built, so that a typo fails before any process starts.
+
+    Args:
+        Each field: the strategies' argument of that name (:data:`lightning_tp.options.OPTIONS` has its meaning).
+
+    Raises:
+        ValueError: a field of the wrong type or value (named, with the values it takes).
+    """
 
     tp_plan: Literal["auto"] | Mapping[str, Any] = "auto"
     sequence_parallel: bool = False
@@ -283,19 +289,33 @@ def parallelize(
     options: ParallelOptions | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """Shard ``module`` in place over the TP, context-parallel and data-parallel ranks and return it.
+    """Shard ``module`` in place over the TP, context-parallel, expert, pipeline and data-parallel ranks and return
+    it. Every rank must call it, with the same arguments: it runs collectives. The model's state (layout, meshes,
+    options, plans) is then :func:`lightning_tp.parallel_state` of it.
 
-    ``module``: a Transformers model, a module holding some (a LightningModule, a ``PeftModel``), or any module
-    given a ``tp_plan``. The mesh: ``mesh`` (axes named ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; the ones
-    missing have size 1; see :meth:`ParallelLayout.build_device_mesh`), or the sizes, on the initialised world group.
-    With ``cp_size > 1`` the ranks of a CP group must be given the same rows (split the data over the
-    data-parallel mesh only); each forward then splits the sequence (see :mod:`lightning_tp.parallel.context_parallel`).
-    ``ep_size > 1`` splits a mixture-of-experts model's experts over that many ranks, borrowed from the data-parallel,
-    CP and TP ranks (see :mod:`lightning_tp.parallel.expert_parallel`); it may be given with ``mesh``.
-    ``pp_size > 1`` cuts each model into pipeline stages (see :mod:`lightning_tp.parallel.pipeline`): every rank of a
-    pipeline must then be given the same rows, and ``model(**batch).loss`` runs the schedule, backward included.
-    ``device``: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
-    Every rank must call it, with the same arguments: it runs collectives.
+    Args:
+        module: a Transformers model, a module holding some (a LightningModule, a ``PeftModel``), or any module given
+            a ``tp_plan`` in ``options``.
+        mesh: a device mesh with axes named ``dp_replicate``, ``dp_shard``, ``cp``, ``tp`` (the ones missing have
+            size 1; see :meth:`ParallelLayout.build_device_mesh`); or leave it out and give the sizes, on the
+            initialised world group.
+        tp_size: ranks of a tensor-parallel group (default: every rank the other axes leave).
+        dp_shard_size: ranks FSDP2 shards over (default: what the other axes leave).
+        dp_replicate_size: replicas of the sharded model (HSDP's outer axis).
+        cp_size: ranks each sequence is split over; the ranks of a CP group must be given the same rows (split the
+            data over the data-parallel mesh only). See :mod:`lightning_tp.parallel.context_parallel`.
+        ep_size: ranks a mixture-of-experts layer's experts are split over, borrowed from the data-parallel, CP and
+            TP ranks (see :mod:`lightning_tp.parallel.expert_parallel`); may be given with ``mesh``.
+        pp_size: pipeline stages' ranks (see :mod:`lightning_tp.parallel.pipeline`): every rank of a pipeline must
+            be given the same rows, and ``model(**batch).loss`` runs the schedule, backward included.
+        options: everything else (:class:`ParallelOptions`: sequence and loss parallelism, activation
+            checkpointing, compile, FSDP2's settings, a plan of one's own).
+        device: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
+
+    Raises:
+        ValueError: the process group is not initialised and no ``mesh`` is given; both a ``mesh`` and sizes are
+            given; the sizes do not divide the world; the layout, options and model do not compose (each message
+            names the inputs and the fix). Decided on every rank alike, before any weight moves.
     """
     options = options or ParallelOptions()
     if mesh is None:

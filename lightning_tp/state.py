@@ -30,7 +30,15 @@ STATE_ATTR = "lightning_tp_state"
 class ParallelState:
     """What a model was parallelised into: its ``layout``, the ``mesh`` (and ``expert_mesh`` with ``ep_size > 1``)
     it is sharded over, the ``options`` it was built with (:class:`~lightning_tp.ParallelOptions`) and ``targets``,
-    the resolved plan of each model inside it. Read it with :func:`parallel_state`."""
+    the resolved plan of each model inside it. Read it with :func:`parallel_state`.
+
+    Args:
+        layout, mesh, options, targets, expert_mesh: as above; built by :func:`lightning_tp.parallelize` and the
+            strategies, not by users.
+
+    Raises:
+        Nothing: a record, never changed after it is built.
+    """
 
     layout: ParallelLayout
     mesh: DeviceMesh
@@ -69,6 +77,9 @@ def parallel_state(module: nn.Module) -> ParallelState | None:
     Args:
         module: the module given to :func:`lightning_tp.parallelize` or set up by a strategy, a model inside it, or a
             module holding one (a LightningModule, a ``PeftModel``).
+
+    Raises:
+        Nothing: a module nothing parallelised gives ``None``.
     """
     for inner in module.modules():
         state = inner.__dict__.get(STATE_ATTR)

@@ -22,7 +22,8 @@ from lightning_tp.checkpoint.publish import (
 )
 from lightning_tp.parallel.gather import whole_tensor
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, merged_weight
-from lightning_tp.parallel.pipeline import gather_stages, pipeline_runner
+from lightning_tp.parallel.pipeline import pipeline_runner
+from lightning_tp.parallel.pipeline_gather import gather_stages
 from lightning_tp.patches import install, installed
 
 
@@ -223,10 +224,16 @@ def save_merged(peft_model: nn.Module, directory: str | os.PathLike, **save_kwar
     Call it on every rank: they gather one tensor at a time; rank 0 merges and writes (under pipeline parallelism each
     rank merges its stages' and rank 0 gathers the merged tensors), and a failure raises on every rank.
 
+    Args:
+        peft_model: a sharded ``PeftModel`` with LoRA adapters (the strategy's, or one ``parallelize`` sharded).
+        directory: where to write (files of this package's earlier saves there are replaced, nothing else removed).
+        **save_kwargs: passed to Transformers' ``save_pretrained`` (``safe_serialization``, ``max_shard_size``, ...).
+
     Raises:
         RuntimeError: not every rank called it (within :data:`~lightning_tp.checkpoint.publish.ARRIVAL_TIMEOUT`, or
             another rank exited or reached a barrier instead), or the write failed on rank 0.
-        ValueError: an adapter cannot be merged."""
+        ValueError: an adapter cannot be merged.
+    """
     arrive_together("`save_merged`")
     main = is_main()
     if pipeline_runner(peft_model) is not None:

@@ -59,6 +59,10 @@ def from_pretrained(
         dtype: ``"auto"`` takes the checkpoint's dtype from its config (as Transformers does), or a torch dtype.
         revision: Hub revision.
         config_kwargs: Overrides for the config, e.g. ``attn_implementation="sdpa"``.
+
+    Raises:
+        ValueError: the folder holds no safetensors files (the message says how to convert it); Transformers' own
+            errors (no config, an unknown architecture) are raised as Transformers raises them.
     """
     from transformers import AutoConfig
 
@@ -142,7 +146,15 @@ def checkpoint_keys(directory: str | os.PathLike) -> set[str]:
 
 def load_sharded(model: nn.Module, directory: str | os.PathLike) -> set[str]:
     """Fill ``model``'s (sharded, materialised) parameters and persistent buffers from the safetensors files in
-    ``directory``, each rank reading only its slices. Returns the names loaded. Every rank must call it."""
+    ``directory``, each rank reading only its slices. Returns the names loaded. Every rank must call it.
+
+    Args:
+        model: the parallelised model, materialised (its sharded parameters allocated).
+        directory: a folder of safetensors files (a Transformers checkpoint, or one ``save_pretrained`` wrote).
+
+    Raises:
+        ValueError: the checkpoint lacks tensors the model holds, or a tensor's shape differs (named, with the fix).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 

@@ -2,11 +2,12 @@
 
 Each rank holds only its stages. To save, every tensor of the model and of its optimizer states is gathered whole
 over its stage's ranks, one tensor at a time (as ``save_pretrained`` does); only the pipeline that holds rank 0 keeps
-the whole tensors, in host memory, and streams them to rank 0 (:func:`~lightning_tp.parallel.pipeline.gather_stages`),
-which writes the file one process would write: the model's state dict under its own keys, and the optimizer's state
-under each parameter's name (Fabric) or, as Lightning's Trainer writes it, under the parameter's position in one
-process's ``parameters()`` (:func:`whole_parameter_order` rebuilds that order from the stages' module trees, which
-keep every slot). A tied embedding's state is written once, under its canonical name
+the whole tensors, in host memory, and streams them to rank 0
+(:func:`~lightning_tp.parallel.pipeline_gather.gather_stages`), which writes the file one process would write: the
+model's state dict under its own keys, and the optimizer's state under each parameter's name (Fabric) or, as
+Lightning's Trainer writes it, under the parameter's position in one process's ``parameters()``
+(:func:`whole_parameter_order` rebuilds that order from the stages' module trees, which keep every slot). A tied
+embedding's state is written once, under its canonical name
 (:mod:`lightning_tp.checkpoint.aliases`). Host memory: rank 0 holds the whole file, as one process saving it would,
 and each other rank of its pipeline its own stages' share.
 
@@ -29,7 +30,8 @@ from lightning_tp.checkpoint.aliases import holds, optimizer_state_dict, paramet
 from lightning_tp.checkpoint.publish import on_every_rank
 from lightning_tp.compat import module_slots
 from lightning_tp.parallel.gather import whole_tensor
-from lightning_tp.parallel.pipeline import gather_stages, pipeline_runner
+from lightning_tp.parallel.pipeline import pipeline_runner
+from lightning_tp.parallel.pipeline_gather import gather_stages
 
 #: Joins a parameter's name and its state's entry into one key for :func:`gather_stages` (a name has no newline).
 _JOIN = "\n"

@@ -44,13 +44,10 @@ Decoding with a cache (``generate``) runs without the split: every rank of the g
 
 from __future__ import annotations
 
-import contextvars
 import copy
-import functools
 import inspect
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,280 +59,33 @@ from lightning_tp.compat import (
     register_attention_implementation,
     set_attention_implementation,
 )
-from lightning_tp.parallel.blockwise import RangeMask, Scores, blockwise_attention, first_keys, interval_violations
+from lightning_tp.parallel.blockwise import Scores, blockwise_attention, interval_violations
 from lightning_tp.parallel.blockwise import range_mask as make_range_mask
 from lightning_tp.parallel.collectives import SumOverGroup
+from lightning_tp.parallel.cp_attention import describe, implementations, sinks_of
+from lightning_tp.parallel.cp_checks import decoder_stack, positions_from_mask
+from lightning_tp.parallel.cp_split import (
+    CACHE_INPUTS,
+    CURRENT_FORWARD,
+    KEY_SEQUENCE_DIM,
+    NAME_PREFIX,
+    SEQUENCE_DIM,
+    SEQUENCE_INPUTS,
+    UNSUPPORTED_ARGUMENTS,
+    BatchSplit,
+    ForwardState,
+    GatherSequence,
+    Piece,
+    SplitMask,
+    host_copies,
+    pad_sequence,
+    padded_length,
+    piece_starts,
+    rank_layout,
+    split_first_keys,
+    whole_positions,
+)
 from lightning_tp.parallel.ring import ring_attention
-
-#: Layer types (``config.layer_types``) whose sequence mixing is attention, which the split handles. Any other type
-#: (linear attention, state-space and convolution layers) mixes the sequence without keys and values to exchange.
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
-#: Layer types that mix no tokens (Nemotron-H's MLP and MoE layers): nothing to exchange.
-TOKENWISE_LAYER_TYPES = frozenset({"mlp", "moe"})
-#: The tensor keyword arguments of the decoder stack's forward that hold one entry per token and are split (or, for
-#: ``attention_mask``, replaced by the whole sequence's) here.
-SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
-#: The decoder stack's arguments that pass a cache (Transformers 5.24 renamed ``past_key_values`` to ``cache``).
-CACHE_INPUTS = ("cache", "past_key_values")
-#: Causal LMs whose layers call Transformers' attention interface although their class does not declare it
-#: (``is_backend_compatible()`` is False in Transformers 5.24 and 5.25), at parity with cp 2 in the coverage run
-#: (``benchmarks/coverage.py``). Keyed by the model class's own name: a subclass under another name is refused like any
-#: undeclared model. The first split forward still checks that every decoder layer called the interface.
-UNDECLARED_ATTENTION_INTERFACE = frozenset({"BioGptForCausalLM", "StableLmForCausalLM"})
-#: The implementations registered here are named this, then the inner implementation's name (``..._sdpa``): the one
-#: a forward that is not split (decoding with a cache) runs, and whose rules the split follows.
-NAME_PREFIX = "lightning_tp_cp_"
-#: The attention functions' keyword arguments for attention sinks (gpt-oss's ``s_aux``, Inkling's ``sinks``): one
-#: logit per head, with no value, in every query's softmax.
-SINK_ARGUMENTS = ("s_aux", "sinks")
-#: Attention arguments the split cannot honour: a bias over scores (T5-style ``position_bias``) and attention weights.
-UNSUPPORTED_ARGUMENTS = ("position_bias", "head_mask")
-#: Sequence dim of the activations (batch, seq, ...) and of the attention's keys (batch, heads, seq, head_dim).
-SEQUENCE_DIM = 1
-KEY_SEQUENCE_DIM = 2
-
-#: The forward of a split model running now (set by the pre-hook of the model users call, reset by its hook).
-_FORWARD: contextvars.ContextVar[ForwardState | None] = contextvars.ContextVar("lightning_tp_cp_forward", default=None)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Where each rank's tokens lie: pure functions of the lengths, tested on their own
-
-
-def padded_length(length: int, multiple: int) -> int:
-    """``length`` rounded up to a multiple of ``multiple``."""
-    return -(-length // multiple) * multiple
-
-
-def piece_starts(length: int, cp_size: int, rank: int) -> tuple[int, int]:
-    """The global start of rank ``rank``'s two pieces of a sequence of ``length`` tokens (divisible by ``2 x cp``):
-    piece ``rank`` from the front and piece ``2 cp - 1 - rank`` from the back."""
-    piece = length // (2 * cp_size)
-    return rank * piece, (2 * cp_size - 1 - rank) * piece
-
-
-def local_positions(length: int, cp_size: int, rank: int) -> torch.Tensor:
-    """The global index of each of rank ``rank``'s tokens, in its local order (front piece, then back piece)."""
-    piece = length // (2 * cp_size)
-    return torch.cat([torch.arange(start, start + piece) for start in piece_starts(length, cp_size, rank)])
-
-
-def gathered_positions(length: int, cp_size: int) -> torch.Tensor:
-    """The global index of each token of an all-gather over the CP group (rank 0's tokens first)."""
-    return torch.cat([local_positions(length, cp_size, rank) for rank in range(cp_size)])
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One of a rank's two pieces: its rows in the local sequence and the global positions it covers."""
-
-    local_start: int
-    global_start: int
-    length: int
-
-    @property
-    def global_end(self) -> int:
-        return self.global_start + self.length
-
-
-@dataclass(eq=False)
-class BatchSplit:
-    """One forward's split of its batch: lengths, this rank's positions, the whole sequence's position ids, packed
-    documents and padding, and what its attention layers did (for the first forward's checks).
-
-    What the tiles are cut from is on the host (``host_*``, ``doc_ids``): copied from the device once per forward
-    (:func:`_host_copies`), so that the masks' ranges and tiles read nothing from the device."""
-
-    cp: ContextParallel
-    seq_len: int
-    padded_len: int
-    positions: torch.Tensor  # (local_len,) global index of each local token
-    order: torch.Tensor  # gathered index of each global position
-    gathered: torch.Tensor  # global position of each gathered index
-    pieces: tuple[Piece, ...]
-    position_ids: torch.Tensor  # (batch, padded_len) the whole sequence's
-    host_positions: torch.Tensor  # `positions` on the host
-    host_position_ids: torch.Tensor  # `position_ids` on the host
-    doc_ids: torch.Tensor | None = None  # (batch, padded_len) on the host: which packed document each token is of
-    valid: torch.Tensor | None = None  # (batch, padded_len): the keys that are not padding (None: all are)
-    host_valid: torch.Tensor | None = None  # `valid` on the host
-    called: set[int] = field(default_factory=set)
-    problems: list[str] = field(default_factory=list)  # masks that are not one interval of keys per query
-
-    @property
-    def local_len(self) -> int:
-        return self.positions.numel()
-
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of a ``(batch, padded_len, ...)`` tensor."""
-        return tensor.index_select(SEQUENCE_DIM, self.positions.to(tensor.device))
-
-
-@dataclass(frozen=True, eq=False)
-class SplitMask:
-    """The mask a layer gets in a split forward: the forward's split, and the keys each of this rank's queries sees
-    under one of the model's masks (full, sliding window, chunked), as ranges and tiles. Handed to the attention
-    function unchanged; it is never a tensor, so no layer can use it as one by mistake."""
-
-    split: BatchSplit
-    ranges: RangeMask
-
-
-@dataclass(eq=False)
-class ForwardState:
-    """One forward of a split model, from the pre-hook of the model users call to its hook: whether it computes a
-    loss, whether it runs unsplit (a cache, or only the last positions' logits), and its split once the decoder stack
-    made it."""
-
-    cp: ContextParallel
-    labelled: bool = False
-    unsplit: bool = False
-    split: BatchSplit | None = None
-    entered: bool = False
-    #: What the context variable held before this forward (restored at its end: a split model's forward may run
-    #: inside another's), and whether the decoder stack made the state (called directly, not through the model).
-    token: contextvars.Token | None = None
-    direct: bool = False
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Collectives with their gradients
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather a tensor's sequence dim ``dim`` over the CP group into the whole sequence in global order; the
-    backward reduce-scatters the gradients (each rank's keys were read by every rank's queries)."""
-
-    @staticmethod
-    def forward(ctx, local, dim, group, size, order, gathered):  # type: ignore[override]
-        ctx.dim, ctx.group, ctx.size, ctx.gathered = dim, group, size, gathered
-        first = local.movedim(dim, 0).contiguous()  # the collective stacks along dim 0
-        out = first.new_empty((size * first.shape[0], *first.shape[1:]))
-        dist.all_gather_single(out, first, group=group)
-        return out.index_select(0, order).movedim(0, dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        ranked = grad.movedim(ctx.dim, 0).index_select(0, ctx.gathered).contiguous()
-        out = ranked.new_empty((ranked.shape[0] // ctx.size, *ranked.shape[1:]))
-        dist.reduce_scatter_single(out, ranked, group=ctx.group)
-        return out.movedim(0, ctx.dim), None, None, None, None, None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# What can run split: checked before anything moves
-
-
-def context_parallel_problem(model: nn.Module) -> str | None:
-    """Why ``model`` cannot run with its sequences split, or ``None``. Reads the model's structure, class declarations
-    and config only (never its code), so every rank decides the same before any collective.
-
-    Args:
-        model: the model to split (a Transformers causal LM, else refused).
-    """
-    from lightning_tp.parallel.loss_parallel import computes_causal_lm_loss
-    from lightning_tp.plans.resolve import is_transformers_model
-    from lightning_tp.plans.structure import block_classes
-
-    name = type(model).__name__
-    if not is_transformers_model(model):
-        return f"{name} is not a Transformers model; context parallelism splits the sequences of causal LMs"
-    config = model.config
-    if config.get_text_config() is not config:
-        return (
-            f"{name} is a composite (vision-language or audio) model; context parallelism supports text causal LMs "
-            "(their image and audio tokens have positions and masks of their own)"
-        )
-    if not getattr(config, "is_causal", True) or getattr(config, "is_encoder_decoder", False):
-        return f"{name} does not use causal attention; the load-balanced split assumes a causal mask"
-    implementation = attention_implementation(config)
-    if not _runs_inside(implementation):
-        return (
-            f"{name} uses attn_implementation={implementation!r}, which is not one of Transformers' attention "
-            "implementations that context parallelism runs inside (its tiles replace the attention of a split "
-            'forward; a forward that decodes runs the model\'s own). Load the model with `attn_implementation="sdpa"`'
-        )
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    other = sorted(layer_types - ATTENTION_LAYER_TYPES - TOKENWISE_LAYER_TYPES)
-    if other:
-        # A recurrence over a chunk would need the state the previous rank's chunk ended with (not passed yet).
-        return (
-            f"{name} has layers of type {other} (`config.layer_types`), which mix the sequence without attention "
-            "(linear attention, state-space or convolution layers): each rank would see its chunk only, so context "
-            "parallelism is refused for it; use tp_size (their heads are split) or dp_shard_size instead"
-        )
-    if getattr(config, "output_router_logits", False):
-        return (
-            f"{name} adds its router's load-balancing loss (`output_router_logits=True`), which is computed over the "
-            "local chunk's tokens; set `output_router_logits=False`"
-        )
-    if not computes_causal_lm_loss(model):
-        current = model.loss_function
-        return (
-            f"{name} computes its loss with {getattr(current, '__name__', current)!r}, not Transformers' causal-LM "
-            "loss, whose labels the split shifts before cutting them"
-        )
-    if not declares_attention_interface(model):
-        return (
-            f"{name} does not declare that its layers compute attention through Transformers' attention interface "
-            f"(`{name}.is_backend_compatible()` is False), the only place where context parallelism exchanges keys and "
-            "values: layers with attention code of their own (GPT-Neo, Bloom, MPT, Falcon's in Transformers 5.24) "
-            "would attend within each rank's chunk. Run it without `cp_size` (tp_size or dp_shard_size instead)"
-        )
-    base = decoder_stack(model, block_classes(model))
-    parameters = inspect.signature(base.forward).parameters
-    missing = [arg for arg in ("position_ids", "attention_mask") if arg not in parameters]
-    if missing:
-        return f"{type(base).__name__}.forward takes no {missing}; the split passes the whole sequence's positions"
-    return None
-
-
-def _runs_inside(implementation: str | None) -> bool:
-    """Whether context parallelism can register itself around ``implementation``: ``eager`` or a name Transformers'
-    attention interface holds (``sdpa``, ``flash_attention_2``, ``flex_attention``, ...), not a split's own."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if not isinstance(implementation, str) or implementation.startswith(NAME_PREFIX):
-        return False
-    return implementation == "eager" or implementation in ALL_ATTENTION_FUNCTIONS
-
-
-def declares_attention_interface(model: nn.Module) -> bool:
-    """Whether ``model``'s layers compute attention through Transformers' attention interface, the registry that
-    context parallelism registers its attention in: as the model's class declares it (``is_backend_compatible()``,
-    what Transformers' models that dispatch through ``AttentionInterface`` set), or as
-    :data:`UNDECLARED_ATTENTION_INTERFACE` lists it. A model that declares nothing is taken not to: what its layers
-    do is not read from their code.
-
-    Args:
-        model: a Transformers model (:func:`lightning_tp.plans.resolve.is_transformers_model`).
-    """
-    declared = getattr(type(model), "is_backend_compatible", None)
-    return (callable(declared) and bool(declared())) or type(model).__name__ in UNDECLARED_ATTENTION_INTERFACE
-
-
-def decoder_stack(model: nn.Module, blocks: set[type] | None = None) -> nn.Module:
-    """The module that embeds the tokens and runs the decoder layers (``model.model`` for Llama, ``model.model.decoder``
-    for OPT, ``model.transformer`` for GPT-2): the innermost one holding the input embedding and every layer, which
-    the causal LM calls with the token ids and positions. ``blocks``: the decoder layer classes (default: the
-    model's ``_no_split_modules``)."""
-    from lightning_tp.plans.structure import block_classes
-
-    blocks = block_classes(model) if blocks is None else blocks
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    names = [name for name, m in model.named_modules() if m is embedding or type(m) in blocks]
-    if embedding is None or len(names) < 2:
-        base = getattr(model, "base_model", None)
-        return model if base is None else base
-    prefix = names[0].split(".")
-    for name in names[1:]:
-        parts = name.split(".")
-        common = 0
-        while common < min(len(prefix), len(parts)) and prefix[common] == parts[common]:
-            common += 1
-        prefix = prefix[:common]
-    return model.get_submodule(".".join(prefix))
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The split
@@ -380,7 +130,7 @@ class ContextParallel:
     def register(self, owner: nn.Module) -> None:
         """The attention and mask implementations this split's config selects, registered for ``owner`` (a
         strategy's teardown gives them up; the next forward takes them again)."""
-        attention, mask = _implementations(self.inner)
+        attention, mask = implementations(self.inner)
         register_attention_implementation(self.name, attention=attention, mask=mask, owner=owner)
 
     # --------------------------------------------------------------- the model users call
@@ -396,17 +146,17 @@ class ContextParallel:
             labelled=kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None,
             unsplit=keep is not None and not (isinstance(keep, int) and keep == 0),
         )
-        state.token = _FORWARD.set(state)
+        state.token = CURRENT_FORWARD.set(state)
 
     def end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of the model users call (run even when the forward raised): the forward's state dropped, and
         for a split forward without labels, which computes no loss, the logits of the whole sequence (padding
         removed) on every rank, differentiably (a loss computed from them on every rank of the group gets the
         gradient of one copy once FSDP2 averages). With labels they stay this rank's, the point of the split."""
-        state = _FORWARD.get()
+        state = CURRENT_FORWARD.get()
         if state is None or state.cp is not self or state.direct:
             return output
-        _FORWARD.reset(state.token)
+        CURRENT_FORWARD.reset(state.token)
         if output is None:  # the forward raised
             return output
         if not state.entered:
@@ -437,11 +187,11 @@ class ContextParallel:
 
     def split_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of the decoder stack: this rank's tokens, the whole sequence's positions and padding."""
-        state = _FORWARD.get()
+        state = CURRENT_FORWARD.get()
         if state is None or state.cp is not self:  # the stack called directly, not through the model: no labels
             self.register(module)
             state = ForwardState(self, direct=True)
-            state.token = _FORWARD.set(state)
+            state.token = CURRENT_FORWARD.set(state)
         state.entered = True
         if args:  # called positionally: name the arguments as the forward does
             kwargs = {**dict(zip(self._forward_parameters, args, strict=False)), **kwargs}
@@ -479,20 +229,20 @@ class ContextParallel:
             )
         padded = padded_length(length, self.multiple)
         device = tokens.device
-        host_positions, *layout = _layout(padded, self.size, self.rank)
+        host_positions, *layout = rank_layout(padded, self.size, self.rank)
         # Copied without waiting for the device (from pageable memory, staged at once): no host synchronisation.
         positions, order, gathered = (t.to(device, non_blocking=True) for t in (host_positions, *layout))
-        position_ids = _whole_positions(kwargs.get("position_ids"), batch, length, padded, device)
+        position_ids = whole_positions(kwargs.get("position_ids"), batch, length, padded, device)
         if attention_mask is not None and (
             not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length)
         ):
             raise ValueError(
                 "Context parallelism takes a 2-D padding `attention_mask` of shape (batch, seq) = "
-                f"{(batch, length)}, got {_describe(attention_mask)}: a prepared (4-D or per-layer) mask cannot be "
+                f"{(batch, length)}, got {describe(attention_mask)}: a prepared (4-D or per-layer) mask cannot be "
                 "split. Pass the padding mask, or `position_ids` restarting at 0 for packed sequences."
             )
-        given_ids, host_mask = _host_copies(kwargs.get("position_ids"), attention_mask)  # the forward's one read
-        host_position_ids = _whole_positions(given_ids, batch, length, padded, torch.device("cpu"))
+        given_ids, host_mask = host_copies(kwargs.get("position_ids"), attention_mask)  # the forward's one read
+        host_position_ids = whole_positions(given_ids, batch, length, padded, torch.device("cpu"))
         doc_ids = valid = host_valid = None
         if attention_mask is None:
             doc_ids = self._documents(module, kwargs, host_position_ids[:, :length].expand(batch, -1))
@@ -522,9 +272,9 @@ class ContextParallel:
         )
         state.split = split
         if kwargs.get("input_ids") is not None:
-            kwargs["input_ids"] = split.local(_pad_sequence(kwargs["input_ids"], padded, value=0))
+            kwargs["input_ids"] = split.local(pad_sequence(kwargs["input_ids"], padded, value=0))
         else:
-            kwargs["inputs_embeds"] = split.local(_pad_sequence(kwargs["inputs_embeds"], padded, value=0.0))
+            kwargs["inputs_embeds"] = split.local(pad_sequence(kwargs["inputs_embeds"], padded, value=0.0))
         kwargs["position_ids"] = split.local(position_ids)
         # The whole sequence's padding mask: Transformers sizes the keys from it (kv_length = padded), and makes no
         # packed-document mask of its own (the split's `doc_ids` are).
@@ -585,16 +335,16 @@ class ContextParallel:
     def end_direct(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of the decoder stack (run even when the forward raised): the state of a stack called
         directly dropped."""
-        state = _FORWARD.get()
+        state = CURRENT_FORWARD.get()
         if state is not None and state.cp is self and state.direct:
-            _FORWARD.reset(state.token)
+            CURRENT_FORWARD.reset(state.token)
         return output
 
     def check_layers(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of the decoder stack: after the first split forward, every decoder layer must have exchanged
         keys and values (a layer that mixes the sequence some other way saw its chunk only), and every mask must have
         been one interval of keys per query. The ranks decide together (each checked its own queries)."""
-        state = _FORWARD.get()
+        state = CURRENT_FORWARD.get()
         split = None if state is None or state.cp is not self else state.split
         if self.layers_checked or split is None:
             return output
@@ -644,7 +394,7 @@ class ContextParallel:
             remap_positions_for_packed_sequence,
         )
 
-        split = _FORWARD.get().split
+        split = CURRENT_FORWARD.get().split
         if (q_length, kv_length, q_offset, kv_offset) != (split.local_len, split.padded_len, 0, 0):
             raise ValueError(
                 f"Context parallelism: the model asked for a mask of {q_length} queries (offset {q_offset}) and "
@@ -658,7 +408,7 @@ class ContextParallel:
                 packed_sequence_mask_function(split.doc_ids),
             )
         try:
-            low, positions = _first_keys(function, split, batch=batch_size)
+            low, positions = split_first_keys(function, split, batch=batch_size)
             if not self.layers_checked:  # decided with the other ranks at the end of the first split forward
                 problem = interval_violations(function, positions, low, key_length=split.padded_len)
                 if problem is not None:
@@ -727,7 +477,7 @@ class ContextParallel:
                 f"{split.local_len} tokens."
             )
         split.called.add(id(module))
-        sinks = _sinks(kwargs)
+        sinks = sinks_of(kwargs)
         if sinks is not None and self.inner == "sdpa":
             sinks = None  # Transformers' `sdpa` ignores them: so does the split, to compute what one process does
         seed = int(torch.empty((), dtype=torch.int64).random_()) if dropout else 0
@@ -754,7 +504,7 @@ class ContextParallel:
     def gather(self, local: torch.Tensor, split: BatchSplit, *, dim: int = SEQUENCE_DIM) -> torch.Tensor:
         """The whole (padded) sequence of a tensor holding this rank's tokens on ``dim``, in global order, on every
         rank of the group; differentiable."""
-        return _GatherSequence.apply(local, dim, self.group, self.size, split.order, split.gathered)
+        return GatherSequence.apply(local, dim, self.group, self.size, split.order, split.gathered)
 
     def _gather(self, key: torch.Tensor, value: torch.Tensor, split: BatchSplit) -> tuple[torch.Tensor, torch.Tensor]:
         if key.shape == value.shape and key.dtype == value.dtype:  # one collective for both
@@ -779,7 +529,7 @@ def _causal_lm_loss(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.T
         shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        state = _FORWARD.get()
+        state = CURRENT_FORWARD.get()
         split = None if state is None else state.split
         if split is None:
             return inner(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
@@ -791,7 +541,7 @@ def _causal_lm_loss(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.T
             )
         if num_items_in_batch is None:
             num_items_in_batch = (shift_labels != ignore_index).sum()
-        local = split.local(_pad_sequence(shift_labels, split.padded_len, value=ignore_index))
+        local = split.local(pad_sequence(shift_labels, split.padded_len, value=ignore_index))
         partial = inner(logits, None, vocab_size, num_items_in_batch, ignore_index, local, **kwargs)
         return SumOverGroup.apply(partial, state.cp.group, state.cp.size)
 
@@ -831,172 +581,6 @@ def install_context_parallel(
     return cp
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Helpers
-
-
-@functools.lru_cache(maxsize=8)
-def _layout(padded: int, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """On the host, for a padded length: this rank's positions, the gathered index of each global position and the
-    global position of each gathered index. The last few lengths' are kept (dynamic padding makes a length per
-    batch)."""
-    gathered = gathered_positions(padded, size)
-    return local_positions(padded, size, rank), torch.argsort(gathered), gathered
-
-
-def _host_copies(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """``tensors`` (the batch's position ids and padding mask, each ``(batch, seq)`` or ``None``) on the host, for the
-    tiles of a split forward: one copy from the device for all of them (the forward's one host synchronisation),
-    none for a batch on the host already."""
-    on_device = [t for t in tensors if t is not None and t.device.type != "cpu"]
-    if not on_device:
-        return list(tensors)
-    flat = torch.cat([t.to(on_device[0].device, torch.long).flatten() for t in on_device]).cpu()
-    parts = flat.split([t.numel() for t in on_device])
-    copies = iter(part.view(t.shape) for part, t in zip(parts, on_device, strict=True))
-    return [next(copies) if t is not None and t.device.type != "cpu" else t for t in tensors]
-
-
-def _first_keys(function: Callable, split: BatchSplit, *, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first key each query sees under ``function`` and the positions it was found at: on the host, from the
-    split's host copies, so that nothing is read from the device. A mask function that holds tensors of the device
-    (Llama 4's chunks start after each row's left padding, which Transformers counts on the device) is evaluated
-    there instead, and its first keys are read once (a host synchronisation per such mask and forward)."""
-    try:
-        low = first_keys(function, split.host_positions, batch=batch, key_length=split.padded_len)
-        return low, split.host_positions
-    except (RuntimeError, NotImplementedError):  # tensors of two devices in one operation
-        if split.positions.device.type == "cpu":
-            raise
-    low = first_keys(function, split.positions, batch=batch, key_length=split.padded_len)
-    return low, split.positions
-
-
-def _pad_sequence(tensor: torch.Tensor, length: int, *, value: Any) -> torch.Tensor:
-    """``tensor`` (batch, seq, ...) padded at the end of its sequence dim to ``length``, with ``value`` (``None``:
-    the last entry repeated)."""
-    missing = length - tensor.shape[SEQUENCE_DIM]
-    if missing == 0:
-        return tensor
-    if value is None:
-        last = tensor.narrow(SEQUENCE_DIM, tensor.shape[SEQUENCE_DIM] - 1, 1)
-        return torch.cat([tensor, last.expand(*tensor.shape[:SEQUENCE_DIM], missing, *tensor.shape[2:])], SEQUENCE_DIM)
-    pad = [0, 0] * (tensor.ndim - 1 - SEQUENCE_DIM) + [0, missing]
-    return nn.functional.pad(tensor, pad, value=value)
-
-
-def _whole_positions(
-    position_ids: torch.Tensor | None, batch: int, length: int, padded: int, device: torch.device
-) -> torch.Tensor:
-    """The position ids of the whole (padded) sequence: as given, or ``0 .. length - 1`` as Transformers counts them
-    without a cache; the padding repeats the last position (a causal mask hides it, and learned position tables end
-    at the model's longest sequence)."""
-    if position_ids is None:
-        return _pad_sequence(torch.arange(length, device=device).unsqueeze(0), padded, value=None)
-    if position_ids.ndim != 2 or position_ids.shape[-1] != length:
-        raise ValueError(
-            f"Context parallelism takes `position_ids` of shape (batch, seq) with seq = {length}, got shape "
-            f"{tuple(position_ids.shape)} (multi-axis positions such as M-RoPE's are not supported)."
-        )
-    return _pad_sequence(position_ids, padded, value=None)
-
-
-#: The registered implementations by inner implementation: one pair each, shared by every split model that runs
-#: inside it (each finds its split through the forward's state or its mask).
-_REGISTERED: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
-
-
-def _implementations(inner: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    if inner not in _REGISTERED:
-        _REGISTERED[inner] = (functools.partial(_attention, inner), functools.partial(_mask, inner))
-    return _REGISTERED[inner]
-
-
-def _mask(inner: str, **kwargs: Any) -> Any:
-    """The mask interface: a split forward's :class:`SplitMask`, or the inner implementation's own mask."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    state = _FORWARD.get()
-    if state is None or state.split is None:
-        return ALL_MASK_ATTENTION_FUNCTIONS[inner](**kwargs)
-    return state.cp.mask(**kwargs)
-
-
-def _attention(
-    inner: str,
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The attention interface: a split forward's tiles, or (decoding, or a forward keeping the last logits) the inner
-    implementation. ``eager`` is no registered function (each layer passes its own as the default, which a registered
-    name never gets): the same scores as the tiles', on the whole mask."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if isinstance(attention_mask, SplitMask):
-        return _split_attention(module, query, key, value, attention_mask, **kwargs)
-    state = _FORWARD.get()
-    if state is not None and state.split is not None:
-        raise ValueError(
-            f"Context parallelism: {type(module).__name__} got an attention mask that is not the split one "
-            f"({_describe(attention_mask)}), so it would attend within its chunk only. Its layer prepares masks of "
-            "its own; run this model without `cp_size`."
-        )
-    if inner != "eager":
-        return ALL_ATTENTION_FUNCTIONS[inner](module, query, key, value, attention_mask, **kwargs)
-    return _eager_attention(module, query, key, value, attention_mask, **kwargs)
-
-
-@torch.compiler.disable
-def _split_attention(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SplitMask, **kwargs: Any
-) -> tuple[torch.Tensor, None]:
-    """A split forward's attention, outside any compiled graph (``compile=True`` compiles each decoder layer around
-    it): the tiles' number and masks follow each batch's documents and padding, and their kernels are fused already."""
-    return mask.split.cp.attention(module, query, key, value, mask, **kwargs)
-
-
-def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The attention sinks a layer passes its attention function (:data:`SINK_ARGUMENTS`), or ``None``."""
-    return next((kwargs[arg] for arg in SINK_ARGUMENTS if kwargs.get(arg) is not None), None)
-
-
-def _eager_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Eager attention as the split computes it, on a whole (additive or boolean) mask: the layer's scale,
-    softcapping, sinks and dropout, softmax in fp32."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if attention_mask is not None:
-        mask = attention_mask[..., : key.shape[KEY_SEQUENCE_DIM]]
-        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask.float()
-    sinks = _sinks(kwargs)
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-    probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    probs = nn.functional.dropout(probs, p=dropout, training=dropout > 0).to(value.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
-
-
 def _own_config(model: nn.Module) -> None:
     """Give ``model`` and its modules a copy of the config they share, so that changing it changes no other model."""
     shared = model.config
@@ -1006,37 +590,4 @@ def _own_config(model: nn.Module) -> None:
             module.config = own
 
 
-def positions_from_mask(stack: nn.Module) -> str | None:
-    """The position table of the decoder stack that derives position ids from the attention mask when it gets none,
-    as ``"Stack.name (Class)"``, or ``None`` for Transformers' usual ``0 .. length - 1``. Found by structure: a module
-    directly in the stack that is an embedding table (``nn.Embedding``, looked up by index) and whose ``forward``
-    takes ``attention_mask`` computes its indices from the mask (OPT's and BioGPT's learned positions count a
-    left-padded row from its first real token). A stack that derives them in its own ``forward`` without such a table
-    is not found; of Transformers' text causal LMs in 5.24 and 5.25, the one stack that does (OPT's) has one too.
-
-    Args:
-        stack: the model's decoder stack (:func:`decoder_stack`).
-    """
-    for name, module in stack.named_children():
-        if isinstance(module, nn.Embedding) and "attention_mask" in inspect.signature(module.forward).parameters:
-            return f"{type(stack).__name__}.{name} ({type(module).__name__})"
-    return None
-
-
-def _describe(value: Any) -> str:
-    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
-
-
-__all__ = [
-    "ATTENTION_LAYER_TYPES",
-    "BatchSplit",
-    "ContextParallel",
-    "ForwardState",
-    "SplitMask",
-    "context_parallel_problem",
-    "gathered_positions",
-    "install_context_parallel",
-    "local_positions",
-    "padded_length",
-    "piece_starts",
-]
+__all__ = ["ContextParallel", "install_context_parallel"]

@@ -221,7 +221,14 @@ def _not_a_view(experts: nn.Module, args: Any, output: Any) -> Any:
 
 def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each expert-parallel experts module's tokens per expert in its last forward (this rank's tokens, before they
-    were sent), by module name. Sum them over the data-parallel ranks for the whole batch's load."""
+    were sent), by module name. Sum them over the data-parallel ranks for the whole batch's load.
+
+    Args:
+        model: a model parallelised with ``ep_size > 1`` (or a module holding one); empty otherwise.
+
+    Raises:
+        Nothing of its own: a model without expert parallelism gives an empty dict.
+    """
     return {name: load for name, m in model.named_modules() if (load := getattr(m, LOAD_ATTRIBUTE, None)) is not None}
 
 

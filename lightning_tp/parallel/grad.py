@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp.compat import foreach_mul_, foreach_norm
 from lightning_tp.parallel.collectives import collective_device
-from lightning_tp.parallel.pipeline import counted_on_another_stage
+from lightning_tp.parallel.pipeline_tied import counted_on_another_stage
 from lightning_tp.state import parallel_state
 
 
@@ -68,6 +68,10 @@ def grad_norm(
         pp_group: the ranks of this rank's pipeline, each holding other parameters (their stages'), for parameters
             given without their model: the norm then covers every stage's, an embedding tied to the head across
             stages counted once. Every rank of it must call this.
+
+    Raises:
+        Nothing of its own: a gradient missing on one rank counts as zeros there, so every rank runs the same
+        reductions (a collective's failure, or the process group's timeout, raises as torch raises it).
     """
     parameters, pp_group = _parameters_and_pipeline(parameters, pp_group)
     groups: dict[object, list[torch.Tensor | None]] = {}

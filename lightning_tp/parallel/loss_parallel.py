@@ -106,15 +106,27 @@ def vocab_parallel_cross_entropy(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of logits sharded on the vocabulary (last) dimension, as ``F.cross_entropy`` on the full logits.
+    Gradients reach ``logits`` in their own layout and dtype. Every rank of the logits' group must call it.
 
-    ``logits``: ``(..., vocab)``, either a DTensor sharded on its last dim over a 1-D mesh (shards may be uneven), or
-    this rank's local ``(..., local_vocab)`` slice with ``group`` (the ranks holding the other slices) and
-    ``vocab_start`` (the vocabulary index of its first column). ``labels``: ``(...)`` class indices, the same on every
-    rank. ``vocab_size``: the full vocabulary, to check the labels against (a DTensor knows it).
+    Args:
+        logits: ``(..., vocab)``, either a DTensor sharded on its last dim over a 1-D mesh (shards may be uneven), or
+            this rank's local ``(..., local_vocab)`` slice with ``group`` and ``vocab_start``.
+        labels: ``(...)`` class indices, the same on every rank.
+        ignore_index: the label of positions that count for nothing.
+        reduction: ``"mean"`` over non-ignored rows (nan when all are ignored, as torch), ``"sum"``, or ``"none"``
+            (per row, 0 on ignored rows).
+        group: the ranks holding the other slices, for plain-tensor ``logits`` (a DTensor carries its own).
+        vocab_start: the vocabulary index of this rank's first column, for plain-tensor ``logits``.
+        vocab_size: the full vocabulary, to check the labels against (a DTensor knows it).
 
-    Returns a plain fp32 tensor, the same on every rank: per row for ``reduction="none"`` (0 on ignored rows),
-    summed for ``"sum"``, averaged over non-ignored rows for ``"mean"`` (nan when all are ignored, as torch).
-    Gradients reach ``logits`` in their own layout and dtype.
+    Returns:
+        A plain fp32 tensor, the same on every rank.
+
+    Raises:
+        ValueError: an unknown ``reduction``; plain logits without ``group`` and ``vocab_start``, or a DTensor with
+            them, or one not sharded on its last dim over a 1-D mesh; ``labels`` whose shape is not the logits'
+            without the vocabulary dim.
+        RuntimeError: a label outside the vocabulary (an asynchronous assert, as ``F.cross_entropy``'s on a GPU).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"vocab_parallel_cross_entropy: `reduction={reduction!r}` is not one of {_REDUCTIONS}.")
@@ -152,7 +164,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, ignore_index: 
     ``log_softmax`` and a gather) or a DTensor sharded on the vocabulary (``loss_parallel=True``, see
     :func:`keep_logits_sharded`): computed on the shards, no rank holding the whole vocabulary (two all-reduces of one
     float per token, as :func:`vocab_parallel_cross_entropy`, of which it is the negative). ``tokens``: ``(...)``, the
-    same on every rank. Gradients reach ``logits`` in their own layout."""
+    same on every rank. Gradients reach ``logits`` in their own layout.
+
+    Args:
+        logits: ``(..., vocab)``, full or a vocabulary-sharded DTensor.
+        tokens: ``(...)`` the tokens whose log-probabilities to take.
+        ignore_index: the token value of positions that get 0.
+
+    Raises:
+        ValueError: as :func:`vocab_parallel_cross_entropy` for sharded logits (shapes that do not match).
+    """
     if isinstance(logits, DTensor):
         return -vocab_parallel_cross_entropy(logits, tokens, ignore_index=ignore_index, reduction="none")
     tokens = tokens.to(logits.device)
@@ -180,7 +201,14 @@ class _SumOverVocabShards(torch.autograd.Function):
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """The entropy of the next-token distribution at each position, fp32: ``logsumexp(l) - sum(softmax(l) l)``.
     ``logits`` as for :func:`token_logprobs` (full, or a vocabulary-sharded DTensor: three all-reduces of one float
-    per token, no rank holding the whole vocabulary). Differentiable."""
+    per token, no rank holding the whole vocabulary). Differentiable.
+
+    Args:
+        logits: ``(..., vocab)``, full or a vocabulary-sharded DTensor (every rank of its group must call it).
+
+    Raises:
+        ValueError: a DTensor not sharded on its last dim over a 1-D mesh.
+    """
     if not isinstance(logits, DTensor):
         log_p = torch.log_softmax(logits.float(), dim=-1)
         p = log_p.exp()
@@ -211,6 +239,12 @@ def keep_logits_sharded() -> Iterator[None]:
         with lightning_tp.keep_logits_sharded():
             logits = policy(input_ids=ids, attention_mask=mask).logits  # DTensor, Shard(-1) on the TP mesh
         logprobs = lightning_tp.token_logprobs(logits[:, :-1], ids[:, 1:])
+
+    Args:
+        None: a context manager; nested uses are fine (a context variable: per thread and task).
+
+    Raises:
+        Nothing of its own; a forward under context parallelism inside it raises ``ValueError`` (see above).
     """
     token = _KEEP_SHARDED.set(True)
     try:

@@ -29,18 +29,17 @@ of its loss, so the gradients the schedule computed are taken off the parameters
 set aside during it and put back after. ``model(...)`` takes ``input_ids``, ``labels``, ``attention_mask``,
 ``position_ids`` and ``use_cache`` only.
 
+This module runs the pipeline. The split plan is in :mod:`lightning_tp.parallel.pipeline_plan`, the stages' modules
+and stand-ins in :mod:`~lightning_tp.parallel.pipeline_stages`, a weight tied across stages in
+:mod:`~lightning_tp.parallel.pipeline_tied` and the single-file gather in :mod:`~lightning_tp.parallel.pipeline_gather`.
+
 May import: ``compat``, ``layout``, ``patches``, ``plans``, ``parallel.hooks``, ``parallel.router_loss``.
 """
 
 from __future__ import annotations
 
-import math
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,12 +49,18 @@ from torch import nn
 
 from lightning_tp.compat import forward_only_actions
 from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR
+from lightning_tp.parallel.pipeline_plan import PipelinePlan, is_single_stage_schedule, schedule_class
+from lightning_tp.parallel.pipeline_stages import (
+    ITEMS_KWARG,
+    LABELS_KWARG,
+    ROUTER_TOTALS,
+    TOKENS_KWARG,
+    PipelineStageModule,
+    keep_stages,
+)
+from lightning_tp.parallel.pipeline_tied import _TIED_RUNNERS, TiedAcrossStages, tied_across_stages
 from lightning_tp.parallel.router_loss import (
-    PipelinedRouterLoss,
     RouterTotals,
-    last_stage_router_loss,
-    pipelined_router_loss,
-    router_statistics,
 )
 from lightning_tp.patches import install
 
@@ -64,26 +69,6 @@ if TYPE_CHECKING:
 
 #: The attribute that holds a pipelined model's :class:`PipelineRunner`.
 RUNNER_ATTR = "_lightning_tp_pipeline"
-#: The router statistics of the runner's call, set around its schedule where the model adds a router loss and
-#: computes its own loss (read by the last stage).
-_ROUTER_TOTALS: ContextVar[RouterTotals | None] = ContextVar("lightning_tp_router_totals", default=None)
-
-#: The default schedule by stages per rank: 1F1B for one (the least activation memory of torch's single-stage
-#: schedules), its interleaved form for more (a bubble ``V`` times smaller).
-DEFAULT_SCHEDULES = {1: "1F1B", 2: "Interleaved1F1B"}
-
-#: Schedules that split the backward into an input-gradient pass and a later weight-gradient pass, which fills the
-#: bubble (zero-bubble pipelining).
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-#: Schedules whose stages run down the ranks and back up ("V": with 2 stages per rank, rank r holds stages r and
-#: 2p-1-r, so the first and the last stage are on rank 0); the others place stage s on rank s % p ("loop").
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-#: Schedules that run every forward of the last stage before its first backward (all forwards, then all backwards):
-#: the ones under which a loss over the whole batch (the routers' load-balancing loss, a product of two means over its
-#: tokens) has its gradient when the first micro-batch's backward needs it.
-FORWARDS_FIRST_SCHEDULES = ("GPipe", "LoopedBFS")
-#: The schedules ``pp_schedule`` may name.
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD_SCHEDULES)
 
 #: The sets of stages (with their schedule) a pipelined model keeps, the most recently used: one per batch shape and
 #: mode (training, evaluation), since torch's stages fix their receive buffers' shapes at their first step. A new
@@ -97,516 +82,6 @@ _BATCH_KWARGS = ("attention_mask", "position_ids")
 #: Keyword arguments given to every stage's model forward as they are: ``use_cache`` decides whether packed documents
 #: are told apart, as on one process (Transformers does only in a forward that makes no cache).
 _PLAIN_KWARGS = ("use_cache",)
-#: What the runner gives every stage besides them, split by micro-batch as well: the micro-batch's token ids (a stage
-#: after the first sizes the model's inputs by the whole sequence, which it receives cut by sequence or context
-#: parallelism), its labels and the batch's labelled tokens, one copy per row (the last stage's model computes the
-#: loss).
-_TOKENS, _LABELS, _ITEMS = "stage_input_ids", "labels", "num_items_in_batch"
-
-
-def schedule_class(name: str) -> type:
-    """torch's schedule class of ``name`` (case-insensitive, one of :data:`SCHEDULES`)."""
-    from torch.distributed.pipelining.schedules import get_schedule_class
-
-    if not isinstance(name, str) or name.lower() not in (n.lower() for n in SCHEDULES):
-        raise ValueError(f"`pp_schedule={name!r}` is not one of {list(SCHEDULES)}: unknown schedule name.")
-    return get_schedule_class(name)
-
-
-def is_single_stage_schedule(cls: type) -> bool:
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
-
-    return issubclass(cls, PipelineScheduleSingle)
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """How a model is cut: ``layers[s]`` are the decoder-layer indices of stage ``s``; the paths name the embedding,
-    the layer list and the final norm inside the model (from ``base_model_pp_plan``) and the head's modules (the
-    causal LM's own children that hold parameters, e.g. ``lm_head``)."""
-
-    layers: tuple[range, ...]
-    embedding: str
-    layer_list: str
-    norm: str
-    head: tuple[str, ...]
-    schedule: str
-    microbatches: int
-    stages_per_rank: int
-    #: The routers' load-balancing loss the model adds, whose statistics each stage adds to and passes on beside its
-    #: activation; ``None`` where it adds none.
-    router: PipelinedRouterLoss | None = None
-    #: Each batch's sequence length padded up to a multiple of this (``pp_pad_to_multiple_of``), or ``None``.
-    pad_to_multiple_of: int | None = None
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.layers)
-
-    @property
-    def v_shaped(self) -> bool:
-        """Whether the stages go down the ranks and back up (see :data:`V_SCHEDULES`)."""
-        return self.schedule in V_SCHEDULES
-
-    def stages_of(self, pp_rank: int, pp_size: int) -> tuple[int, ...]:
-        """The stage indices rank ``pp_rank`` holds, in order (as torch's schedule places them)."""
-        owners = generate_owners(pp_size, self.num_stages, v_shaped=self.v_shaped)
-        return tuple(stage for stage, rank in enumerate(owners) if rank == pp_rank)
-
-    def modules_of(self, stage: int) -> list[str]:
-        """The paths of the modules stage ``stage`` holds."""
-        names = [f"{self.layer_list}.{i}" for i in self.layers[stage]]
-        if stage == 0:
-            names.insert(0, self.embedding)
-        if stage == self.num_stages - 1:
-            names += [self.norm, *self.head]
-        return names
-
-
-def base_model_name(model: nn.Module) -> str | None:
-    """The name of the causal LM's child that is its decoder (``base_model_prefix``, or the child that
-    ``get_decoder()`` returns, or the one holding the input embedding: Llama 4's prefix names a composite model's
-    part), or ``None``."""
-    prefix = getattr(model, "base_model_prefix", None)
-    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
-        return prefix
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    found = next((name for name, child in model.named_children() if child is decoder), None)
-    if found is None and hasattr(model, "get_input_embeddings"):  # the child holding the input embedding
-        embedding = model.get_input_embeddings()
-        found = next((n for n, c in model.named_children() if any(m is embedding for m in c.modules())), None)
-    return found
-
-
-def pipeline_parts(model: nn.Module) -> tuple[str, str, str] | None:
-    """The names, in the base model, of the input embedding, the list of decoder layers and the final norm: the keys
-    of ``config.base_model_pp_plan``, or where the config has none, read from the structure (the child that
-    ``get_input_embeddings`` returns, the one ``ModuleList``, and the one other child holding parameters: Llama 4 and
-    Nemotron-H ship no plan). ``None`` when neither gives them."""
-    base_name = base_model_name(model)
-    if base_name is None:
-        return None
-    base = getattr(model, base_name)
-    pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
-    if pp_plan:
-        names = tuple(pp_plan)
-        return names if len(names) == 3 else None  # type: ignore[return-value]
-    children = {name: child for name, child in base.named_children() if any(True for _ in child.parameters())}
-    lists = [name for name, child in children.items() if isinstance(child, nn.ModuleList)]
-    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
-    embeddings = [name for name, child in children.items() if child is embedding]
-    rest = [name for name in children if name not in lists and name not in embeddings]
-    if len(lists) != 1 or len(embeddings) != 1 or len(rest) != 1:
-        return None
-    return embeddings[0], lists[0], rest[0]
-
-
-def pipeline_problem(model: nn.Module) -> str | None:
-    """Why ``model`` cannot be pipelined (the end of a sentence), or ``None``."""
-    parts = pipeline_parts(model)
-    if parts is None:
-        return (
-            f"{type(model).__name__} has no `config.base_model_pp_plan` (Transformers' split of a causal LM into "
-            "embeddings, decoder layers and norm) and its base model is not one embedding, one list of decoder layers "
-            "and one final norm, so there are no stages to cut it into. Use pp_size=1"
-        )
-    base_name = base_model_name(model)
-    base = getattr(model, base_name)
-    if not isinstance(getattr(base, parts[1], None), nn.ModuleList):
-        return (
-            f"{type(model).__name__}'s pipeline plan names {list(parts)}, whose second entry is not a list of decoder "
-            "layers. Use pp_size=1"
-        )
-    others = [
-        name for name, child in base.named_children() if name not in parts and any(True for _ in child.parameters())
-    ]
-    if others:
-        return (
-            f"{type(model).__name__}.{base_name} holds parameters outside its pipeline plan ({others}), which no "
-            "stage would compute. Use pp_size=1"
-        )
-    return None
-
-
-def resolve_pipeline_plan(
-    model: nn.Module,
-    *,
-    pp_size: int,
-    schedule: str | None,
-    microbatches: int | None,
-    stages_per_rank: int,
-    split: Sequence[int] | None,
-    pad_to_multiple_of: int | None = None,
-) -> PipelinePlan:
-    """The stages of ``model`` (which passed :func:`pipeline_problem`), checked before anything moves."""
-    if pad_to_multiple_of is not None and (
-        not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1
-    ):
-        raise ValueError(f"`pp_pad_to_multiple_of` must be a positive integer or None, got {pad_to_multiple_of!r}.")
-    base_name = base_model_name(model)
-    base = getattr(model, base_name)
-    parts = pipeline_parts(model)
-    assert parts is not None, "resolve_pipeline_plan of a model pipeline_problem refuses"
-    embedding, layer_list, norm = parts
-    layers: nn.ModuleList = getattr(base, layer_list)
-    name = schedule or DEFAULT_SCHEDULES.get(stages_per_rank, "Interleaved1F1B")
-    cls = schedule_class(name)
-    single = is_single_stage_schedule(cls)
-    if single and stages_per_rank != 1:
-        raise ValueError(
-            f"`pp_schedule={name!r}` runs one stage per rank, but pp_stages_per_rank={stages_per_rank}. Use an "
-            "interleaved schedule (Interleaved1F1B, LoopedBFS) or pp_stages_per_rank=1."
-        )
-    num_stages = pp_size * stages_per_rank
-    microbatches = num_stages if microbatches is None else microbatches
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"`pp_microbatches` must be a positive integer or None, got {microbatches!r}.")
-    short = cls.__name__.removeprefix("Schedule")
-    v_shaped = short in V_SCHEDULES
-    if v_shaped and stages_per_rank != 2:
-        raise ValueError(
-            f"`pp_schedule={name!r}` places exactly 2 stages on each rank (down the ranks and back up), but "
-            f"pp_stages_per_rank={stages_per_rank}. Use pp_stages_per_rank=2."
-        )
-    if short == "DualPipeV" and microbatches < num_stages:
-        raise ValueError(
-            f"`pp_schedule='DualPipeV'` needs at least as many micro-batches as stages ({num_stages}), got "
-            f"pp_microbatches={microbatches}. Use more micro-batches."
-        )
-    if cls.__name__ == "Schedule1F1B" and microbatches < num_stages:
-        raise ValueError(
-            f"`pp_schedule='1F1B'` needs at least as many micro-batches as stages ({num_stages}), got "
-            f"pp_microbatches={microbatches}. Use more micro-batches, or GPipe."
-        )
-    if not single and microbatches % pp_size:
-        raise ValueError(
-            f"`pp_schedule={name!r}` with {stages_per_rank} stages per rank needs a number of micro-batches divisible "
-            f"by pp_size={pp_size}, got pp_microbatches={microbatches}."
-        )
-    router = pipelined_router_loss(model)
-    if router is not None and short not in FORWARDS_FIRST_SCHEDULES:
-        raise ValueError(
-            f"{type(model).__name__} adds its routers' load-balancing loss (`output_router_logits=True`), "
-            "num_experts x sum_e f_e P_e with f_e and P_e means over the whole batch, so the gradient of each "
-            "micro-batch's router probabilities is num_experts x f_e / tokens and needs every micro-batch's routing; "
-            f"`pp_schedule={name!r}` runs the first micro-batch's backward before the last one's forward. Use a "
-            f"schedule that runs every forward first ({', '.join(map(repr, FORWARDS_FIRST_SCHEDULES))}), or set "
-            "`config.output_router_logits=False`."
-        )
-    count = len(layers)
-    if count < num_stages:
-        raise ValueError(
-            f"{type(model).__name__} has {count} decoder layers, fewer than its {num_stages} pipeline stages "
-            f"(pp_size={pp_size} x pp_stages_per_rank={stages_per_rank}). Use fewer stages."
-        )
-    if split is not None:
-        split = list(split)
-        if len(split) != num_stages or sum(split) != count or min(split) < 1:
-            raise ValueError(
-                f"`pp_split={split}` must give each of the {num_stages} stages at least one decoder layer and add up "
-                f"to the model's {count} layers."
-            )
-        sizes = split
-    else:
-        per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-        sizes = balanced_split(per_layer, num_stages, owners=generate_owners(pp_size, num_stages, v_shaped=v_shaped))
-    starts = [sum(sizes[:s]) for s in range(num_stages)]
-    head = tuple(
-        name for name, child in model.named_children() if name != base_name and any(True for _ in child.parameters())
-    )
-    return PipelinePlan(
-        layers=tuple(range(start, start + size) for start, size in zip(starts, sizes, strict=True)),
-        embedding=f"{base_name}.{embedding}",
-        layer_list=f"{base_name}.{layer_list}",
-        norm=f"{base_name}.{norm}",
-        head=head,
-        schedule=short,
-        microbatches=microbatches,
-        stages_per_rank=stages_per_rank,
-        router=router,
-        pad_to_multiple_of=pad_to_multiple_of,
-    )
-
-
-def generate_owners(pp_size: int, num_stages: int, *, v_shaped: bool) -> list[int]:
-    """The pipeline rank holding each stage: stage ``s`` on rank ``s % p`` ("loop"), or down the ranks and back up
-    ("V", 2 stages per rank)."""
-    if v_shaped:
-        return [s if s < pp_size else num_stages - 1 - s for s in range(num_stages)]
-    return [s % pp_size for s in range(num_stages)]
-
-
-def balanced_split(per_layer: Sequence[int], num_stages: int, *, owners: Sequence[int] | None = None) -> list[int]:
-    """Layers per stage, contiguous, at least one each, minimising the heaviest stage, where the first and the last
-    stage also carry one average layer's weight (the embedding, and the norm and head): torchtitan's default weights.
-    Ties go to the earlier cut. ``owners`` (the rank of each stage): where a rank holds several stages, the cuts are
-    then moved one layer at a time while that lowers the heaviest rank's load (a V-shaped placement puts the first and
-    the last stage, with the embedding and the head, on one rank)."""
-    count = len(per_layer)
-    average = sum(per_layer) / count
-    prefix = [0.0]
-    for value in per_layer:
-        prefix.append(prefix[-1] + value)
-
-    def load(stage: int, start: int, end: int) -> float:
-        extra = (average if stage == 0 else 0.0) + (average if stage == num_stages - 1 else 0.0)
-        return prefix[end] - prefix[start] + extra
-
-    # best[s][i]: the least possible heaviest load of stages s.. over layers i..
-    inf = math.inf
-    best = [[inf] * (count + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (count + 1) for _ in range(num_stages + 1)]
-    best[num_stages][count] = 0.0
-    for stage in range(num_stages - 1, -1, -1):
-        for start in range(count - 1, -1, -1):
-            for end in range(start + 1, count - (num_stages - stage - 1) + 1):
-                value = max(load(stage, start, end), best[stage + 1][end])
-                if value < best[stage][start] - 1e-9:
-                    best[stage][start], cut[stage][start] = value, end
-    sizes, start = [], 0
-    for stage in range(num_stages):
-        end = cut[stage][start]
-        sizes.append(end - start)
-        start = end
-    if owners is None or len(set(owners)) == num_stages:
-        return sizes
-
-    def cost(sizes: list[int]) -> tuple[float, float]:
-        """The heaviest rank's load, then the heaviest stage's."""
-        starts = [sum(sizes[:s]) for s in range(num_stages)]
-        stages = [load(s, starts[s], starts[s] + sizes[s]) for s in range(num_stages)]
-        ranks: dict[int, float] = {}
-        for stage, rank in enumerate(owners):
-            ranks[rank] = ranks.get(rank, 0.0) + stages[stage]
-        return max(ranks.values()), max(stages)
-
-    best_cost = cost(sizes)
-    improved = True
-    while improved:
-        improved = False
-        for boundary in range(num_stages - 1):  # move one layer across the cut after stage `boundary`
-            for step in (1, -1):
-                moved = list(sizes)
-                moved[boundary] += step
-                moved[boundary + 1] -= step
-                if min(moved) < 1:
-                    continue
-                if (value := cost(moved)) < best_cost:
-                    sizes, best_cost, improved = moved, value, True
-    return sizes
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Keeping a rank's stages
-
-
-def keep_stages(model: nn.Module, plan: PipelinePlan, stages: Sequence[int]) -> None:
-    """Set every module that none of ``stages`` holds to ``None`` in its parent, so this rank keeps (and later
-    shards, materialises and saves) only its stages' modules, under their own names."""
-    held = {name for stage in stages for name in plan.modules_of(stage)}
-    everything = {n for s in range(plan.num_stages) for n in plan.modules_of(s)}
-    for name in sorted(everything - held):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, None)  # keeps the slot (and the other layers' indices), unlike `del`
-
-
-class _StageDone(Exception):  # noqa: N818 (control flow, not an error)
-    """Raised by the stand-in after a stage's last layer: carries that layer's output out of the model's forward."""
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__()
-        self.hidden = hidden
-
-
-def plain_attributes(layer: nn.Module) -> dict[str, Any]:
-    """What the model's forward may read of a decoder layer besides calling it (Nemotron-H's loop reads
-    ``layer.block_type``): its public attributes of plain types, kept for the layers a rank does not hold."""
-    plain = (str, int, float, bool, type(None))
-    return {k: v for k, v in vars(layer).items() if not k.startswith("_") and isinstance(v, plain)}
-
-
-class _Placeholder:
-    """What a layer before the stage's first one returns: the loop around the layers may take it as the hidden states,
-    index it (``outputs[0]``) or unpack it (``hidden, weights = layer(...)``); it reaches no computation, since the
-    stage's first layer takes the received activation instead (see :class:`_Receiver`)."""
-
-    def __getitem__(self, index: int) -> Any:
-        return self if index == 0 else None
-
-    def __iter__(self) -> Any:
-        return iter((self, None))
-
-
-class _StandIn(nn.Module):
-    """A layer this stage does not hold, for one call, with its plain attributes: before the stage's layers it returns
-    a :class:`_Placeholder`; the one after them (``stop``) takes its input as the stage's output and ends the forward
-    (:class:`_StageDone`), or where the model's own outputs are needed (``last``: the stage's last layer, recording
-    its output) it and the later ones return what that layer returned, and the forward runs to its end.
-
-    ``layer``: the layer it stands for where this rank holds it (another of its stages), never called: kept in the
-    model's tree during the call, which then holds each of the rank's modules once, as outside it (Transformers
-    installs its output-recording hooks, the routers' logits among them, by walking the tree at the first call that
-    records)."""
-
-    def __init__(
-        self, attributes: dict[str, Any], *, stop: bool, last: _Receiver | None = None, layer: nn.Module | None = None
-    ) -> None:
-        super().__init__()
-        self.__dict__.update(attributes)
-        self.stop, self.stood_for = stop, layer
-        self.__dict__["last"] = last  # not a child: the layer is in the tree where it runs
-        self.output: torch.Tensor | None = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.stop:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if self.last is None:
-                raise _StageDone(hidden)
-            self.output = hidden
-        if self.last is not None:
-            return self.last.output
-        return _Placeholder()
-
-
-class _Skipped(nn.Module):
-    """The final norm, for one call of a stage before the last that runs the model's forward to its end: its input
-    unchanged. Holds the norm where this rank holds it (see :class:`_StandIn`'s ``layer``)."""
-
-    def __init__(self, norm: nn.Module | None) -> None:
-        super().__init__()
-        self.stood_for = norm
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden
-
-
-class _Receiver(nn.Module):
-    """The stage's first layer, for one call, given the activation received from the previous stage as its hidden
-    states (``received``; ``None``: its own input); it returns what the layer returns, to the model's own loop
-    (whatever form that takes), and keeps it (``output``)."""
-
-    def __init__(self, layer: nn.Module, received: torch.Tensor | None) -> None:
-        super().__init__()
-        self.layer, self.received = layer, received
-        self.output: Any = None
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.layer, name)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.received is not None and args:
-            args = (self.received, *args[1:])
-        elif self.received is not None:
-            kwargs = {**kwargs, "hidden_states": self.received}
-        self.output = self.layer(*args, **kwargs)
-        return self.output
-
-
-class PipelineStageModule(nn.Module):
-    """One stage of a pipelined model, the module torch's ``PipelineStage`` runs: ``forward(x, **batch_kwargs)``
-    takes the stage's input (the micro-batch's ``input_ids`` on the first stage, the previous stage's activation on the
-    others) and returns the next stage's input, or on the last stage the micro-batch's share of the loss as the
-    model's forward computes it from ``labels`` (its loss function, with what sequence, context and loss parallelism
-    installed there), or the logits without labels (a custom pipeline loss). Its parameters are the stage's own
-    (registered here too, for FSDP2 and torch's stage); the model keeps them under their own names."""
-
-    def __init__(self, model: nn.Module, plan: PipelinePlan, stage: int) -> None:
-        super().__init__()
-        object.__setattr__(self, "model", model)  # not a child: the model's names stay its own
-        self.stage, self.plan = stage, plan
-        self.is_first, self.is_last = stage == 0, stage == plan.num_stages - 1
-        self.parts = nn.ModuleDict(
-            {name.replace(".", "__"): model.get_submodule(name) for name in plan.modules_of(stage)}
-        )
-        # Read while the model holds every layer (before `keep_stages`): the stand-ins of the others carry them.
-        self.layer_attributes = [plain_attributes(layer) for layer in model.get_submodule(plan.layer_list)]
-
-    def forward(self, x: torch.Tensor, *received: torch.Tensor, **kwargs: Any) -> Any:
-        """``received``: the earlier stages' router statistics of the micro-batch, where the model adds a router loss
-        (:attr:`PipelinePlan.router`); a stage before the last then returns its activation and the statistics with
-        its own layers' added."""
-        model, plan = self.model, self.plan
-        tokens = kwargs.pop(_TOKENS, None)
-        labels = kwargs.pop(_LABELS, None)
-        items = kwargs.pop(_ITEMS, None)
-        router_stats = received[0] if received else None
-        # The routers' logits are an output of the model's forward: a stage before the last that adds them to the
-        # statistics runs the forward to its end (the norm skipped), not stopping after its last layer.
-        collect = plan.router is not None and not self.is_last
-        layers = model.get_submodule(plan.layer_list)
-        held = plan.layers[self.stage]
-        # The layer list's slots (`None` for the layers other ranks hold), replaced for the call and put back after.
-        saved = [layers[index] for index in range(len(layers))]
-        receivers = {held.start: _Receiver(saved[held.start], x)} if not self.is_first else {}
-        if collect:
-            receivers.setdefault(held.stop - 1, _Receiver(saved[held.stop - 1], None))
-        last = receivers[held.stop - 1] if collect else None
-        stop = None
-        for index in range(len(saved)):
-            if index in receivers:
-                layers[index] = receivers[index]
-            elif index not in held:
-                after = last if index >= held.stop else None
-                attributes = self.layer_attributes[index]
-                stand_in = _StandIn(attributes, stop=index == held.stop, last=after, layer=saved[index])
-                stop = stand_in if index == held.stop else stop
-                layers[index] = stand_in
-        norm_parent, _, norm_name = plan.norm.rpartition(".")
-        norm_owner = model.get_submodule(norm_parent) if collect else None
-        norm = getattr(norm_owner, norm_name) if collect else None
-        if collect:
-            setattr(norm_owner, norm_name, _Skipped(norm))
-        if self.is_first:
-            inputs = {"input_ids": x}
-        else:
-            # Stand-in embeddings of the whole sequence (the received activation replaces them at the first layer):
-            # the model computes masks and positions from them, and cuts them as it cut the first stage's.
-            shape = x.shape if tokens is None else (*tokens.shape[:2], *x.shape[2:])
-            inputs = {"inputs_embeds": torch.zeros(shape, dtype=x.dtype, device=x.device)}
-        try:
-            if self.is_last:
-                # The causal LM's own forward (its class's: the instance's runs the pipeline) gives the logits, and
-                # the loss, as one process computes them (scaling, soft-capping, the loss function's wrappers).
-                if labels is None:  # a custom pipeline loss (refused where the model adds a router loss)
-                    return type(model).forward(model, **inputs, **kwargs).logits
-                loss_kwargs = {_LABELS: labels, _ITEMS: items[0] if items is not None else None}
-                with self._router_loss(router_stats, labels):
-                    # One element, not a scalar: torch's evaluation concatenates the micro-batches' outputs.
-                    return type(model).forward(model, **inputs, **kwargs, **loss_kwargs).loss.reshape(1)
-            base = model.get_submodule(plan.layer_list.rpartition(".")[0])
-            outputs = base(**inputs, **kwargs)
-        except _StageDone as done:
-            return done.hidden
-        finally:
-            for index, layer in enumerate(saved):
-                layers[index] = layer
-            if collect:
-                setattr(norm_owner, norm_name, norm)
-        assert collect and stop is not None and plan.router is not None, f"stage {self.stage} ran past its last layer"
-        hidden = stop.output
-        assert hidden is not None, f"stage {self.stage}'s forward did not reach the layer after its last"
-        router = plan.router
-        mask = kwargs.get("attention_mask")
-        stats = router_statistics(
-            tuple(outputs.router_logits or ()), router.num_experts, router.top_k, mask, device=hidden.device
-        )
-        return hidden, stats if router_stats is None else stats + router_stats
-
-    def _router_loss(self, received: torch.Tensor | None, labels: torch.Tensor) -> AbstractContextManager[None]:
-        """Around the last stage's model forward: the router loss it adds is the whole batch's (see
-        :class:`~lightning_tp.parallel.router_loss.RouterTotals`). The micro-batch is told by where its labels start
-        in the batch's (torch cuts the batch into views; its shape inference's copy of the first micro-batch's labels
-        shares their memory), which needs no read of the device. The runner put the labels on the stage's device
-        already, so FSDP2's root, which moves a stage's inputs there, hands on the same views."""
-        if self.plan.router is None:
-            return nullcontext()
-        totals = _ROUTER_TOTALS.get()
-        assert totals is not None, "the last stage of a router loss run outside its runner's call"
-        return last_stage_router_loss(self.model, received, totals, microbatch=labels.data_ptr())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -642,7 +117,16 @@ def set_pipeline_loss(model: nn.Module, loss: PipelineLoss | None) -> None:
     """Replace the loss a pipelined ``model`` computes on its last stage: ``loss(logits, labels, *,
     num_items_in_batch)`` for one micro-batch, where ``num_items_in_batch`` is the number of labelled tokens in the
     whole batch (the micro-batches' results are summed, so return a sum divided by it for a mean over the batch).
-    ``None`` restores the model's own loss (``model.loss_function``)."""
+    ``None`` restores the model's own loss (``model.loss_function``).
+
+    Args:
+        model: a model parallelised with ``pp_size > 1`` (after the strategy's setup, e.g. in ``on_fit_start``).
+        loss: ``loss(logits, labels, *, num_items_in_batch)``, or ``None`` for the model's own.
+
+    Raises:
+        ValueError: ``model`` is not pipelined, or a parallelism it runs with (context parallelism, the routers'
+            load-balancing loss) needs the model's own loss.
+    """
     runner = getattr(model, RUNNER_ATTR, None)
     if runner is None:
         raise ValueError(
@@ -761,10 +245,10 @@ class PipelineRunner:
         target = labels.to(self.device).contiguous()
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         input_ids = input_ids.to(self.device)
-        kwargs[_TOKENS] = input_ids
+        kwargs[TOKENS_KWARG] = input_ids
         if self.custom_loss is None:  # the last stage's model computes the loss
-            kwargs[_LABELS] = target
-            kwargs[_ITEMS] = self._num_items.expand(rows)
+            kwargs[LABELS_KWARG] = target
+            kwargs[ITEMS_KWARG] = self._num_items.expand(rows)
         described = ((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())
         shapes = (tuple(input_ids.shape), tuple(sorted(described)))
         key = (*shapes, training, torch.is_inference_mode_enabled())
@@ -778,7 +262,7 @@ class PipelineRunner:
             group = self.dp_mesh.get_group() if self.dp_mesh is not None else None
             size = self.dp_mesh.size() if self.dp_mesh is not None else 1
             totals = RouterTotals(self.plan.router, microbatches=self.plan.microbatches, group=group, size=size)
-        token = _ROUTER_TOTALS.set(totals)
+        token = ROUTER_TOTALS.set(totals)
         try:
             if training:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
@@ -786,7 +270,7 @@ class PipelineRunner:
                 with torch.no_grad():
                     schedule.eval(*args, target=target, losses=losses, **kwargs)
         finally:
-            _ROUTER_TOTALS.reset(token)
+            ROUTER_TOTALS.reset(token)
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else None
         value = torch.zeros((), device=self.device) if total is None else total.to(self.device)
         if totals is not None:  # the whole batch's router loss, counted once (each micro-batch's added nothing)
@@ -901,60 +385,6 @@ class _StashedGradients(torch.autograd.Function):
                 scaled = value if bool(grad == 1) else value * grad.to(device=value.device, dtype=value.dtype)
                 param.grad = scaled if param.grad is None else param.grad + scaled
         return None, None
-
-
-@dataclass(frozen=True)
-class TiedAcrossStages:
-    """An input embedding tied to the output head (``tie_word_embeddings``) whose stages two ranks of the pipeline hold:
-    each keeps a copy (the first stage's embedding, the last stage's head), and the two stay equal (their gradients
-    summed after each step's backward, their values synchronised once at setup)."""
-
-    embedding: str  # the input embedding's path in the model
-    head: str  # the output head's path in the model
-    first_rank: int  # the pipeline rank holding the first stage
-    last_rank: int  # the pipeline rank holding the last stage
-
-
-#: The runners of pipelines whose last stage holds a copy of a weight tied across stages (held weakly; a parameter
-#: cannot be: `Module.to` swaps a parameter's tensor, which a weak reference to it forbids).
-_TIED_RUNNERS: weakref.WeakSet[PipelineRunner] = weakref.WeakSet()
-
-
-def counted_on_another_stage(parameter: torch.Tensor) -> bool:
-    """Whether ``parameter`` is the last stage's copy of a weight tied across stages, whose gradient the first
-    stage's copy holds as well (a norm over the pipeline counts it once). Found through the runners, at the call: the
-    copy is whatever parameter the head holds now (sharding replaces it)."""
-    return any(
-        runner.tied is not None
-        and runner.pp_mesh.get_local_rank() == runner.tied.last_rank
-        and runner.tied_parameter() is parameter
-        for runner in list(_TIED_RUNNERS)
-    )
-
-
-def tied_head(model: nn.Module, plan: PipelinePlan) -> str | None:
-    """The path of ``model``'s output head whose weight is its input embedding's (``tie_word_embeddings``), read while
-    it holds every module; ``None`` if untied."""
-    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        return None
-    embedding = model.get_submodule(plan.embedding)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or getattr(head, "weight", None) is not getattr(embedding, "weight", None):
-        return None
-    return next(name for name, module in model.named_modules() if module is head)
-
-
-def tied_across_stages(model: nn.Module, plan: PipelinePlan, *, pp_size: int) -> TiedAcrossStages | None:
-    """The embedding tied to the head of ``model`` (read while it holds every module), if the first and last stages
-    are on two ranks; ``None`` otherwise."""
-    head_path = tied_head(model, plan)
-    if head_path is None:
-        return None
-    owners = generate_owners(pp_size, plan.num_stages, v_shaped=plan.v_shaped)
-    first, last = owners[0], owners[plan.num_stages - 1]
-    if first == last:
-        return None
-    return TiedAcrossStages(plan.embedding, head_path, first, last)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -1098,46 +528,6 @@ def pipeline_runner(module: nn.Module) -> PipelineRunner | None:
     return None
 
 
-def gather_stages(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """Under pipeline parallelism, every stage's entries of ``state`` (each rank's whole tensors of its own stages),
-    merged on the first rank of each pipeline (rank 0 among them), ``{}`` on the others; without it, ``state``. Every
-    rank must call it.
-
-    Streamed: the ranks first share what they hold (names, shapes, dtypes: plain values), then each tensor goes to the
-    first rank point to point, one at a time, through the pipeline's device (NCCL sends device tensors), and lands on
-    its CPU. A tensor held under several names (a tied weight) is sent once and kept as one object."""
-    runner = pipeline_runner(module)
-    if runner is None:
-        return state
-    # Ranks in the group's own numbering, in which the sends below address the first rank.
-    group = runner.pp_mesh.get_group()
-    mine, size = dist.get_rank(group), dist.get_world_size(group)
-    names: dict[int, list[str]] = {}
-    for name, value in state.items():
-        assert isinstance(value, torch.Tensor), f"gather_stages of a non-tensor entry {name!r}"
-        names.setdefault(id(value), []).append(name)
-    listing = [
-        (keys, tuple(state[keys[0]].shape), str(state[keys[0]].dtype).removeprefix("torch.")) for keys in names.values()
-    ]
-    listings: list[Any] = [None] * size
-    dist.all_gather_object(listings, listing, group=group)
-    merged = dict(state) if mine == 0 else {}
-    first = dist.get_global_rank(group, 0)
-    for rank in range(1, size):
-        if mine not in (0, rank):
-            continue
-        for keys, shape, dtype in listings[rank]:
-            if mine == rank:
-                dist.send(state[keys[0]].detach().to(runner.device).contiguous(), dst=first, group=group)
-                continue
-            received = torch.empty(shape, dtype=getattr(torch, dtype), device=runner.device)
-            dist.recv(received, src=dist.get_global_rank(group, rank), group=group)
-            received = received.cpu()
-            for key in keys:
-                merged[key] = received
-    return merged
-
-
 def modules_and_stages(module: nn.Module) -> list[nn.Module]:
     """``module.modules()`` and the pipeline stage modules of the models in it: the stages (FSDP2 roots under data
     parallelism) are not children of the model they run."""
@@ -1169,18 +559,14 @@ def refuse_generate(model: nn.Module) -> None:
 
 
 __all__ = [
+    "KEPT_SHAPES",
     "PipelineOutput",
-    "PipelinePlan",
-    "PipelineStageModule",
-    "balanced_split",
+    "PipelineRunner",
     "install_pipeline",
-    "gather_stages",
     "labelled_tokens",
     "modules_and_stages",
     "other_stages_modules",
     "pipeline_runner",
-    "pipeline_problem",
-    "resolve_pipeline_plan",
     "set_pipeline_loss",
     "stage_modules_of",
 ]

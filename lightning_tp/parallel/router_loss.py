@@ -13,9 +13,10 @@ The modeling module's ``load_balancing_loss_func`` is wrapped (once per module, 
 a module-level function the model's forward calls by name), a patch of the whole process that each registered model
 owns: a strategy's teardown gives it up (``undo_owned(model, instances=False)``), so that the module's own function
 is back once no registered model holds it, until a registered model runs again. The wrapper changes nothing for a call
-whose router logits do not come from a registered model (the decoder stack's forward hook records them). The first
-call checks, on every rank together, that the family's function is the formula reimplemented here, and raises on every
-rank where it is not.
+whose router logits do not come from a registered model's forward: the decoder stack's forward hook records them, for
+the call that follows, in a context variable (per call; nothing global holds a model's state). Each registered
+model's first call checks, on every rank together, that the family's function is the formula reimplemented here, and
+raises on every rank where it is not.
 
 Under pipeline parallelism the batch is also cut into micro-batches and the layers into stages on other ranks. The
 loss's numbers are sums (:func:`router_statistics`), so each stage adds its layers' to the ones it received and passes
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_tp.compat import remove_forward_hooks
 from lightning_tp.parallel.collectives import SumOverGroup
 from lightning_tp.patches import install, installed
 
@@ -51,12 +53,30 @@ FUNCTION_NAME = "load_balancing_loss_func"
 #: The wrapper's attribute holding the family's own function (read by tests that want it whatever is installed).
 _ORIGINAL = "_lightning_tp_original"
 
-#: id of the first router-logits tensor of a registered forward -> (the tensor, weakly; the group; its size).
-_RECORDED: dict[int, tuple[weakref.ref, dist.ProcessGroup, int]] = {}
-#: Modeling modules whose function was checked against the formula here.
-_CHECKED: set[str] = set()
-#: The decoder stack of each registered model -> its recording hook (replaced when the model is registered again).
-_HOOKS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+#: The attribute that marks the recording hook on a registered model's decoder stack (found again to replace it).
+_HOOK_MARKER = "_lightning_tp_router_hook"
+
+
+@dataclass(eq=False)
+class _Registration:
+    """One registered model's router loss: the data-parallel group its tokens are summed over (of ``size`` ranks),
+    and whether its family's function was checked against the formula here (at its first loss, on every rank
+    together)."""
+
+    group: dist.ProcessGroup
+    size: int
+    checked: bool = False
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    first: weakref.ref  # the forward's first router-logits tensor
+    registration: _Registration
+
+
+#: The router logits of the registered forward that ran last in this context, set by its decoder stack's hook and
+#: read by the causal LM's call of the function right after (per call: no model's state outlives its forward here).
+_RECORDED: ContextVar[_Recorded | None] = ContextVar("lightning_tp_router_recorded", default=None)
 
 
 def router_loss_module(model: nn.Module) -> Any | None:
@@ -76,7 +96,7 @@ def install_global_router_loss(model: nn.Module, dp_mesh: DeviceMesh) -> bool:
     if module is None or not isinstance(decoder, nn.Module) or decoder is model:
         return False
     _hold(module, model)
-    group, size = dp_mesh.get_group(), dp_mesh.size()
+    registration = _Registration(dp_mesh.get_group(), dp_mesh.size())
     owner = weakref.ref(model)  # the hook sits inside the model: no reference cycle through it
 
     def remember(_decoder: nn.Module, _args: Any, output: Any) -> None:
@@ -84,14 +104,11 @@ def install_global_router_loss(model: nn.Module, dp_mesh: DeviceMesh) -> bool:
         model = owner()
         if model is not None and isinstance(logits, tuple) and logits and isinstance(logits[0], torch.Tensor):
             _hold(module, model)  # before the causal LM calls the function, which it looks up by name
-            for key in [k for k, (ref, _, _) in _RECORDED.items() if ref() is None]:
-                del _RECORDED[key]
-            _RECORDED[id(logits[0])] = (weakref.ref(logits[0]), group, size)
+            _RECORDED.set(_Recorded(weakref.ref(logits[0]), registration))
 
-    previous = _HOOKS.pop(decoder, None)
-    if previous is not None:
-        previous.remove()
-    _HOOKS[decoder] = decoder.register_forward_hook(remember)
+    setattr(remember, _HOOK_MARKER, True)
+    remove_forward_hooks(decoder, _HOOK_MARKER)  # an earlier registration's
+    decoder.register_forward_hook(remember)
     return True
 
 
@@ -99,29 +116,35 @@ def _hold(module: Any, model: nn.Module) -> None:
     """``module``'s function wrapped (see the module docstring), the patch held by ``model`` among its owners."""
     patch = installed(module, FUNCTION_NAME)
     if patch is None:
-        install(module, FUNCTION_NAME, _wrap(getattr(module, FUNCTION_NAME), module.__name__), owner=model)
+        install(module, FUNCTION_NAME, _wrap(getattr(module, FUNCTION_NAME)), owner=model)
     else:
         patch.add_owner(model)
 
 
-def _wrap(original: Callable[..., Any], module_name: str) -> Callable[..., Any]:
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_balancing_loss_func(gate_logits: Any, num_experts: Any = None, top_k: Any = 2, attention_mask: Any = None):
         stage = _LAST_STAGE.get()
         if stage is not None:
             return _last_stage_loss(stage, gate_logits, attention_mask)
         first = gate_logits[0] if isinstance(gate_logits, tuple) and gate_logits else None
-        entry = _RECORDED.get(id(first)) if isinstance(first, torch.Tensor) else None
-        if entry is None or entry[0]() is not first or not isinstance(num_experts, int):
+        recorded = _RECORDED.get()
+        if recorded is None or first is None or recorded.first() is not first or not isinstance(num_experts, int):
             return original(gate_logits, num_experts, top_k, attention_mask)
-        _, group, size = entry
+        registration = recorded.registration
         expected = None
-        if module_name not in _CHECKED:
+        if not registration.checked:
             with torch.no_grad():
                 expected = original(gate_logits, num_experts, top_k, attention_mask)
         loss, _ = global_load_balancing_loss(
-            gate_logits, num_experts, top_k, attention_mask, group=group, size=size, expected=expected
+            gate_logits,
+            num_experts,
+            top_k,
+            attention_mask,
+            group=registration.group,
+            size=registration.size,
+            expected=expected,
         )
-        _CHECKED.add(module_name)
+        registration.checked = True
         return loss
 
     setattr(load_balancing_loss_func, _ORIGINAL, original)

@@ -45,7 +45,14 @@ os.register_at_fork(after_in_child=_reenable_in_child)
 class GarbageCollection(L.Callback):
     """Collects garbage every ``every_n_steps`` optimizer steps on every rank, with automatic collection off and the
     objects alive at the start of training frozen (see the module's docstring). Added by ``TensorParallelStrategy``
-    (``gc_every_n_steps``, default 50) unless the Trainer has one (then the strategy's value is not used)."""
+    (``gc_every_n_steps``, default 50) unless the Trainer has one (then the strategy's value is not used).
+
+    Args:
+        every_n_steps: optimizer steps between two collections (a positive integer).
+
+    Raises:
+        ValueError: ``every_n_steps`` is not a positive integer.
+    """
 
     def __init__(self, every_n_steps: int = 50) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:

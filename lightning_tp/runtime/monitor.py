@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_tp.compat import CUDA_FLOPS, logs_this_step
-from lightning_tp.parallel.pipeline import counted_on_another_stage
+from lightning_tp.parallel.pipeline_tied import counted_on_another_stage
 
 
 class ThroughputMonitor(L.Callback):
@@ -38,6 +38,12 @@ class ThroughputMonitor(L.Callback):
     matmuls, attention's quadratic term left out), against the device's peak from Lightning's table for the dtype the
     matmuls run in (:func:`matmul_dtype`: under ``32-true`` the fp32 peak at torch's default matmul precision
     ``"highest"``, the TF32 peak once ``torch.set_float32_matmul_precision("high")`` or ``"medium"`` allows TF32).
+
+    Args:
+        None: built without arguments; the window is the loggers' (``log_every_n_steps``).
+
+    Raises:
+        Nothing of its own: a batch without ``attention_mask`` or ``input_ids`` is skipped.
     """
 
     def __init__(self) -> None:
@@ -211,7 +217,14 @@ class ExpertLoadMonitor(L.Callback):
     rank's tokens, every pipeline stage's layers). At the first optimizer step and wherever the loggers write
     (``log_every_n_steps``): an all-gather of the layers' names and one all-reduce of ``layers x experts`` counts
     then, on every rank (a pipeline stage without experts too). :func:`lightning_tp.expert_load` gives the raw
-    counts of this rank's tokens."""
+    counts of this rank's tokens.
+
+    Args:
+        None: built without arguments; its numbers are read from the model it is trained with.
+
+    Raises:
+        Nothing of its own: a model without expert parallelism logs nothing.
+    """
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -244,7 +244,7 @@ def _pipeline(
 ) -> tuple[list[str], dict[str, int] | None]:
     """Each pipeline rank's stages (their layers and what else they hold) and elements per rank, and the heaviest
     rank's counts; a model that cannot be pipelined adds its problem instead."""
-    from lightning_tp.parallel.pipeline import pipeline_problem, resolve_pipeline_plan
+    from lightning_tp.parallel.pipeline_plan import pipeline_problem, resolve_pipeline_plan
 
     if (problem := pipeline_problem(model)) is not None:
         problems.append(f"pp_size={pp_size}: {problem}.")
@@ -523,7 +523,7 @@ def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[
 def _context_parallel(model: nn.Module, *, tp_size: int, cp_size: int) -> tuple[list[str], str | None]:
     """What a rank holds of each sequence with ``cp_size`` ranks splitting it, and the bytes its attention exchanges
     (see :mod:`lightning_tp.parallel.context_parallel`); and why the model cannot be split, if it cannot."""
-    from lightning_tp.parallel.context_parallel import context_parallel_problem
+    from lightning_tp.parallel.cp_checks import context_parallel_problem
 
     problem = context_parallel_problem(model)
     config = model.config.get_text_config() if hasattr(model, "config") else None

@@ -141,19 +141,38 @@ def case_pp_clip_from_sizes() -> dict:
     }
 
 
-@SCENARIOS.register("three_models_in_turn")
-def case_three_models_in_turn() -> dict:
-    """Three models parallelised differently in one process (TP 2 with sequence and loss parallelism, CP 2, PP 2),
-    trained a step of each in turn and clipped by ``clip_grad_norm_(model, 0.5)``: each at parity with its own
-    one-process run, so nothing one model's parallelisation set up reaches another's forward, loss or norm."""
+@SCENARIOS.register("models_in_turn")
+def case_models_in_turn() -> dict:
+    """Five models parallelised differently in one process, trained a step of each in turn and clipped by
+    ``clip_grad_norm_(model, 0.5)``: TP 2 with sequence and loss parallelism, CP 2, PP 2, and two mixture-of-experts
+    models of one family adding their routers' load-balancing loss, one over FSDP2's 2 ranks (its loss over both
+    ranks' tokens: the family's function wrapped for it) and one at TP 2 (the family's own loss: the same wrapped
+    function, called by a model it was not wrapped for). Each at parity with its own one-process run, so nothing one
+    model's parallelisation set up reaches another's forward, loss or norm. Every rank trains on the whole batch
+    (the FSDP2 model's ranks on the same rows: their mean gradient, and the router loss over both ranks' tokens, is
+    one process's)."""
     import lightning_tp
 
-    options = {"tp": lightning_tp.ParallelOptions(sequence_parallel=True, loss_parallel=True), "cp": None, "pp": None}
-    sizes = {"tp": {"tp_size": 2}, "cp": {"tp_size": 1, "cp_size": 2}, "pp": {"tp_size": 1, "pp_size": 2}}
+    options = {
+        "tp": lightning_tp.ParallelOptions(sequence_parallel=True, loss_parallel=True),
+        "cp": None,
+        "pp": None,
+        "moe_dp": None,
+        "moe_tp": None,
+    }
+    sizes = {
+        "tp": {"tp_size": 2},
+        "cp": {"tp_size": 1, "cp_size": 2},
+        "pp": {"tp_size": 1, "pp_size": 2},
+        "moe_dp": {"tp_size": 1},
+        "moe_tp": {"tp_size": 2},
+    }
     models = {
         "tp": build_causal_lm(tiny_config("qwen3")),
         "cp": build_causal_lm(tiny_config("llama")),
         "pp": build_causal_lm(tiny_config("llama", num_hidden_layers=4)),
+        "moe_dp": build_causal_lm(tiny_config("qwen3_moe", output_router_logits=True)),
+        "moe_tp": build_causal_lm(tiny_config("qwen3_moe", output_router_logits=True)),
     }
     references = {name: copy.deepcopy(model) for name, model in models.items()}
     batches = lm_batches(STEPS)
@@ -169,7 +188,7 @@ def case_three_models_in_turn() -> dict:
             optimizers[name].step()
             optimizers[name].zero_grad()
             losses[name].append(loss.item())
-    result: dict = {"case": "three_models_in_turn"}
+    result: dict = {"case": "models_in_turn"}
     for name, model in models.items():
         gaps = _gaps(model, references[name], losses[name], _train(references[name], batches, clip=True))
         result[name] = {

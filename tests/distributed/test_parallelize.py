@@ -36,11 +36,12 @@ def test_clip_grad_norm_of_a_pipelined_model_covers_every_stage(plain_results: d
     assert result["norm_rel_diff"] < 1e-5 and result["loss_diff"] < 1e-5 and result["weight_diff"] < 1e-5, result
 
 
-@pytest.mark.parametrize("model", ["tp", "cp", "pp"])
+@pytest.mark.parametrize("model", ["tp", "cp", "pp", "moe_dp", "moe_tp"])
 def test_models_parallelised_differently_train_in_turn_each_at_parity(plain_results: dict[str, dict], model: str):
-    """No state of one model's parallelisation reaches another's: TP 2 (sequence and loss parallelism), CP 2 and
-    PP 2 in one process, a step of each in turn."""
-    result = plain_results["three_models_in_turn"][model]
+    """No state of one model's parallelisation reaches another's: TP 2 (sequence and loss parallelism), CP 2, PP 2
+    and two MoE models of one family with their router loss (FSDP2 over 2 ranks, TP 2) in one process, a step of each
+    in turn."""
+    result = plain_results["models_in_turn"][model]
     assert result["held"], result
     assert result["loss_diff"] < 1e-5 and result["weight_diff"] < 1e-5, result
 

@@ -22,7 +22,7 @@ from lightning_tp.parallel.blockwise import (
     interval_violations,
     range_mask,
 )
-from lightning_tp.parallel.context_parallel import local_positions
+from lightning_tp.parallel.cp_split import local_positions
 
 #: fp64's unit roundoff: the explicit kernel in fp64 against the dense reference in fp64 differs by the order of the
 #: sums only (a few roundings per score, times the number of terms of a row).

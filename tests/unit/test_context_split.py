@@ -10,16 +10,13 @@ import pytest
 import torch
 
 from lightning_tp.parallel import blockwise
-from lightning_tp.parallel.context_parallel import (
+from lightning_tp.parallel.context_parallel import ContextParallel, install_context_parallel
+from lightning_tp.parallel.cp_checks import context_parallel_problem, decoder_stack, positions_from_mask
+from lightning_tp.parallel.cp_split import (
     UNDECLARED_ATTENTION_INTERFACE,
-    ContextParallel,
-    context_parallel_problem,
-    decoder_stack,
     gathered_positions,
-    install_context_parallel,
     local_positions,
     padded_length,
-    positions_from_mask,
 )
 from lightning_tp.plans.structure import block_classes
 from tests.helpers.models import (
@@ -501,11 +498,11 @@ def test_a_split_forward_inside_another_restores_its_state(one_rank_mesh) -> Non
     expected = model(**batch).loss
     torch.testing.assert_close(outer(**batch).loss, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(inner_losses[0], expected, atol=1e-6, rtol=0)
-    from lightning_tp.parallel.context_parallel import _FORWARD
+    from lightning_tp.parallel.cp_split import CURRENT_FORWARD
 
-    assert _FORWARD.get() is None
+    assert CURRENT_FORWARD.get() is None
     outer.model(input_ids=batch["input_ids"])  # the decoder stack called directly: its state ends with it
-    assert _FORWARD.get() is None
+    assert CURRENT_FORWARD.get() is None
 
 
 class _OneRankOnMeta:
@@ -532,7 +529,7 @@ class _OneRankOnMeta:
 @pytest.mark.parametrize(("name", "comm"), [("padded", "all_gather"), ("packed", "ring")])
 def test_a_steady_state_split_step_reads_the_device_once(one_rank_mesh, name: str, comm: str, monkeypatch) -> None:
     """No host synchronisation in a split forward and backward but the one copy of the batch's position ids and
-    padding mask to the host (`_host_copies`), however many layers and kinds of mask (full and sliding-window
+    padding mask to the host (`host_copies`), however many layers and kinds of mask (full and sliding-window
     layers): after the first forward (whose checks read the device), the model, its batch and so every tensor of
     the step are moved to the meta device, where reading a value raises (`.item()`, `bool()`, `.tolist()`,
     `.cpu()`), and the host copy gives the batch's values. The masks' ranges and tiles are cut from it alone."""
@@ -560,7 +557,7 @@ def test_a_steady_state_split_step_reads_the_device_once(one_rank_mesh, name: st
 
     masks = []
     make_mask = ContextParallel.mask
-    monkeypatch.setattr(context_parallel, "_host_copies", host_copies)
+    monkeypatch.setattr(context_parallel, "host_copies", host_copies)
     monkeypatch.setattr(ContextParallel, "mask", lambda self, **kwargs: masks.append(1) or make_mask(self, **kwargs))
     out = split(**meta)
     out.loss.backward()
@@ -576,11 +573,11 @@ def test_a_mask_function_holding_device_tensors_is_evaluated_on_the_device() -> 
 
     from transformers.masking_utils import chunked_causal_mask_function
 
-    from lightning_tp.parallel.context_parallel import _first_keys
+    from lightning_tp.parallel.cp_split import split_first_keys
 
     split = SimpleNamespace(host_positions=torch.arange(8), positions=torch.arange(8, device="meta"), padded_len=8)
     left_padding = torch.zeros(1, dtype=torch.long)
-    low, positions = _first_keys(chunked_causal_mask_function(4, left_padding.to("meta")), split, batch=1)
+    low, positions = split_first_keys(chunked_causal_mask_function(4, left_padding.to("meta")), split, batch=1)
     assert low.device.type == positions.device.type == "meta" and low.shape == (1, 8)
-    low, positions = _first_keys(chunked_causal_mask_function(4, left_padding), split, batch=1)
+    low, positions = split_first_keys(chunked_causal_mask_function(4, left_padding), split, batch=1)
     assert positions is split.host_positions and low.tolist() == [[0, 0, 0, 0, 4, 4, 4, 4]]

@@ -2,9 +2,9 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 
-from lightning_tp import resolve_plan
 from lightning_tp.checkpoint.publish import publish_directory
 from lightning_tp.parallel.lora import check_peft_supported, extend_plan_to_adapters
+from lightning_tp.plans.resolve import resolve_plan
 from tests.helpers.models import build_causal_lm, tiny_config
 
 

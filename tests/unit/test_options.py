@@ -91,7 +91,7 @@ def signature_problems(init: Callable, strategy: str) -> list[str]:
 def docstring_problems(cls: type, strategy: str) -> list[str]:
     """The ``Args:`` of ``cls``'s docstring name the definitions of ``strategy``'s arguments, in order."""
     doc = inspect.getdoc(cls) or ""
-    args = doc.split("\nArgs:\n", 1)[1] if "\nArgs:\n" in doc else ""
+    args = doc.split("\nArgs:\n", 1)[1].split("\nRaises:\n", 1)[0] if "\nArgs:\n" in doc else ""
     documented = re.findall(r"^    (\w+): ", args, flags=re.MULTILINE)
     expected = [option.name for option in options_of(strategy)]
     if documented == expected:

@@ -10,17 +10,9 @@ import pytest
 import torch
 
 from lightning_tp import ParallelLayout
-from lightning_tp.parallel.pipeline import (
-    _ROUTER_TOTALS,
-    PipelineOutput,
-    PipelineStageModule,
-    balanced_split,
-    generate_owners,
-    keep_stages,
-    labelled_tokens,
-    pipeline_problem,
-    resolve_pipeline_plan,
-)
+from lightning_tp.parallel.pipeline import PipelineOutput, labelled_tokens
+from lightning_tp.parallel.pipeline_plan import balanced_split, generate_owners, pipeline_problem, resolve_pipeline_plan
+from lightning_tp.parallel.pipeline_stages import ROUTER_TOTALS, PipelineStageModule, keep_stages
 from lightning_tp.parallel.router_loss import RouterTotals
 from lightning_tp.parallelize import ParallelOptions
 from lightning_tp.patches import undo_owned
@@ -166,7 +158,7 @@ def test_a_pipelined_router_loss_is_the_whole_batchs_in_value_and_gradient(kind,
     expected.loss.backward()
     totals = RouterTotals(plan.router, microbatches=2, group=None, size=1)
     items = labelled_tokens(labels).expand(4)
-    token = _ROUTER_TOTALS.set(totals)
+    token = ROUTER_TOTALS.set(totals)
     try:
         chains = []  # per micro-batch, each stage's (inputs, outputs)
         for rows in (slice(0, 2), slice(2, 4)):
@@ -189,7 +181,7 @@ def test_a_pipelined_router_loss_is_the_whole_batchs_in_value_and_gradient(kind,
                 pairs = [(out, got.grad) for out, got in zip(outputs, received, strict=True) if out.requires_grad]
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
     finally:
-        _ROUTER_TOTALS.reset(token)
+        ROUTER_TOTALS.reset(token)
         for copied in ranks:
             undo_owned(copied, instances=False)
     staged = {n: p.grad for copied in ranks for n, p in copied.named_parameters() if p.grad is not None}

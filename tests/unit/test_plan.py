@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_tp import resolve_plan
+from lightning_tp.plans.resolve import resolve_plan
 from tests.helpers.models import MLP, tiny_config
 
 

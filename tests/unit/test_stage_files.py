@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_tp.checkpoint.stage_files import _position, load_stage_file, whole_parameter_order
-from lightning_tp.parallel.pipeline import keep_stages, resolve_pipeline_plan
+from lightning_tp.parallel.pipeline_plan import resolve_pipeline_plan
+from lightning_tp.parallel.pipeline_stages import keep_stages
 from tests.helpers.models import build_causal_lm, tiny_config
 
 

@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp import REFUSED_STYLES, SUPPORTED_STYLES, resolve_plan
 from lightning_tp.parallel.layers import LAYERS, ColumnParallel, EmbeddingParallel, RowParallel, shard_parameter
 from lightning_tp.parallel.lora import extend_plan_to_adapters
+from lightning_tp.plans.resolve import REFUSED_STYLES, SUPPORTED_STYLES, resolve_plan
 from lightning_tp.plans.styles import STYLES
 from lightning_tp.tools.inspect import inspect_model, local_shape
 from tests.helpers.models import build_causal_lm, tiny_config
