@@ -10,8 +10,8 @@ Every stage is a small function of this module; each technique lives in its own 
 (:mod:`~lightning_tp.plans.resolve`, :mod:`~lightning_tp.parallel.tensor_parallel`,
 :mod:`~lightning_tp.parallel.sequence_parallel`, :mod:`~lightning_tp.parallel.fsdp`, ...).
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``state``, ``options``, ``plans``,
-``parallel``, ``checkpoint``, ``runtime``: every layer below the strategies.
+May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
+``options``, ``plans``, ``parallel``, ``checkpoint``, ``runtime``: every layer below the strategies.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lightning_tp.compat import (
     parameter_dict,
     record_module_device,
 )
+from lightning_tp.composition import ignored, refusal
 from lightning_tp.layout import (
     CP_AXIS,
     DP_AXIS,
@@ -201,11 +202,7 @@ class ParallelOptions:
         if layout.pp_size > 1:
             split_backward = {name.lower() for name in SPLIT_BACKWARD_SCHEDULES}
             if self.compile is not False and str(self.pp_schedule).lower() in split_backward:
-                raise ValueError(
-                    f"`pp_schedule={self.pp_schedule!r}` with `compile`: the zero-bubble schedules split each "
-                    "backward into an input- and a weight-gradient pass, which torch does not support through "
-                    "compiled layers. Drop `compile`, or use a schedule without the split (1F1B, Interleaved1F1B)."
-                )
+                raise refusal("pp+compile+split_backward", f"`pp_schedule={self.pp_schedule!r}` with `compile`")
         elif (
             self.pp_schedule,
             self.pp_microbatches,
@@ -214,45 +211,41 @@ class ParallelOptions:
             self.pp_pad_to_multiple_of,
         ) != (None, None, 1, None, None):
             rank_zero_warn(
-                "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank`, `pp_split` and `pp_pad_to_multiple_of` are "
-                "ignored: pp_size=1 runs no pipeline."
+                ignored(
+                    "pp_options_without_pp",
+                    "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank`, `pp_split` and `pp_pad_to_multiple_of`",
+                )
             )
         if layout.cp_size == 1 and self.cp_comm != "all_gather":
-            rank_zero_warn(f"`cp_comm={self.cp_comm!r}` is ignored: cp_size=1 exchanges no keys and values.")
+            rank_zero_warn(ignored("cp_comm_without_cp", f"`cp_comm={self.cp_comm!r}`"))
         if layout.cp_size > 1 and isinstance(self.compile, Mapping) and self.compile.get("fullgraph"):
-            raise ValueError(
-                f"`compile={{'fullgraph': True}}` with cp_size={layout.cp_size}: context parallelism's attention runs "
-                "its tiles outside the compiled graph (their number and masks follow each batch's documents and "
-                "padding), so a decoder layer is two graphs around it, not one. Drop `fullgraph`, or use cp_size=1."
-            )
+            raise refusal("cp+compile+fullgraph", f"`compile={{'fullgraph': True}}` with cp_size={layout.cp_size}")
         if self.cpu_offload and device.type == "cpu":
-            raise ValueError(
-                "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
-                f"`accelerator='cpu'` the model is in host memory already. Drop `cpu_offload` (device: {device})."
-            )
+            raise refusal("cpu_offload+cpu", f"`cpu_offload=True` on device {device}")
         if self.cpu_offload and layout.fsdp_size == 1:
-            raise ValueError(
-                "`cpu_offload=True` is FSDP2's offload and needs data or context parallelism, but the layout "
-                f"({layout}) has neither. Use fewer TP ranks (`tp_size` below the world size) or drop `cpu_offload`."
-            )
+            raise refusal("cpu_offload+no_fsdp", f"`cpu_offload=True` with the layout {layout}")
         if self.fsdp_param_dtype in (None, "auto"):  # "auto" applies where it can, silently
             return
         if self.precision in ("32-true", "16-true"):
-            raise ValueError(
-                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` gathers bf16 copies of the parameters for a bf16 "
-                f"forward, but precision={self.precision!r} asks for {self.precision.split('-')[0]}-bit compute. Use "
-                "`precision='bf16-mixed'` with it, or drop `fsdp_param_dtype`."
+            raise refusal(
+                "fsdp_param_dtype+full_precision",
+                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` with precision={self.precision!r}",
             )
         if self.precision == "bf16-true":
             rank_zero_warn(
-                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` is ignored under `precision='bf16-true'`: the "
-                "parameters are bf16 already, and so are FSDP2's all-gathers."
+                ignored(
+                    "fsdp_param_dtype+bf16_true",
+                    f"`fsdp_param_dtype={self.fsdp_param_dtype!r}`",
+                    "under `precision='bf16-true'`",
+                )
             )
         elif layout.fsdp_size == 1:
             rank_zero_warn(
-                f"`fsdp_param_dtype={self.fsdp_param_dtype!r}` is ignored: the layout ({layout}) has no data or "
-                "context parallelism, so FSDP2 gathers nothing. `bf16-mixed` autocasts over fp32 weights as on one "
-                "device."
+                ignored(
+                    "fsdp_param_dtype+no_fsdp",
+                    f"`fsdp_param_dtype={self.fsdp_param_dtype!r}`",
+                    f"with the layout {layout} (no data or context parallelism)",
+                )
             )
 
 

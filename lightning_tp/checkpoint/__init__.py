@@ -11,8 +11,8 @@ read already sharded, and standard Hugging Face directories written from a shard
 - ``loading``: pretrained safetensors read as each rank's slices; ``hf_saves``: ``save_pretrained``, the adapter save
   and ``save_merged`` of a sharded model.
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``state``, ``plans``,
-``parallel``.
+May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
+``plans``, ``parallel``.
 """
 
 __all__ = [

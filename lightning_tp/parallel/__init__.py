@@ -9,7 +9,8 @@
   (norms and clipping across meshes), ``rng`` and ``random_init`` (random numbers of sharded tensors),
   ``router_loss`` (the MoE load-balancing loss over the whole batch).
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``state``, ``plans``.
+May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
+``plans``.
 """
 
 __all__ = [

@@ -12,7 +12,7 @@ without any collective.
 - ``discovery``: which modules of a LightningModule are Transformers (or PEFT) models, and what a checkpoint records
   about them.
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``.
+May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``.
 """
 
 __all__ = ["discovery", "derived", "mixers", "resolve", "rewrite", "structure", "styles"]

@@ -4,8 +4,8 @@
 - ``shared``: what both share beyond the pipeline (options, process groups, metric syncs, clipping);
 - ``inference``: evaluation, prediction and ``generate`` whatever each data-parallel rank is given.
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``state``, ``options``, ``plans``,
-``parallel``, ``checkpoint``, ``runtime``, ``parallelize``.
+May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
+``options``, ``plans``, ``parallel``, ``checkpoint``, ``runtime``, ``parallelize``.
 """
 
 __all__ = ["fabric", "inference", "shared", "trainer"]

@@ -4,9 +4,8 @@
 - ``inspect``: will this model shard, and what will each rank hold (on the meta device, no processes);
 - ``gguf``: a GGUF file converted once into a Transformers directory.
 
-May import (checked by tests/unit/test_repo.py): ``compat``, ``patches``, ``layout``, ``state``, ``plans``,
-``parallel``,
-``checkpoint``, ``runtime``.
+May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
+``plans``, ``parallel``, ``checkpoint``, ``runtime``.
 """
 
 __all__ = ["export", "gguf", "inspect"]

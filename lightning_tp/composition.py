@@ -1,0 +1,434 @@
+"""What composes with what: one table of rules, each a combination of features (mesh axes, options, model traits)
+with its verdict (``allowed``, ``refused``, ``ignored``), the reason and, where it is allowed, the evidence (the
+parity cases). The checks read their messages from it (:func:`refusal`, :func:`ignored`), and the documentation's
+composition tables are rendered from it (:func:`render`; ``python -m lightning_tp.composition docs/*.md`` rewrites
+the blocks between ``<!-- composition: NAME -->`` and ``<!-- /composition -->``, and tests/unit/test_composition.py
+fails when a page differs from the table).
+
+The lowest layer: imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+#: What a rule decides: allowed (tested at parity), refused (a ``ValueError`` before anything moves), or ignored
+#: (a warning: the setting has no effect in that layout).
+Verdict = Literal["allowed", "refused", "ignored"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One combination and its verdict.
+
+    Args:
+        key: the rule's name, unique (``"pp+compile+split_backward"``).
+        axes: the features combined (``"pp"``, ``"cp"``, ``"compile"``, ...): the tables it appears in.
+        verdict: ``allowed``, ``refused`` or ``ignored``.
+        when: the combination, in words (a table's first column).
+        reason: how it works (allowed), or why it cannot (refused, ignored): the message's body.
+        fix: what to do instead (refused, ignored).
+        ranks: the process counts its tests run on (allowed).
+        evidence: what shows it (allowed: the parity cases).
+
+    Raises:
+        ValueError: an unknown verdict, or a refusal without its fix.
+    """
+
+    key: str
+    axes: tuple[str, ...]
+    verdict: Verdict
+    when: str
+    reason: str
+    fix: str = ""
+    ranks: str = ""
+    evidence: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in ("allowed", "refused", "ignored"):
+            raise ValueError(f"rule {self.key!r}: unknown verdict {self.verdict!r}")
+        if self.verdict == "refused" and not self.fix:
+            raise ValueError(f"rule {self.key!r}: a refusal names its fix")
+
+
+RULES: tuple[Rule, ...] = (
+    # Next to pipeline parallelism: each a parity case against one process (tests/distributed/test_pipeline.py).
+    Rule(
+        key="pp+tp",
+        axes=("pp", "tp"),
+        verdict="allowed",
+        when="TP (`tp_size`)",
+        ranks="4",
+        evidence="at parity (`llama_pp2_tp2`)",
+        reason="each stage over its TP group",
+    ),
+    Rule(
+        key="pp+dp_shard",
+        axes=("pp", "dp_shard"),
+        verdict="allowed",
+        when="FSDP2 (`dp_shard_size`)",
+        ranks="4",
+        evidence="at parity (`qwen3_pp2_dp2`)",
+        reason=(
+            "each stage its own FSDP2 root; torch's stage reduces the gradients once per schedule step, so "
+            '`accumulate_grads="unsharded"` is ignored, with a warning'
+        ),
+    ),
+    Rule(
+        key="pp+dp_replicate",
+        axes=("pp", "dp_replicate"),
+        verdict="allowed",
+        when="HSDP (`dp_replicate_size`)",
+        ranks="4",
+        evidence="at parity (`qwen3_pp2_hsdp`)",
+        reason="each stage's FSDP2 root replicated over `dp_replicate`",
+    ),
+    Rule(
+        key="pp+tp_dp_shard",
+        axes=("pp", "tp_dp_shard"),
+        verdict="allowed",
+        when="TP and FSDP2 (3-D)",
+        ranks="8",
+        evidence="at parity (`llama_pp2_tp2_dp2`, AdamW and clipping)",
+        reason="pp 2 x dp_shard 2 x tp 2",
+    ),
+    Rule(
+        key="pp+sequence_parallel",
+        axes=("pp", "sequence_parallel"),
+        verdict="allowed",
+        when="sequence parallelism",
+        ranks="4",
+        evidence=(
+            "at parity (`llama_pp2_tp2_sp`; with loss parallelism and one layer per stage: "
+            "`qwen3_pp2_tp2_sp_lp_interleaved`)"
+        ),
+        reason=(
+            "activations go between stages whole: each stage's first layer cuts the sequence, its last layer "
+            "gathers it, so every stage computes masks and positions from the whole sequence"
+        ),
+    ),
+    Rule(
+        key="pp+loss_parallel",
+        axes=("pp", "loss_parallel"),
+        verdict="allowed",
+        when="loss parallelism",
+        ranks="4",
+        evidence="at parity (`qwen3_pp2_tp2_lp`, tied, AdamW, clipping)",
+        reason="the last stage's head keeps its logits vocabulary-sharded; the loss runs on the shards",
+    ),
+    Rule(
+        key="pp+ep",
+        axes=("pp", "ep"),
+        verdict="allowed",
+        when="expert parallelism (`ep_size`)",
+        ranks="4",
+        evidence="at parity (`qwen3_moe_pp2_expert_parallel`)",
+        reason="an EP group stays inside one stage (the expert mesh has `pp` outermost)",
+    ),
+    Rule(
+        key="pp+tied",
+        axes=("pp", "tied"),
+        verdict="allowed",
+        when="tied embeddings",
+        ranks="2",
+        evidence="at parity (`tied_pp2_clip`, `gemma2_pp2_tied`); resumes across pp sizes (`test_checkpoint.py`)",
+        reason="the first and last stages each keep a copy, gradients summed between them",
+    ),
+    Rule(
+        key="pp+zero_bubble",
+        axes=("pp", "zero_bubble"),
+        verdict="allowed",
+        when="zero-bubble schedules",
+        ranks="2, 4",
+        evidence="at parity (`llama_pp2_zbv`, `qwen3_pp2_dualpipev`, `llama_pp2_tp2_zero_bubble`)",
+        reason="see above",
+    ),
+    Rule(
+        key="pp+lora",
+        axes=("pp", "lora"),
+        verdict="allowed",
+        when="LoRA (PEFT)",
+        ranks="2",
+        evidence=("at parity (`qwen3_pp2_lora`); `save_merged` equal to PEFT's `merge_and_unload` of the same weights"),
+        reason=(
+            "adapters live on their stage; `save_pretrained` gathers every stage's adapters; `save_merged` merges"
+            " each stage's on its rank and gathers the merged tensors"
+        ),
+    ),
+    Rule(
+        key="pp+from_pretrained",
+        axes=("pp", "from_pretrained"),
+        verdict="allowed",
+        when="a `from_pretrained` model (eval mode)",
+        ranks="2",
+        evidence="at parity (`qwen3_pp2_from_pretrained`)",
+        reason="train or evaluate by the grad mode",
+    ),
+    Rule(
+        key="pp+activation_checkpointing_compile",
+        axes=("pp", "activation_checkpointing_compile"),
+        verdict="allowed",
+        when="activation checkpointing, `compile`",
+        ranks="2, 4",
+        evidence=(
+            "at parity (`qwen3_pp2_compile`, aot_eager, graphs built; activation checkpointing with SP: "
+            "`llama_pp2_tp2_sp_activation_checkpointing`; both together with FSDP2 checked by hand)"
+        ),
+        reason="per decoder layer, as without a pipeline",
+    ),
+    Rule(
+        key="pp+validate",
+        axes=("pp", "validate"),
+        verdict="allowed",
+        when="`Trainer.validate`",
+        ranks="2, 4, 8",
+        evidence=(
+            "every pp case above validates its trained model: one process's loss, on every rank (through FSDP2 "
+            "where dp > 1)"
+        ),
+        reason="a forward-only schedule in inference mode",
+    ),
+    Rule(
+        key="pp+cp",
+        axes=("pp", "cp"),
+        verdict="allowed",
+        when="context parallelism (`cp_size`)",
+        ranks="4",
+        evidence=(
+            "at parity (`llama_pp2_cp2_padded`: left-padded rows at an odd length, AdamW, clipping; "
+            '`qwen3_pp2_cp2_ring_packed`: packed documents, `cp_comm="ring"`)'
+        ),
+        reason=(
+            "each stage splits the sequence as the first does (its stand-in embeddings have the whole sequence's "
+            "shape; the received chunk replaces them), and the last stage's model computes the loss with CP's "
+            "loss function, labels split the same way"
+        ),
+    ),
+    Rule(
+        key="pp+router_loss",
+        axes=("pp", "router_loss"),
+        verdict="allowed",
+        when="the router's load-balancing loss (`output_router_logits=True`)",
+        ranks="2, 4",
+        evidence=(
+            "at parity with `GPipe` or `LoopedBFS` (`mixtral_pp2_router_loss_looped`: 4 stages of one layer, "
+            "padded rows; `qwen3_moe_pp2_expert_parallel`: with ep 2 over 2 data-parallel ranks); refused by name"
+            " with the other schedules"
+        ),
+        reason=(
+            "`E · Σ_e f_e · P_e`, `f_e` and `P_e` means over the whole batch's tokens and every layer: each stage"
+            " adds its layers' sums (probabilities, counts, tokens: `2E + 1` numbers) to the ones it received and"
+            " sends them on beside its activation, and the last stage keeps each micro-batch's; the loss is "
+            "counted once, and its gradient `E · f_e / tokens` reaches every micro-batch's routers back through "
+            "the stages. That gradient needs every micro-batch's routing, so the last stage must run all its "
+            "forwards before its first backward: 1F1B, the interleaved and the zero-bubble schedules run the "
+            "first micro-batch's backward before the last one's forward (and recomputing the routing first would "
+            "cost a whole forward more)"
+        ),
+    ),
+    Rule(
+        key="pp+cpu_offload",
+        axes=("pp", "cpu_offload"),
+        verdict="allowed",
+        when="`cpu_offload` (FSDP2's, on an accelerator)",
+        ranks="4, 8 GPUs",
+        evidence=(
+            "allowed where it is without pp (an accelerator and data parallelism); `tests/gpu/multi_gpu.py` has "
+            "its parity checks on pp 2 x dp 2 (and pp 2 x tp 2 x dp 2 on 8), with a tied embedding and with AdamW"
+            " and clipping, not yet run on GPUs; the CPU suite cannot run it (offload has no meaning there)"
+        ),
+        reason=(
+            "each stage's FSDP2 root keeps its shards in host memory and gathers them to the device for its "
+            "forward and backward, as without pp (torch's stage never moves its module's parameters); what the "
+            "pipeline itself sends between ranks (the tied embedding's values and gradients, `save_pretrained`'s "
+            "tensors) goes through the device, since NCCL sends device tensors only"
+        ),
+    ),
+    # Decided from the configuration alone (`ParallelOptions.check_layout`), on every rank, before the process group
+    # starts.
+    Rule(
+        key="pp+compile+split_backward",
+        axes=("pp", "compile"),
+        verdict="refused",
+        when="`compile` with a zero-bubble schedule (`InterleavedZeroBubble`, `ZBVZeroBubble`, `DualPipeV`)",
+        reason=(
+            "the zero-bubble schedules split each backward into an input- and a weight-gradient pass, which torch "
+            "does not support through compiled layers."
+        ),
+        fix="Drop `compile`, or use a schedule without the split (1F1B, Interleaved1F1B).",
+    ),
+    Rule(
+        key="pp_options_without_pp",
+        axes=("pp",),
+        verdict="ignored",
+        when=(
+            "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank`, `pp_split` or `pp_pad_to_multiple_of` with "
+            "pp_size=1"
+        ),
+        reason="pp_size=1 runs no pipeline.",
+        fix="Drop them, or set `pp_size`.",
+    ),
+    Rule(
+        key="cp_comm_without_cp",
+        axes=("cp",),
+        verdict="ignored",
+        when="`cp_comm` other than `all_gather` with cp_size=1",
+        reason="cp_size=1 exchanges no keys and values.",
+        fix="Drop `cp_comm`, or set `cp_size`.",
+    ),
+    Rule(
+        key="cp+compile+fullgraph",
+        axes=("cp", "compile"),
+        verdict="refused",
+        when="`compile={'fullgraph': True}` with cp_size > 1",
+        reason=(
+            "context parallelism's attention runs its tiles outside the compiled graph (their number and masks "
+            "follow each batch's documents and padding), so a decoder layer is two graphs around it, not one."
+        ),
+        fix="Drop `fullgraph`, or use cp_size=1.",
+    ),
+    Rule(
+        key="cpu_offload+cpu",
+        axes=("cpu_offload",),
+        verdict="refused",
+        when="`cpu_offload=True` on `accelerator='cpu'`",
+        reason=(
+            "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
+            "`accelerator='cpu'` the model is in host memory already."
+        ),
+        fix="Drop `cpu_offload`.",
+    ),
+    Rule(
+        key="cpu_offload+no_fsdp",
+        axes=("cpu_offload", "tp"),
+        verdict="refused",
+        when="`cpu_offload=True` with neither data nor context parallelism",
+        reason="`cpu_offload=True` is FSDP2's offload and needs data or context parallelism.",
+        fix="Use fewer TP ranks (`tp_size` below the world size) or drop `cpu_offload`.",
+    ),
+    Rule(
+        key="fsdp_param_dtype+full_precision",
+        axes=("fsdp_param_dtype",),
+        verdict="refused",
+        when="`fsdp_param_dtype='bf16'` with `precision='32-true'` or `'16-true'`",
+        reason="it gathers bf16 copies of the parameters for a bf16 forward, but the precision asks for other compute.",
+        fix="Use `precision='bf16-mixed'` with it, or drop `fsdp_param_dtype`.",
+    ),
+    Rule(
+        key="fsdp_param_dtype+bf16_true",
+        axes=("fsdp_param_dtype",),
+        verdict="ignored",
+        when="`fsdp_param_dtype='bf16'` with `precision='bf16-true'`",
+        reason="the parameters are bf16 already, and so are FSDP2's all-gathers.",
+        fix="Drop `fsdp_param_dtype`.",
+    ),
+    Rule(
+        key="fsdp_param_dtype+no_fsdp",
+        axes=("fsdp_param_dtype", "tp"),
+        verdict="ignored",
+        when="`fsdp_param_dtype='bf16'` with neither data nor context parallelism",
+        reason=("FSDP2 gathers nothing in this layout; `bf16-mixed` autocasts over fp32 weights as on one device."),
+        fix="Drop `fsdp_param_dtype`.",
+    ),
+)
+
+#: The rules by key.
+BY_KEY: dict[str, Rule] = {rule.key: rule for rule in RULES}
+assert len(BY_KEY) == len(RULES), "a rule's key is used twice"
+
+
+def refusal(key: str, detail: str) -> ValueError:
+    """The ``ValueError`` of refused rule ``key``: ``detail`` (the inputs, as given), its reason and its fix.
+
+    Args:
+        key: a refused rule's key.
+        detail: what was given (names and values), the message's start.
+
+    Raises:
+        KeyError: an unknown key (an internal mistake, not a user's).
+    """
+    rule = BY_KEY[key]
+    assert rule.verdict == "refused", key
+    return ValueError(f"{detail}: {rule.reason} {rule.fix}")
+
+
+def ignored(key: str, setting: str, context: str = "") -> str:
+    """The warning of ignored rule ``key``: ``setting`` (as given) is ignored (``context``: where), why, and the fix.
+
+    Args:
+        key: an ignored rule's key.
+        setting: the setting as given, the message's start.
+        context: the layout or precision it is ignored in, if the rule's reason does not say it.
+
+    Raises:
+        KeyError: an unknown key (an internal mistake, not a user's).
+    """
+    rule = BY_KEY[key]
+    assert rule.verdict == "ignored", key
+    return f"{setting} is ignored{' ' + context if context else ''}: {rule.reason} {rule.fix}"
+
+
+def render(name: str) -> str:
+    """The markdown table named ``name`` (``"pp"``: what composes with pipeline parallelism; ``"pp-refused"``: what
+    it refuses or ignores), rendered from :data:`RULES`.
+
+    Args:
+        name: the table's name.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "pp":
+        lines = ["| next to pp 2 | ranks | status | how |", "|---|---|---|---|"]
+        lines += [
+            f"| {r.when} | {r.ranks} | {r.evidence} | {r.reason} |"
+            for r in RULES
+            if r.axes[0] == "pp" and r.verdict == "allowed"
+        ]
+        return "\n".join(lines)
+    if name == "pp-refused":
+        lines = ["| with pp | verdict | why | instead |", "|---|---|---|---|"]
+        lines += [
+            f"| {r.when} | {r.verdict} | {r.reason} | {r.fix} |"
+            for r in RULES
+            if "pp" in r.axes and r.verdict != "allowed"
+        ]
+        return "\n".join(lines)
+    raise ValueError(f"no composition table named {name!r}; the known ones: 'pp', 'pp-refused'")
+
+
+_BLOCK = re.compile(r"(<!-- composition: ([\w-]+) -->\n)(.*?)\n?<!-- /composition -->", re.DOTALL)
+
+
+def rendered(text: str) -> str:
+    """``text`` with each composition block's table rendered anew from :data:`RULES`.
+
+    Args:
+        text: a markdown page.
+
+    Raises:
+        ValueError: a block names an unknown table.
+    """
+    return _BLOCK.sub(lambda m: f"{m.group(1)}{render(m.group(2))}\n<!-- /composition -->", text)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m lightning_tp.composition PAGE...``: rewrite the pages' composition blocks; print what changed."""
+    for page in map(Path, argv):
+        text = page.read_text()
+        new = rendered(text)
+        if new != text:
+            page.write_text(new)
+            print(f"{page}: composition tables rewritten")
+    return 0
+
+
+__all__ = ["BY_KEY", "RULES", "Rule", "Verdict", "ignored", "refusal", "render", "rendered"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

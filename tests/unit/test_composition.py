@@ -1,0 +1,84 @@
+"""The composition table (lightning_tp/composition.py): the checks raise and warn with its rules' words, the docs'
+tables are rendered from it, and the cases it cites as evidence exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_tp.composition import BY_KEY, RULES, rendered
+from lightning_tp.layout import ParallelLayout
+from lightning_tp.parallelize import ParallelOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+#: Each refused or ignored rule of `ParallelOptions.check_layout`: options, layout and device that meet it.
+CHECKED = {
+    "pp+compile+split_backward": (
+        {"pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2, "compile": True},
+        ParallelLayout.resolve(4, tp_size=2, pp_size=2),
+        CPU,
+    ),
+    "pp_options_without_pp": ({"pp_microbatches": 4}, ParallelLayout(tp_size=2), CPU),
+    "cp_comm_without_cp": ({"cp_comm": "ring"}, ParallelLayout(tp_size=2), CPU),
+    "cp+compile+fullgraph": ({"compile": {"fullgraph": True}}, ParallelLayout.resolve(4, tp_size=2, cp_size=2), CPU),
+    "cpu_offload+cpu": ({"cpu_offload": True}, ParallelLayout.resolve(4, tp_size=2), CPU),
+    "cpu_offload+no_fsdp": ({"cpu_offload": True}, ParallelLayout(tp_size=2), CUDA),
+    "fsdp_param_dtype+full_precision": (
+        {"fsdp_param_dtype": "bf16", "precision": "32-true"},
+        ParallelLayout.resolve(4, tp_size=2),
+        CPU,
+    ),
+    "fsdp_param_dtype+bf16_true": (
+        {"fsdp_param_dtype": "bf16", "precision": "bf16-true"},
+        ParallelLayout.resolve(4, tp_size=2),
+        CPU,
+    ),
+    "fsdp_param_dtype+no_fsdp": (
+        {"fsdp_param_dtype": "bf16", "precision": "bf16-mixed"},
+        ParallelLayout(tp_size=2),
+        CPU,
+    ),
+}
+
+
+def test_every_refusal_and_warning_of_the_layout_check_is_a_rule_of_the_table():
+    assert set(CHECKED) == {r.key for r in RULES if r.verdict != "allowed"}
+
+
+@pytest.mark.parametrize("key", sorted(CHECKED))
+def test_the_check_raises_or_warns_with_the_rules_reason_and_fix(key: str):
+    kwargs, layout, device = CHECKED[key]
+    rule = BY_KEY[key]
+    options = ParallelOptions(**kwargs)
+    expected = re.escape(f"{rule.reason} {rule.fix}")
+    if rule.verdict == "refused":
+        with pytest.raises(ValueError, match=expected):
+            options.check_layout(layout, device=device)
+    else:
+        with pytest.warns(UserWarning, match=expected):
+            options.check_layout(layout, device=device)
+
+
+def test_the_docs_tables_are_the_tables_rendered():
+    pages = [page for page in sorted((ROOT / "docs").glob("*.md")) if "<!-- composition:" in page.read_text()]
+    assert pages, "no page has a composition table"
+    for page in pages:
+        text = page.read_text()
+        assert rendered(text) == text, (
+            f"{page.relative_to(ROOT)} differs from lightning_tp/composition.py: run "
+            f"`python -m lightning_tp.composition {page.relative_to(ROOT)}`"
+        )
+
+
+def test_the_cases_a_rule_cites_exist():
+    from tests.helpers.cases import CASES
+
+    cited = {
+        name for rule in RULES for name in re.findall(r"`([a-z0-9_]+)`", rule.evidence) if re.search(r"_pp\d", name)
+    }
+    assert cited and not cited - set(CASES), sorted(cited - set(CASES))
