@@ -297,8 +297,8 @@ RULES: tuple[Rule, ...] = (
         verdict="refused",
         when="`cpu_offload=True` on `accelerator='cpu'`",
         reason=(
-            "`cpu_offload=True` moves FSDP2's shards from an accelerator to pinned host memory; on "
-            "`accelerator='cpu'` the model is in host memory already."
+            "FSDP2's offload moves the shards from an accelerator to pinned host memory; on `accelerator='cpu'` the "
+            "model is in host memory already."
         ),
         fix="Drop `cpu_offload`.",
     ),
@@ -307,7 +307,7 @@ RULES: tuple[Rule, ...] = (
         axes=("cpu_offload", "tp"),
         verdict="refused",
         when="`cpu_offload=True` with neither data nor context parallelism",
-        reason="`cpu_offload=True` is FSDP2's offload and needs data or context parallelism.",
+        reason="FSDP2's offload needs data or context parallelism, and the layout has neither.",
         fix="Use fewer TP ranks (`tp_size` below the world size) or drop `cpu_offload`.",
     ),
     Rule(
@@ -315,7 +315,10 @@ RULES: tuple[Rule, ...] = (
         axes=("fsdp_param_dtype",),
         verdict="refused",
         when="`fsdp_param_dtype='bf16'` with `precision='32-true'` or `'16-true'`",
-        reason="it gathers bf16 copies of the parameters for a bf16 forward, but the precision asks for other compute.",
+        reason=(
+            "it gathers bf16 copies of the parameters for a bf16 forward, but the precision asks for 32- or 16-bit "
+            "compute."
+        ),
         fix="Use `precision='bf16-mixed'` with it, or drop `fsdp_param_dtype`.",
     ),
     Rule(
@@ -356,7 +359,7 @@ def refusal(key: str, detail: str) -> ValueError:
     return ValueError(f"{detail}: {rule.reason} {rule.fix}")
 
 
-def ignored(key: str, setting: str, context: str = "") -> str:
+def ignored(key: str, setting: str, *, context: str = "") -> str:
     """The warning of ignored rule ``key``: ``setting`` (as given) is ignored (``context``: where), why, and the fix.
 
     Args:

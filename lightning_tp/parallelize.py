@@ -213,7 +213,8 @@ class ParallelOptions:
             rank_zero_warn(
                 ignored(
                     "pp_options_without_pp",
-                    "`pp_schedule`, `pp_microbatches`, `pp_stages_per_rank`, `pp_split` and `pp_pad_to_multiple_of`",
+                    "Each of `pp_schedule`, `pp_microbatches`, `pp_stages_per_rank`, `pp_split` and "
+                    "`pp_pad_to_multiple_of`",
                 )
             )
         if layout.cp_size == 1 and self.cp_comm != "all_gather":
@@ -221,7 +222,7 @@ class ParallelOptions:
         if layout.cp_size > 1 and isinstance(self.compile, Mapping) and self.compile.get("fullgraph"):
             raise refusal("cp+compile+fullgraph", f"`compile={{'fullgraph': True}}` with cp_size={layout.cp_size}")
         if self.cpu_offload and device.type == "cpu":
-            raise refusal("cpu_offload+cpu", f"`cpu_offload=True` on device {device}")
+            raise refusal("cpu_offload+cpu", f"`cpu_offload=True` on device {device!s}")
         if self.cpu_offload and layout.fsdp_size == 1:
             raise refusal("cpu_offload+no_fsdp", f"`cpu_offload=True` with the layout {layout}")
         if self.fsdp_param_dtype in (None, "auto"):  # "auto" applies where it can, silently
@@ -236,7 +237,7 @@ class ParallelOptions:
                 ignored(
                     "fsdp_param_dtype+bf16_true",
                     f"`fsdp_param_dtype={self.fsdp_param_dtype!r}`",
-                    "under `precision='bf16-true'`",
+                    context="under `precision='bf16-true'`",
                 )
             )
         elif layout.fsdp_size == 1:
@@ -244,7 +245,7 @@ class ParallelOptions:
                 ignored(
                     "fsdp_param_dtype+no_fsdp",
                     f"`fsdp_param_dtype={self.fsdp_param_dtype!r}`",
-                    f"with the layout {layout} (no data or context parallelism)",
+                    context=f"with the layout {layout}, which has no data or context parallelism",
                 )
             )
 

@@ -125,8 +125,9 @@ def vocab_parallel_cross_entropy(
     Raises:
         ValueError: an unknown ``reduction``; plain logits without ``group`` and ``vocab_start``, or a DTensor with
             them, or one not sharded on its last dim over a 1-D mesh; ``labels`` whose shape is not the logits'
-            without the vocabulary dim.
-        RuntimeError: a label outside the vocabulary (an asynchronous assert, as ``F.cross_entropy``'s on a GPU).
+            without the vocabulary dim; a ``vocab_size`` other than the logits' classes.
+        RuntimeError: a label outside the vocabulary, where its size is known (a DTensor's, or ``vocab_size``): an
+            asynchronous assert, as ``F.cross_entropy``'s on a GPU.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"vocab_parallel_cross_entropy: `reduction={reduction!r}` is not one of {_REDUCTIONS}.")
@@ -239,9 +240,6 @@ def keep_logits_sharded() -> Iterator[None]:
         with lightning_tp.keep_logits_sharded():
             logits = policy(input_ids=ids, attention_mask=mask).logits  # DTensor, Shard(-1) on the TP mesh
         logprobs = lightning_tp.token_logprobs(logits[:, :-1], ids[:, 1:])
-
-    Args:
-        None: a context manager; nested uses are fine (a context variable: per thread and task).
 
     Raises:
         Nothing of its own; a forward under context parallelism inside it raises ``ValueError`` (see above).

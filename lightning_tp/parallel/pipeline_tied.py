@@ -29,7 +29,7 @@ class TiedAcrossStages:
 
 #: The runners of pipelines whose last stage holds a copy of a weight tied across stages (held weakly; a parameter
 #: cannot be: `Module.to` swaps a parameter's tensor, which a weak reference to it forbids).
-_TIED_RUNNERS: weakref.WeakSet[Any] = weakref.WeakSet()  # of `pipeline.PipelineRunner`s (which imports this)
+TIED_RUNNERS: weakref.WeakSet[Any] = weakref.WeakSet()  # of `pipeline.PipelineRunner`s (which imports this)
 
 
 def counted_on_another_stage(parameter: torch.Tensor) -> bool:
@@ -40,7 +40,7 @@ def counted_on_another_stage(parameter: torch.Tensor) -> bool:
         runner.tied is not None
         and runner.pp_mesh.get_local_rank() == runner.tied.last_rank
         and runner.tied_parameter() is parameter
-        for runner in list(_TIED_RUNNERS)
+        for runner in list(TIED_RUNNERS)
     )
 
 

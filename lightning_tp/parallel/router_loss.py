@@ -130,6 +130,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         recorded = _RECORDED.get()
         if recorded is None or first is None or recorded.first() is not first or not isinstance(num_experts, int):
             return original(gate_logits, num_experts, top_k, attention_mask)
+        _RECORDED.set(None)  # used once: the registration (and its group) is held no longer than the forward
         registration = recorded.registration
         expected = None
         if not registration.checked:

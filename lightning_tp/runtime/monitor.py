@@ -39,9 +39,6 @@ class ThroughputMonitor(L.Callback):
     matmuls run in (:func:`matmul_dtype`: under ``32-true`` the fp32 peak at torch's default matmul precision
     ``"highest"``, the TF32 peak once ``torch.set_float32_matmul_precision("high")`` or ``"medium"`` allows TF32).
 
-    Args:
-        None: built without arguments; the window is the loggers' (``log_every_n_steps``).
-
     Raises:
         Nothing of its own: a batch without ``attention_mask`` or ``input_ids`` is skipped.
     """
@@ -218,9 +215,6 @@ class ExpertLoadMonitor(L.Callback):
     (``log_every_n_steps``): an all-gather of the layers' names and one all-reduce of ``layers x experts`` counts
     then, on every rank (a pipeline stage without experts too). :func:`lightning_tp.expert_load` gives the raw
     counts of this rank's tokens.
-
-    Args:
-        None: built without arguments; its numbers are read from the model it is trained with.
 
     Raises:
         Nothing of its own: a model without expert parallelism logs nothing.

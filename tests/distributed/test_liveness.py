@@ -5,6 +5,9 @@ hang tripwire of the test launcher."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.inference import generate_kwargs, prompts, reference_losses, reference_outputs
-from tests.helpers.launch import torchrun, workers
+from tests.helpers.launch import ROOT, _descendants, child_env, torchrun, workers
 
 WORKER = Path(__file__).with_name("liveness_worker.py")
 
@@ -186,6 +189,20 @@ def test_the_suites_launcher_starts_the_ranks_as_torchrun_does(tmp_path: Path) -
         workers(failing, 2, timeout=60)
     assert time.monotonic() - start < 45
     assert "rank 1" in str(err.value)
+    # The launcher told to stop (a CI job cancelled) ends its ranks: none is left waiting at the rendezvous.
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(1000)\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.forkrun", "2", str(sleeper)], env=child_env(), cwd=ROOT
+    )
+    deadline = time.monotonic() + 60
+    while len(_descendants(launcher.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = _descendants(launcher.pid)
+    assert len(ranks) == 2, ranks
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "the launcher left its ranks running"
 
 
 def _cmdline(proc: Path) -> bytes:

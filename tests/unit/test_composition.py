@@ -82,3 +82,14 @@ def test_the_cases_a_rule_cites_exist():
         name for rule in RULES for name in re.findall(r"`([a-z0-9_]+)`", rule.evidence) if re.search(r"_pp\d", name)
     }
     assert cited and not cited - set(CASES), sorted(cited - set(CASES))
+
+
+def test_the_rules_name_what_the_code_names():
+    """A rule's words that restate a constant of the code: the schedules that split the backward, the pipeline's
+    options."""
+    from lightning_tp.options import OPTIONS
+    from lightning_tp.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
+
+    assert all(f"`{name}`" in BY_KEY["pp+compile+split_backward"].when for name in SPLIT_BACKWARD_SCHEDULES)
+    pp_options = [o.name for o in OPTIONS if o.name.startswith("pp_") and o.name != "pp_size"]
+    assert pp_options and all(f"`{name}`" in BY_KEY["pp_options_without_pp"].when for name in pp_options)

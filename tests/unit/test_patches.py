@@ -225,8 +225,10 @@ def test_the_router_loss_function_is_the_familys_again_after_the_strategys_teard
     recorded = router_loss._RECORDED
     recorded.set(None)
     input_ids = torch.randint(0, 50, (1, 4))
+    first.base_model(input_ids=input_ids)
+    assert recorded.get() is not None  # the decoder's router logits are recorded for the causal LM's loss call
     first(input_ids=input_ids)
-    assert recorded.get() is not None  # the forward's router logits are recorded for the wrapper's call
+    assert recorded.get() is None  # and used by it once, then let go
     holder = nn.ModuleDict({"model": first})  # the LightningModule around the model
     assert release_process_wide_patches(holder) == []  # the second model still holds it
     assert getattr(module, FUNCTION_NAME) is not family and set(map(id, patch.owners)) == {id(second)}
@@ -235,7 +237,7 @@ def test_the_router_loss_function_is_the_familys_again_after_the_strategys_teard
     assert installed(module, FUNCTION_NAME) is None
     # A registered model takes the patch again when it runs (validate, then fit: the second setup leaves it alone).
     recorded.set(None)
-    first(input_ids=input_ids)
+    first.base_model(input_ids=input_ids)
     again = installed(module, FUNCTION_NAME)
     assert again is not None and again.owners == [first] and recorded.get() is not None
     hooks = len(first.base_model._forward_hooks)
