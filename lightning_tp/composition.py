@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -375,9 +376,24 @@ def ignored(key: str, setting: str, *, context: str = "") -> str:
     return f"{setting} is ignored{' ' + context if context else ''}: {rule.reason} {rule.fix}"
 
 
+#: The documentation's tables by name: the header, which rules are rows, and a row's cells.
+_TABLES: dict[str, tuple[str, Callable[[Rule], bool], Callable[[Rule], tuple[str, ...]]]] = {
+    "pp": (
+        "| next to pp 2 | ranks | status | how |",
+        lambda r: r.axes[0] == "pp" and r.verdict == "allowed",
+        lambda r: (r.when, r.ranks, r.evidence, r.reason),
+    ),
+    "pp-refused": (
+        "| with pp | verdict | why | instead |",
+        lambda r: "pp" in r.axes and r.verdict != "allowed",
+        lambda r: (r.when, r.verdict, r.reason, r.fix),
+    ),
+}
+
+
 def render(name: str) -> str:
-    """The markdown table named ``name`` (``"pp"``: what composes with pipeline parallelism; ``"pp-refused"``: what
-    it refuses or ignores), rendered from :data:`RULES`.
+    """The markdown table named ``name`` (one of :data:`_TABLES`: ``"pp"``, what composes with pipeline parallelism;
+    ``"pp-refused"``, what it refuses or ignores), rendered from :data:`RULES`.
 
     Args:
         name: the table's name.
@@ -385,23 +401,13 @@ def render(name: str) -> str:
     Raises:
         ValueError: an unknown name.
     """
-    if name == "pp":
-        lines = ["| next to pp 2 | ranks | status | how |", "|---|---|---|---|"]
-        lines += [
-            f"| {r.when} | {r.ranks} | {r.evidence} | {r.reason} |"
-            for r in RULES
-            if r.axes[0] == "pp" and r.verdict == "allowed"
-        ]
-        return "\n".join(lines)
-    if name == "pp-refused":
-        lines = ["| with pp | verdict | why | instead |", "|---|---|---|---|"]
-        lines += [
-            f"| {r.when} | {r.verdict} | {r.reason} | {r.fix} |"
-            for r in RULES
-            if "pp" in r.axes and r.verdict != "allowed"
-        ]
-        return "\n".join(lines)
-    raise ValueError(f"no composition table named {name!r}; the known ones: 'pp', 'pp-refused'")
+    if name not in _TABLES:
+        raise ValueError(f"no composition table named {name!r}; the known ones: {sorted(_TABLES)}")
+    header, is_row, cells = _TABLES[name]
+    columns = header.count("|") - 1
+    lines = [header, "|" + "---|" * columns]
+    lines += ["| " + " | ".join(cells(rule)) + " |" for rule in RULES if is_row(rule)]
+    return "\n".join(lines)
 
 
 _BLOCK = re.compile(r"(<!-- composition: ([\w-]+) -->\n)(.*?)\n?<!-- /composition -->", re.DOTALL)
