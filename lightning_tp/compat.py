@@ -155,19 +155,25 @@ def is_strided_shard(placement: Any) -> bool:
     return isinstance(placement, _StridedShard)
 
 
-def cut_strided_shards_when_distributing(misplaced: Callable[[Any], bool]) -> None:
-    """Wrap torch's ``_distribute_tensors`` (``set_model_state_dict``/``set_optimizer_state_dict`` with
-    ``full_state_dict`` and ``broadcast_from_rank0``: Lightning's load of a full checkpoint file), once: it cuts each
-    rank's shard as the contiguous chunk at the offset ``compute_local_shape_and_global_offset`` gives, which for a
-    DTensor where ``misplaced`` holds (a lone ``_StridedShard``; torch 2.13 to 2.15, whose function is the same) is
-    neither that chunk nor the rank's blocks: rows of the whole are lost. Those are cut by ``distribute_tensor`` from
-    the whole each rank holds (no communication); every other key as torch does."""
+@contextmanager
+def cutting_strided_shards(misplaced: Callable[[Any], bool]) -> Iterator[None]:
+    """Within the block, torch's ``_distribute_tensors`` (``set_model_state_dict``/``set_optimizer_state_dict`` with
+    ``full_state_dict`` and ``broadcast_from_rank0``: Lightning's load of a full checkpoint file) cuts right what it
+    cuts wrong. It cuts each rank's shard as the contiguous chunk at the offset
+    ``compute_local_shape_and_global_offset`` gives, which for a DTensor where ``misplaced`` holds (a lone
+    ``_StridedShard``; torch 2.13 to 2.15, whose function is the same) is neither that chunk nor the rank's blocks:
+    rows of the whole are lost. Those are cut by ``distribute_tensor`` from the whole each rank holds (no
+    communication); every other key as torch does. A patch of torch's module through
+    :func:`lightning_tp.patches.patched`, undone on leaving the block; a nested block reuses the outer one's."""
     from torch.distributed import _state_dict_utils as utils
     from torch.distributed.tensor import distribute_tensor
 
-    original = utils._distribute_tensors
-    if getattr(original, "_lightning_tp_wrapped", False):
+    from lightning_tp import patches
+
+    if patches.installed(utils, "_distribute_tensors") is not None:
+        yield
         return
+    original = utils._distribute_tensors
 
     def _distribute_tensors(local_state_dict: dict, keys: list, device: Any, pg: Any = None) -> None:
         rest = []
@@ -185,8 +191,8 @@ def cut_strided_shards_when_distributing(misplaced: Callable[[Any], bool]) -> No
                 local_state_dict[key] = local_state
         original(local_state_dict, rest, device, pg)
 
-    _distribute_tensors._lightning_tp_wrapped = True  # type: ignore[attr-defined]
-    utils._distribute_tensors = _distribute_tensors
+    with patches.patched(utils, "_distribute_tensors", _distribute_tensors):
+        yield
 
 
 def install_dtensor_rng_tracker(mesh: DeviceMesh) -> bool:

@@ -51,7 +51,7 @@ from lightning_tp.checkpoint.validation import (
     match_model_state,
     stored_entries,
 )
-from lightning_tp.compat import cut_strided_shards_when_distributing, distributed_is_initialized
+from lightning_tp.compat import cutting_strided_shards, distributed_is_initialized
 from lightning_tp.layout import ParallelLayout
 from lightning_tp.parallel.pipeline import other_stages_modules
 from lightning_tp.plans.discovery import describe_models
@@ -277,33 +277,34 @@ def _load_file(
 ) -> dict[str, Any]:
     from lightning_tp.compat import load_checkpoint as load_full_checkpoint
 
-    # torch's full-state loader misplaces what DCP misplaces (see `dcp_layouts`); those tensors are cut right.
-    cut_strided_shards_when_distributing(misplaced_by_dcp)
-    if any(other_stages_modules(module) for module in modules.values()):
-        # A pipeline: every rank reads the file and takes its own stages' entries (rank 0's broadcast, which torch's
-        # full-state loader runs, cannot serve ranks holding different stages).
+    # torch's full-state loader misplaces what DCP misplaces (see `dcp_layouts`); those tensors are cut right, within
+    # this load only.
+    with cutting_strided_shards(misplaced_by_dcp):
+        if any(other_stages_modules(module) for module in modules.values()):
+            # A pipeline: every rank reads the file and takes its own stages' entries (rank 0's broadcast, which torch's
+            # full-state loader runs, cannot serve ranks holding different stages).
+            with unpickling_guard(shown, weights_only=weights_only, opt_in=opt_in):
+                checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+            ((module_key, module),) = modules.items()
+            return load_stage_file(
+                checkpoint,
+                module_key=module_key,
+                module=module,
+                optimizers=optimizers,
+                strict=strict,
+                optimizer_states_from_list=optimizer_states_from_list,
+                shown=shown,
+            )
+        # Refused objects raise the same error on every rank, before any collective.
         with unpickling_guard(shown, weights_only=weights_only, opt_in=opt_in):
-            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-        ((module_key, module),) = modules.items()
-        return load_stage_file(
-            checkpoint,
-            module_key=module_key,
-            module=module,
-            optimizers=optimizers,
-            strict=strict,
-            optimizer_states_from_list=optimizer_states_from_list,
-            shown=shown,
-        )
-    # Refused objects raise the same error on every rank, before any collective.
-    with unpickling_guard(shown, weights_only=weights_only, opt_in=opt_in):
-        metadata = load_full_checkpoint(
-            path=path,
-            state={**modules, **optimizers},
-            strict=strict,
-            optimizer_states_from_list=optimizer_states_from_list,
-            weights_only=weights_only,
-        )
-    return metadata
+            metadata = load_full_checkpoint(
+                path=path,
+                state={**modules, **optimizers},
+                strict=strict,
+                optimizer_states_from_list=optimizer_states_from_list,
+                weights_only=weights_only,
+            )
+        return metadata
 
 
 def _load_distributed(
