@@ -591,7 +591,7 @@ def register_attention_implementation(
 
     for interface, function in ((AttentionInterface, attention), (AttentionMaskInterface, mask)):
         mapping = interface._global_mapping
-        existing = patches.installed_entry(mapping, name)
+        existing = patches.installed_entry(interface, mapping, name)
         if existing is not None and existing.value is function:
             existing.add_owner(owner)
         else:

@@ -11,7 +11,9 @@ undoes what its model owns (:func:`undo_owned`); a patch shared by several owner
 of modules and classes change the whole process (:func:`is_process_wide`); those of an instance live with it, and may
 be kept when only the process-wide ones are undone (a model's ``save_pretrained`` is still called after ``fit``).
 
-Nothing here keeps an object alive: a patch's record lives on the patched object, and owners are held weakly.
+Nothing here is global and nothing keeps an object alive: a patch's record lives on the patched object (an entry's
+on the module or class holding the registry), the list of an owner's patches on the owner (weakly), and a patch holds
+its owners weakly.
 
 The lowest layer: imports nothing of the package.
 """
@@ -39,8 +41,16 @@ class _Absent(enum.Enum):
 #: The previous value of an attribute the object did not hold itself (undo deletes the attribute).
 ABSENT = _Absent.ABSENT
 
-#: id of an owner -> (the owner, weakly; its patches, weakly, in the order installed).
-_OWNED: dict[int, tuple[weakref.ref, list[weakref.ref[Patch]]]] = {}
+#: The attribute of an owner that holds its patches (weakly, in the order installed).
+OWNED_ATTR = "_lightning_tp_owned_patches"
+
+
+class _Owned(list):
+    """An owner's patches, held weakly. A copy or a pickle of the owner (``copy.deepcopy`` of a model,
+    ``torch.save`` of a module) owns none of them: it gets an empty list."""
+
+    def __reduce__(self) -> tuple:
+        return (_Owned, ())
 
 
 class Patch:
@@ -78,9 +88,9 @@ class Patch:
             raise ValueError(f"{self!r} was undone; install it again instead of sharing it.")
         if any(owner is held for held in self.owners):
             return
-        key = _owner_key(owner)
+        owned = _owned_list(owner)
         self._owners.append(weakref.ref(owner))
-        _OWNED[key][1].append(weakref.ref(self))
+        owned.append(weakref.ref(self))
 
     def release(self, owner: object) -> bool:
         """Give up ``owner``'s hold on this patch, and undo it if no other owner holds it.
@@ -94,9 +104,9 @@ class Patch:
         if not any(owner is held for held in self.owners):
             return False
         self._owners = [ref for ref in self._owners if ref() is not None and ref() is not owner]
-        entry = _OWNED.get(id(owner))
-        if entry is not None and entry[0]() is owner:
-            entry[1][:] = [ref for ref in entry[1] if ref() is not None and ref() is not self]
+        owned = _own_dict(owner).get(OWNED_ATTR)
+        if owned is not None:
+            owned[:] = [ref for ref in owned if ref() is not None and ref() is not self]
         return not self._owners and self.undo()
 
     def undo(self) -> bool:
@@ -149,7 +159,7 @@ def install(target: object, name: str, value: Any, *, owner: object) -> Patch:
             :meth:`Patch.add_owner`), ``target`` has no ``__dict__``, ``name`` is not a plain attribute, or ``owner``
             cannot be weakly referenced.
     """
-    _owner_key(owner)  # refuses an owner that cannot be weakly referenced before anything is set
+    _owned_list(owner)  # refuses an owner that cannot hold the list before anything is set
     patch = _install(target, name, value)
     patch.add_owner(owner)
     return patch
@@ -176,10 +186,8 @@ def patched(target: object, name: str, value: Any) -> Iterator[Patch]:
 
 def owned_by(owner: object) -> list[Patch]:
     """The active patches ``owner`` holds, in the order they were installed."""
-    entry = _OWNED.get(id(owner))
-    if entry is None or entry[0]() is not owner:
-        return []
-    return [patch for ref in entry[1] if (patch := ref()) is not None and patch.active]
+    owned = _own_dict(owner).get(OWNED_ATTR) or []
+    return [patch for ref in owned if (patch := ref()) is not None and patch.active]
 
 
 def undo_owned(owner: object, *, instances: bool = True) -> list[Patch]:
@@ -219,8 +227,10 @@ class EntryPatch(Patch):
         if not self.active:
             return False
         self.active = False
-        assert _ENTRIES.get((id(self.mapping), self.name)) is self, f"{self!r} is not the registry's record"
-        del _ENTRIES[(id(self.mapping), self.name)]
+        records = vars(self.target).get(RECORDS_ATTR)
+        key = _entry_key(self.mapping, self.name)
+        assert records is not None and records.get(key) is self, f"{self!r} is not the registry's record"
+        del records[key]
         if self.mapping.get(self.name, ABSENT) is not self.value:
             return False
         if self.previous is ABSENT:
@@ -230,14 +240,17 @@ class EntryPatch(Patch):
         return True
 
 
-#: (id of a registry, key) -> its active entry patch. The registries are held by modules and classes (the patches'
-#: targets), which live as long as the process.
-_ENTRIES: dict[tuple[int, str], EntryPatch] = {}
+def _entry_key(mapping: dict, name: str) -> tuple[str, int, str]:
+    """The key of an entry patch among the records of the module or class holding its registry (never an attribute
+    name: those are strings). The registry lives as long as its holder, so its id names it."""
+    return ("entry", id(mapping), name)
 
 
-def installed_entry(mapping: dict, name: str) -> EntryPatch | None:
-    """The active entry patch of ``mapping[name]``, or ``None``."""
-    return _ENTRIES.get((id(mapping), name))
+def installed_entry(target: type | types.ModuleType, mapping: dict, name: str) -> EntryPatch | None:
+    """The active entry patch of ``mapping[name]`` in the registry that the module or class ``target`` holds, or
+    ``None``."""
+    records = vars(target).get(RECORDS_ATTR)
+    return records.get(_entry_key(mapping, name)) if records is not None else None
 
 
 def install_entry(target: type | types.ModuleType, mapping: dict, name: str, value: Any, *, owner: object) -> Patch:
@@ -257,13 +270,15 @@ def install_entry(target: type | types.ModuleType, mapping: dict, name: str, val
     """
     if not is_process_wide(target):
         raise ValueError(f"A registry's holder must be a module or class, got a {type(target).__name__}.")
-    _owner_key(owner)
-    existing = installed_entry(mapping, name)
+    _owned_list(owner)
+    existing = installed_entry(target, mapping, name)
     if existing is not None:
         raise ValueError(f"`{name}` of {target.__name__}'s registry is patched already ({existing!r}).")
     patch = EntryPatch(target, mapping, name, value, mapping.get(name, ABSENT))
     mapping[name] = value
-    _ENTRIES[(id(mapping), name)] = patch
+    if RECORDS_ATTR not in vars(target):
+        setattr(target, RECORDS_ATTR, {})
+    vars(target)[RECORDS_ATTR][_entry_key(mapping, name)] = patch
     patch.add_owner(owner)
     return patch
 
@@ -273,8 +288,8 @@ def _install(target: object, name: str, value: Any) -> Patch:
         own = vars(target)
     except TypeError:
         raise ValueError(f"{type(target).__name__} objects have no `__dict__`: they cannot be patched.") from None
-    if name == RECORDS_ATTR:
-        raise ValueError(f"`{RECORDS_ATTR}` holds the records of the patches; it cannot be patched itself.")
+    if name in (RECORDS_ATTR, OWNED_ATTR):
+        raise ValueError(f"`{name}` holds the records of the patches; it cannot be patched itself.")
     existing = installed(target, name)
     if existing is not None:
         raise ValueError(
@@ -315,31 +330,35 @@ def _served_by_getattr(target: object, name: str) -> bool:
     return hasattr(target, name) and name not in vars(target)  # a lazy module's `__getattr__` may import it now
 
 
-def _owner_key(owner: object) -> int:
-    """The key of ``owner`` in :data:`_OWNED`, its entry created (and removed when the owner is collected)."""
-    key = id(owner)
-    entry = _OWNED.get(key)
-    if entry is not None and entry[0]() is owner:
-        return key
+def _own_dict(owner: object) -> dict:
+    """``owner``'s own attributes (empty for an object without any)."""
     try:
-        ref = weakref.ref(owner, lambda _ref, key=key: _forget(key, _ref))
+        return vars(owner)
+    except TypeError:
+        return {}
+
+
+def _owned_list(owner: object) -> list[weakref.ref[Patch]]:
+    """The list of ``owner``'s patches, kept on ``owner`` itself (created at its first patch)."""
+    try:
+        own = vars(owner)
+        weakref.ref(owner)
     except TypeError:
         raise ValueError(
-            f"A patch's owner must be weakly referenceable (a module, a model, a strategy); got a "
-            f"{type(owner).__name__}."
+            f"A patch's owner must have attributes and be weakly referenceable (a module, a model, a strategy); got "
+            f"a {type(owner).__name__}."
         ) from None
-    _OWNED[key] = (ref, [])
-    return key
-
-
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _OWNED.get(key)
-    if entry is not None and entry[0] is ref:
-        del _OWNED[key]
+    owned = own.get(OWNED_ATTR)
+    if owned is None:
+        owned = _Owned()
+        object.__setattr__(owner, OWNED_ATTR, owned)  # a plain attribute, also of an `nn.Module`
+    return owned
 
 
 __all__ = [
     "ABSENT",
+    "OWNED_ATTR",
+    "RECORDS_ATTR",
     "EntryPatch",
     "Patch",
     "install",

@@ -3,6 +3,7 @@ patches going through it (the router's loss function given back at a strategy's 
 
 import copy
 import gc
+import pickle
 import sys
 import types
 import weakref
@@ -186,6 +187,20 @@ def test_a_deep_copy_carries_its_own_patch():
     assert twin(torch.zeros(1)).item() == 4.0 and norm(torch.zeros(1)).item() != 4.0
     assert installed(twin, "forward").target is twin and installed(twin, "forward").undo()
     assert "forward" not in vars(twin) and installed(norm, "forward") is not None
+
+
+def test_the_records_live_on_their_objects_not_in_the_module():
+    """No registry of the process: the module holds no mutable state, an owner's patches are listed on the owner, and
+    a copy or a pickle of an owner owns none of them (the original's undo still gives them up)."""
+    mutable = {name for name, value in vars(patches).items() if isinstance(value, (dict, list, set, weakref.WeakSet))}
+    assert mutable <= {"__all__", "__builtins__"}, mutable
+    module = types.ModuleType("lightning_tp_test_records")
+    owner = nn.Linear(1, 1)
+    patch = install(module, "function", replacement, owner=owner)
+    assert [p() for p in vars(owner)[patches.OWNED_ATTR]] == [patch]
+    for twin in (copy.deepcopy(owner), pickle.loads(pickle.dumps(owner))):
+        assert owned_by(twin) == [] and undo_owned(twin) == [] and module.function is replacement
+    assert undo_owned(owner) == [patch] and not hasattr(module, "function")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
