@@ -478,7 +478,15 @@ def apply_parallelisms(
     place_on_device(root, device, cpu_offload=options.cpu_offload)
     # 11. What was made, on the module given and on each model inside it, for what runs on them later (gradient norms
     #    over every pipeline stage): read with `parallel_state(model)`.
-    state = ParallelState(layout=layout, mesh=mesh, options=options, targets=targets, expert_mesh=expert_mesh)
+    runners = [pipeline_runner(target.module) for target in targets.models]
+    state = ParallelState(
+        layout=layout,
+        mesh=mesh,
+        options=options,
+        targets=targets,
+        expert_mesh=expert_mesh,
+        pipelines=tuple(runner for runner in runners if runner is not None),
+    )
     state.attach([root, *(target.module for target in targets.models)])
     return targets
 

@@ -30,11 +30,12 @@ STATE_ATTR = "lightning_tp_state"
 class ParallelState:
     """What a model was parallelised into: its ``layout``, the ``mesh`` (and ``expert_mesh`` with ``ep_size > 1``)
     it is sharded over, the ``options`` it was built with (:class:`~lightning_tp.ParallelOptions`) and ``targets``,
-    the resolved plan of each model inside it. Read it with :func:`parallel_state`.
+    the resolved plan of each model inside it, and ``pipelines``, the runner of each pipelined model (its stages,
+    and a weight tied across stages). Read it with :func:`parallel_state`.
 
     Args:
-        layout, mesh, options, targets, expert_mesh: as above; built by :func:`lightning_tp.parallelize` and the
-            strategies, not by users.
+        layout, mesh, options, targets, expert_mesh, pipelines: as above; built by :func:`lightning_tp.parallelize`
+            and the strategies, not by users.
 
     Raises:
         Nothing: a record, never changed after it is built.
@@ -45,6 +46,7 @@ class ParallelState:
     options: Any
     targets: Any
     expert_mesh: DeviceMesh | None = None
+    pipelines: tuple[Any, ...] = ()
 
     @property
     def tp_mesh(self) -> DeviceMesh:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from lightning_tp.compat import foreach_mul_, foreach_norm
 from lightning_tp.parallel.collectives import collective_device
 from lightning_tp.parallel.pipeline_tied import counted_on_another_stage
-from lightning_tp.state import parallel_state
+from lightning_tp.state import ParallelState, parallel_state
 
 
 def _group_key(param: torch.Tensor) -> object:
@@ -33,18 +33,20 @@ def _group_key(param: torch.Tensor) -> object:
 
 
 def _parameters_and_pipeline(
-    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, pp_group: Any | None
-) -> tuple[list[torch.Tensor], Any | None]:
-    """The parameters to take the norm of, and the pipeline's group: a module's own (its parallel state's) unless
-    ``pp_group`` is given."""
+    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, pp_group: Any | None, state: ParallelState | None
+) -> tuple[list[torch.Tensor], Any | None, ParallelState | None]:
+    """The parameters to take the norm of, the pipeline's group and the parallel state: a module's own unless
+    ``state`` or ``pp_group`` is given; the group is the state's unless given."""
     if isinstance(parameters, nn.Module):
-        state = parallel_state(parameters)
-        if pp_group is None and state is not None:
-            pp_group = state.pp_group
-        return list(parameters.parameters()), pp_group
-    if isinstance(parameters, torch.Tensor):
-        return [parameters], pp_group
-    return list(parameters), pp_group
+        state = state if state is not None else parallel_state(parameters)
+        parameters = list(parameters.parameters())
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        parameters = list(parameters)
+    if pp_group is None and state is not None:
+        pp_group = state.pp_group
+    return parameters, pp_group, state
 
 
 @torch.no_grad()
@@ -53,6 +55,7 @@ def grad_norm(
     norm_type: float = 2.0,
     *,
     pp_group: Any | None = None,
+    state: ParallelState | None = None,
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of the parameters' gradients, as a plain (replicated) 0-dim tensor.
 
@@ -65,18 +68,22 @@ def grad_norm(
         parameters: a parallelised model (its parameters, and under pipeline parallelism every stage's: the model
             knows its pipeline), or parameters or one tensor as torch's ``clip_grad_norm_`` takes them.
         norm_type: the norm's order (``inf`` for the largest magnitude).
-        pp_group: the ranks of this rank's pipeline, each holding other parameters (their stages'), for parameters
-            given without their model: the norm then covers every stage's, an embedding tied to the head across
-            stages counted once. Every rank of it must call this.
+        pp_group: the ranks of this rank's pipeline, each holding other parameters (their stages'), for a pipeline
+            this package did not build: the norm then covers every stage's. Every rank of it must call this.
+        state: the parallel state of the model the parameters belong to (:func:`lightning_tp.parallel_state`), for
+            parameters given without their model (an optimizer's): under pipeline parallelism the norm then covers
+            every stage's, an embedding tied to the head across stages counted once. A model given is its own.
 
     Raises:
         Nothing of its own: a gradient missing on one rank counts as zeros there, so every rank runs the same
         reductions (a collective's failure, or the process group's timeout, raises as torch raises it).
     """
-    parameters, pp_group = _parameters_and_pipeline(parameters, pp_group)
+    parameters, pp_group, state = _parameters_and_pipeline(parameters, pp_group, state)
+    # The last stage's copies of an embedding tied to the head: the first stage's count them.
+    elsewhere = {id(p) for p in counted_on_another_stage(state.pipelines)} if state is not None else set()
     groups: dict[object, list[torch.Tensor | None]] = {}
     for p in parameters:
-        if not p.requires_grad or (pp_group is not None and counted_on_another_stage(p)):
+        if not p.requires_grad or (pp_group is not None and id(p) in elsewhere):
             continue  # (the last stage's copy of an embedding tied to the head: the first stage's counts it)
         groups.setdefault(_group_key(p), []).append(p.grad)
     norm_type = float(norm_type)
@@ -131,12 +138,13 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     pp_group: Any | None = None,
+    state: ParallelState | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_`` that works on tensor-parallel, 2-D and pipelined models (the
     norm over every stage): :func:`grad_norm`, then every gradient scaled by the same factor.
 
     Args:
-        parameters, norm_type, pp_group: as :func:`grad_norm`'s.
+        parameters, norm_type, pp_group, state: as :func:`grad_norm`'s.
         max_norm: the largest norm the gradients keep.
         error_if_nonfinite: raise when the norm is ``nan`` or ``inf``, as torch does.
 
@@ -146,8 +154,10 @@ def clip_grad_norm_(
     Raises:
         RuntimeError: with ``error_if_nonfinite``, when the norm is not finite (torch's error).
     """
-    parameters, pp_group = _parameters_and_pipeline(parameters, pp_group)
-    total = grad_norm(parameters, norm_type, pp_group=pp_group)  # every rank's reductions, gradients or not
+    parameters, pp_group, state = _parameters_and_pipeline(parameters, pp_group, state)
+    total = grad_norm(
+        parameters, norm_type, pp_group=pp_group, state=state
+    )  # every rank's reductions, gradients or not
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped."

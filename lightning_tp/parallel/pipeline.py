@@ -58,7 +58,7 @@ from lightning_tp.parallel.pipeline_stages import (
     PipelineStageModule,
     keep_stages,
 )
-from lightning_tp.parallel.pipeline_tied import TIED_RUNNERS, TiedAcrossStages, tied_across_stages
+from lightning_tp.parallel.pipeline_tied import TiedAcrossStages, tied_across_stages
 from lightning_tp.parallel.router_loss import (
     RouterTotals,
 )
@@ -169,8 +169,6 @@ class PipelineRunner:
         self._to_stash: dict[nn.Parameter, torch.Tensor] | None = None
         self._held: dict[nn.Parameter, torch.Tensor] = {}
         self.tied = tied
-        if tied is not None:
-            TIED_RUNNERS.add(self)
 
     def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """torch's ``loss_fn``: the last stage's output is the loss its model computed, or the logits for a custom

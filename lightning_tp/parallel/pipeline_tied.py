@@ -5,7 +5,7 @@ values synchronised once at setup), and a gradient norm counts it once.
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,21 +27,18 @@ class TiedAcrossStages:
     last_rank: int  # the pipeline rank holding the last stage
 
 
-#: The runners of pipelines whose last stage holds a copy of a weight tied across stages (held weakly; a parameter
-#: cannot be: `Module.to` swaps a parameter's tensor, which a weak reference to it forbids).
-TIED_RUNNERS: weakref.WeakSet[Any] = weakref.WeakSet()  # of `pipeline.PipelineRunner`s (which imports this)
-
-
-def counted_on_another_stage(parameter: torch.Tensor) -> bool:
-    """Whether ``parameter`` is the last stage's copy of a weight tied across stages, whose gradient the first
-    stage's copy holds as well (a norm over the pipeline counts it once). Found through the runners, at the call: the
-    copy is whatever parameter the head holds now (sharding replaces it)."""
-    return any(
-        runner.tied is not None
+def counted_on_another_stage(runners: Iterable[Any]) -> list[torch.Tensor]:
+    """The parameters of this rank that are the last stage's copy of a weight tied across stages, whose gradient the
+    first stage's copy holds as well (a norm or a count over the pipeline takes it once). ``runners``: the model's
+    pipeline runners (:attr:`lightning_tp.ParallelState.pipelines`). Found at the call: the copy is whatever
+    parameter the head holds now (sharding replaces it)."""
+    return [
+        parameter
+        for runner in runners
+        if runner.tied is not None
         and runner.pp_mesh.get_local_rank() == runner.tied.last_rank
-        and runner.tied_parameter() is parameter
-        for runner in list(TIED_RUNNERS)
-    )
+        and (parameter := runner.tied_parameter()) is not None
+    ]
 
 
 def tied_head(model: nn.Module, plan: PipelinePlan) -> str | None:

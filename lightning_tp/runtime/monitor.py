@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lightning_tp.compat import CUDA_FLOPS, logs_this_step
 from lightning_tp.parallel.pipeline_tied import counted_on_another_stage
+from lightning_tp.state import parallel_state
 
 
 class ThroughputMonitor(L.Callback):
@@ -190,7 +191,9 @@ def model_numel(module: torch.nn.Module, *, pp_group: Any | None = None, device:
     ``parameters()`` counts it."""
     if pp_group is None:
         return sum(p.numel() for p in module.parameters())
-    count = sum(p.numel() for p in module.parameters() if not counted_on_another_stage(p))
+    state = parallel_state(module)
+    elsewhere = {id(p) for p in counted_on_another_stage(state.pipelines)} if state is not None else set()
+    count = sum(p.numel() for p in module.parameters() if id(p) not in elsewhere)
     total = torch.tensor(count, dtype=torch.int64, device=device)
     dist.all_reduce(total, group=pp_group)
     return int(total.item())

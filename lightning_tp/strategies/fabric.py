@@ -44,6 +44,7 @@ from lightning_tp.options import TRAINER_ONLY, document
 from lightning_tp.parallel.fsdp import micro_batch_grads
 from lightning_tp.parallel.grad import clip_grad_norm_
 from lightning_tp.parallelize import ParallelOptions, apply_parallelisms
+from lightning_tp.state import parallel_state
 from lightning_tp.strategies.shared import MeshMixin, StrategyOptions
 
 #: meta.pt's entry naming which state keys of ``fabric.save`` hold the model and the optimizers.
@@ -271,7 +272,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         parameters = self.precision.main_params(optimizer)
         return clip_grad_norm_(
-            parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, pp_group=self.pp_group
+            parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, state=parallel_state(module)
         )
 
     @override

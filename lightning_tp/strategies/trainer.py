@@ -49,6 +49,7 @@ from lightning_tp.runtime.preemption import (
     skip_unfinished_hpc_checkpoint,
 )
 from lightning_tp.runtime.watchdog import StepWatchdog
+from lightning_tp.state import parallel_state
 from lightning_tp.strategies.inference import (
     check_eval_weights,
     check_even_batches,
@@ -213,7 +214,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self._add_callbacks(trainer)
         self.setup_precision_plugin()
-        clip_with_dtensor_support(self.precision_plugin, pp_group=self.pp_group)
+        clip_with_dtensor_support(self.precision_plugin, state=parallel_state(self.model))
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         # `generate` keeps the data-parallel ranks in step on FSDP2 models; with `eval_weights="gathered"`,
