@@ -1,4 +1,4 @@
-"""The upstream shims (lightning_tp/compat.py) and what moved onto them: parameter views as forward hooks, one
+"""The upstream shims (lightning_tp/compat/) and what moved onto them: parameter views as forward hooks, one
 publishing ``save_pretrained`` for Transformers and PEFT models."""
 
 import sys

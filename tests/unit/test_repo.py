@@ -1,5 +1,5 @@
 """What a newcomer relies on: the README's commands are the ones CI runs; what a maintainer relies on: the package
-has no import cycle, and every private name of an upstream package is used through ``lightning_tp/compat.py``."""
+has no import cycle, and every private name of an upstream package is used through ``lightning_tp/compat/``."""
 
 import ast
 import re
@@ -7,7 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_tp"
-#: Packages whose private names go through compat.py: a release of one that moves them then breaks in one place.
+#: Packages whose private names go through lightning_tp/compat/: a release of one that moves them then breaks in one
+#: place.
 UPSTREAM = {"torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "transformers"}
 UPSTREAM.add("peft")
 #: Private attributes of upstream objects, caught wherever they are read (the object's type is not known to the AST).
@@ -28,8 +29,9 @@ UPSTREAM_PRIVATE_ATTRIBUTES = {
     "_broadcast_sigterm_tensor",
     "_device_mesh",
 }
-#: The Trainer strategy is being rewritten (issue 12): the lead migrates it, then removes this exemption.
-EXEMPT = {"compat.py"}
+#: The top-level modules or folders of the package where private upstream names may be used (a folder with every
+#: module in it): the compat package, whose modules name them each with why.
+EXEMPT = {"compat"}
 
 
 def test_ci_runs_the_readme_test_command():
@@ -115,9 +117,9 @@ def _private_uses(path: Path) -> list[str]:
 
 
 def test_private_upstream_names_only_in_compat():
-    """Every private name of torch, Lightning, Transformers and PEFT is used through ``lightning_tp/compat.py``."""
+    """Every private name of torch, Lightning, Transformers and PEFT is used through ``lightning_tp/compat/``."""
     found = [use for path in sorted(PACKAGE.rglob("*.py")) if _exempt(path) is False for use in _private_uses(path)]
-    assert not found, "private upstream names outside compat.py (add them to compat.py, with why):\n" + "\n".join(found)
+    assert not found, "private upstream names outside compat/ (add them to compat/, with why):\n" + "\n".join(found)
 
 
 def test_the_private_name_check_catches_each_kind(tmp_path):
@@ -160,7 +162,7 @@ def test_distributed_is_initialized_is_spelled_once():
 
 
 def _exempt(path: Path) -> bool:
-    return path.relative_to(PACKAGE).as_posix() in EXEMPT
+    return path.relative_to(PACKAGE).parts[0] in EXEMPT
 
 
 def _module_names() -> dict[str, Path]:
@@ -238,7 +240,9 @@ def test_package_has_no_import_cycle(tmp_path):
 
 
 def _subpackages() -> list[Path]:
-    return sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
+    """The subpackages that are layers (each ``__init__`` saying what it may import); a package among
+    :data:`BASE_MODULES` (``compat/``) is part of the lowest layer instead, checked module by module there."""
+    return sorted(p.parent for p in PACKAGE.glob("*/__init__.py") if p.parent.name not in BASE_MODULES)
 
 
 #: Modules of the package outside any subpackage that are a layer of their own, their docstring saying what they may
@@ -298,12 +302,43 @@ def test_the_fast_tier_names_tests_that_exist():
         assert param.rstrip("]") in source or param.rstrip("]") in (ROOT / "tests/helpers/cases.py").read_text(), node
 
 
-#: The lowest layer: modules every other layer may import, which import nothing of the package above them.
+#: The lowest layer: modules every other layer may import, which import nothing of the package above them. A package
+#: among them (``compat/``) is so with every module in it.
 BASE_MODULES = {"compat", "composition", "layout", "options", "patches", "state"}
 
 
+def _is_base(name: str) -> bool:
+    return name.split(".")[0] in BASE_MODULES
+
+
 def test_the_lowest_modules_import_nothing_above_them():
+    """Each module of the lowest layer, each module of ``compat/`` included, imports only modules of that layer."""
     modules = _module_names()
     assert BASE_MODULES <= set(modules), sorted(BASE_MODULES - set(modules))
-    above = {name: _imports_of(name, modules[name], set(modules)) - BASE_MODULES for name in BASE_MODULES}
-    assert not any(above.values()), f"the lowest modules import upward: {above}"
+    base = sorted(name for name in modules if _is_base(name))
+    assert "compat.torch_distributed" in base, "the modules of compat/ are checked too"
+    above = {name: {t for t in _imports_of(name, modules[name], set(modules)) if not _is_base(t)} for name in base}
+    above = {name: targets for name, targets in above.items() if targets}
+    assert not above, f"the lowest modules import upward: {above}"
+
+
+def test_compat_exports_every_name_of_its_modules():
+    """``lightning_tp.compat`` (``compat/__init__.py``) re-exports every name its modules list in ``__all__``, and
+    each module's ``__all__`` lists its public names: ``from lightning_tp.compat import X`` works for each of them."""
+    import importlib
+
+    compat = importlib.import_module("lightning_tp.compat")
+    exported = []
+    for path in sorted((PACKAGE / "compat").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        module = importlib.import_module(f"lightning_tp.compat.{path.stem}")
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        public = {name for name in defined if not name.startswith("_")}
+        assert public <= set(module.__all__), f"{path.name}: not in its __all__: {sorted(public - set(module.__all__))}"
+        for name in module.__all__:
+            assert getattr(compat, name, None) is getattr(module, name), f"lightning_tp.compat.{name} ({path.name})"
+        exported += module.__all__
+    assert sorted(compat.__all__) == sorted(exported)
