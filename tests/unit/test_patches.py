@@ -284,7 +284,8 @@ def test_the_strategy_teardown_gives_the_patches_up():
     family = getattr(module, FUNCTION_NAME)
     install_global_router_loss(strategy.model["model"], _OneRankMesh())
     clip_with_dtensor_support(strategy.precision_plugin, state=None)
-    clip_with_dtensor_support(strategy.precision_plugin, state=None)  # fit, then validate: the later setup's replaces it
+    # fit, then validate: the later setup's replaces it
+    clip_with_dtensor_support(strategy.precision_plugin, state=None)
     assert "clip_grad_by_norm" in vars(strategy.precision_plugin)
     strategy.teardown()
     assert strategy.torn_down and getattr(module, FUNCTION_NAME) is family
