@@ -18,6 +18,7 @@ __all__ = [
     "module_slots",
     "buffer_dict",
     "drop_always_called_hooks",
+    "has_forward_pre_hook",
     "remove_forward_hooks",
     "is_view",
     "add_compile_callbacks",
@@ -75,6 +76,13 @@ def drop_always_called_hooks(module: nn.Module) -> int:
     count = len(always_called)
     always_called.clear()
     return count
+
+
+def has_forward_pre_hook(module: nn.Module, marker: str) -> bool:
+    """Whether ``module`` has a forward pre-hook whose function carries the attribute ``marker`` (one this package
+    registered, found without keeping its handle anywhere: the hooks live in the module's private
+    ``_forward_pre_hooks``)."""
+    return any(getattr(hook, marker, False) for hook in module._forward_pre_hooks.values())
 
 
 def remove_forward_hooks(module: nn.Module, marker: str) -> int:

@@ -5,14 +5,13 @@ cache."""
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_tp.compat import parameter_dict
+from lightning_tp.compat import has_forward_pre_hook, parameter_dict
 
 #: Set on a module whose call computes nothing with the parameters below it: a pipelined model, whose forward runs the
 #: schedule while its stages call the modules themselves. Nothing swaps views in for its whole call, which spans the
@@ -67,8 +66,8 @@ def on_hidden_states(fn: Callable[[Any], Any]) -> Callable[..., tuple[tuple, dic
     return hook
 
 
-#: The models given :func:`no_cache_under_grad`, and its hook's handle: installed once per model.
-_NO_CACHE_HOOKS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+#: The attribute that marks :func:`no_cache_under_grad`'s hook (installed once per model, found on the model).
+_NO_CACHE_MARKER = "_lightning_tp_no_cache_under_grad"
 
 
 def no_cache_under_grad(model: nn.Module) -> bool:
@@ -94,7 +93,7 @@ def no_cache_under_grad(model: nn.Module) -> bool:
         Whether the hook was installed now: ``False`` when ``model`` already has it or its forward takes no
         ``use_cache``.
     """
-    if model in _NO_CACHE_HOOKS:
+    if has_forward_pre_hook(model, _NO_CACHE_MARKER):
         return False
     parameters = list(inspect.signature(type(model).forward).parameters.values())[1:]  # without `self`
     if "use_cache" not in [p.name for p in parameters]:  # not one taken through `**kwargs`: it may not reach a cache
@@ -109,5 +108,6 @@ def no_cache_under_grad(model: nn.Module) -> bool:
             return None
         return args, {**kwargs, "use_cache": False}
 
-    _NO_CACHE_HOOKS[model] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    setattr(hook, _NO_CACHE_MARKER, True)
+    model.register_forward_pre_hook(hook, with_kwargs=True)
     return True

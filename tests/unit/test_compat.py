@@ -106,3 +106,24 @@ def test_one_save_pretrained_patch_for_models_and_adapters(tmp_path):
     assert _adapter_files(tmp_path / "adapter") == _adapter_files(tmp_path / "adapter_reference")
     name = "adapter_model.safetensors"
     assert (tmp_path / "adapter" / name).read_bytes() == (tmp_path / "adapter_reference" / name).read_bytes()
+
+
+def test_no_cache_under_grad_is_installed_once_per_model_and_found_on_it():
+    """The hook is found on the model (no registry of models): a second call, or a deep copy's, installs none; under
+    grad a forward gets ``use_cache=False`` unless given one, without grad it is left alone."""
+    import copy
+
+    from lightning_tp.parallel.hooks import no_cache_under_grad
+    from tests.helpers.models import build_causal_lm, tiny_config
+
+    model = build_causal_lm(tiny_config("llama"))
+    assert no_cache_under_grad(model) is True and no_cache_under_grad(model) is False
+    assert no_cache_under_grad(copy.deepcopy(model)) is False
+    seen = []  # what the forward gets, after the hook
+    model.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True)
+    ids = torch.tensor([[1, 2, 3]])
+    model(ids)
+    model(ids, use_cache=True)
+    with torch.no_grad():
+        model(ids)
+    assert seen == [False, True, None]
