@@ -235,7 +235,7 @@ def long_context(args: argparse.Namespace) -> dict[str, Any]:
         args.kv_heads, hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, max_positions=1 << 17
     )
     rows: list[dict[str, Any]] = []
-    from lightning_tp.parallelize import ParallelOptions
+    from lightning_tp.parallel_options import ParallelOptions
 
     layouts = [(cp, comm) for cp in args.cp_sizes if world % cp == 0 for comm in (args.cp_comm if cp > 1 else ["-"])]
     for cp, comm in layouts:

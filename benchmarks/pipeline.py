@@ -118,7 +118,7 @@ def run(layout: dict, *, size: str, args: argparse.Namespace, batch: dict) -> di
     import torch.distributed as dist
 
     import lightning_tp
-    from lightning_tp.parallelize import ParallelOptions
+    from lightning_tp.parallel_options import ParallelOptions
 
     rank = dist.get_rank()
     single = layout["name"] == "one process"
@@ -181,7 +181,7 @@ def rebuild_cost(args: argparse.Namespace, *, size: str) -> dict:
     import torch.distributed as dist
 
     import lightning_tp
-    from lightning_tp.parallelize import ParallelOptions
+    from lightning_tp.parallel_options import ParallelOptions
 
     model = build(size, layers=args.layers, vocab=args.vocab)
     lightning_tp.parallelize(model, tp_size=1, pp_size=2, options=ParallelOptions(pp_microbatches=4))
@@ -213,7 +213,7 @@ def lengths_growth(args: argparse.Namespace, *, size: str) -> dict:
 
     import lightning_tp
     import lightning_tp.parallel.pipeline as pipeline
-    from lightning_tp.parallelize import ParallelOptions
+    from lightning_tp.parallel_options import ParallelOptions
     from tests.helpers.models import live_mib
 
     shipped = pipeline.KEPT_SHAPES

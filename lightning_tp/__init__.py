@@ -4,7 +4,8 @@ The public surface is this module's ``__all__``, :mod:`lightning_tp.fabric` (the
 ``python -m lightning_tp.export|inspect|gguf``. The package's layers, lowest first, each importing only those below:
 ``compat``, ``layout`` and ``options`` (the strategies' arguments, each defined once); ``plans/`` (what to do with a
 model); ``parallel/`` (the parallelisms); ``checkpoint/`` (storage); ``runtime/`` (what runs beside training);
-``parallelize`` (the order of the stages); ``strategies/`` (Lightning's Trainer and Fabric); ``tools/`` (the commands).
+``parallel_options`` and ``stages`` (the options, each stage implemented); ``parallelize`` (the order of the stages);
+``strategies/`` (Lightning's Trainer and Fabric); ``tools/`` (the commands).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -25,7 +26,8 @@ from lightning_tp.parallel.loss_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_tp.parallel.pipeline import set_pipeline_loss
-from lightning_tp.parallelize import ParallelOptions, parallelize
+from lightning_tp.parallel_options import ParallelOptions
+from lightning_tp.parallelize import parallelize
 from lightning_tp.runtime.garbage_collection import GarbageCollection
 from lightning_tp.runtime.monitor import ExpertLoadMonitor, ThroughputMonitor
 from lightning_tp.state import ParallelState, parallel_state

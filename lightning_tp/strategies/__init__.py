@@ -5,7 +5,7 @@
 - ``inference``: evaluation, prediction and ``generate`` whatever each data-parallel rank is given.
 
 May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
-``options``, ``plans``, ``parallel``, ``checkpoint``, ``runtime``, ``parallelize``.
+``options``, ``plans``, ``parallel``, ``checkpoint``, ``runtime``, ``parallel_options``, ``stages``, ``parallelize``.
 """
 
 __all__ = ["fabric", "inference", "shared", "trainer"]

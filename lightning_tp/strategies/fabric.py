@@ -43,7 +43,8 @@ from lightning_tp.compat import (
 from lightning_tp.options import TRAINER_ONLY, document
 from lightning_tp.parallel.fsdp import micro_batch_grads
 from lightning_tp.parallel.grad import clip_grad_norm_
-from lightning_tp.parallelize import ParallelOptions, apply_parallelisms
+from lightning_tp.parallel_options import ParallelOptions
+from lightning_tp.parallelize import apply_parallelisms
 from lightning_tp.state import parallel_state
 from lightning_tp.strategies.shared import MeshMixin, StrategyOptions
 

@@ -20,7 +20,7 @@ from lightning_tp.compat import distributed_is_initialized
 from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.parallel.fsdp import ACCUMULATE_GRADS
 from lightning_tp.parallel.grad import clip_grad_norm_
-from lightning_tp.parallelize import ParallelOptions
+from lightning_tp.parallel_options import ParallelOptions
 from lightning_tp.patches import Patch, install, installed, undo_owned
 from lightning_tp.plans.discovery import torchmetrics_in
 from lightning_tp.state import ParallelState, pipeline_group

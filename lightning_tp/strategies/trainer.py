@@ -39,7 +39,8 @@ from lightning_tp.compat import (
 )
 from lightning_tp.options import document
 from lightning_tp.parallel.fsdp import micro_batch_grads
-from lightning_tp.parallelize import SUPPORTED_PRECISIONS, ParallelOptions, apply_parallelisms, place_on_device
+from lightning_tp.parallel_options import SUPPORTED_PRECISIONS, ParallelOptions
+from lightning_tp.parallelize import apply_parallelisms
 from lightning_tp.runtime.garbage_collection import GarbageCollection
 from lightning_tp.runtime.monitor import ExpertLoadMonitor, ThroughputMonitor
 from lightning_tp.runtime.preemption import (
@@ -49,6 +50,7 @@ from lightning_tp.runtime.preemption import (
     skip_unfinished_hpc_checkpoint,
 )
 from lightning_tp.runtime.watchdog import StepWatchdog
+from lightning_tp.stages import place_on_device
 from lightning_tp.state import parallel_state
 from lightning_tp.strategies.inference import (
     check_eval_weights,

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp import parallelize
 from lightning_tp.compat import compiled_graph_count
-from lightning_tp.parallelize import ParallelOptions
+from lightning_tp.parallel_options import ParallelOptions
 from tests.helpers.models import build_causal_lm, lm_batches, tiny_config
 from tests.helpers.process_group import one_rank_mesh
 

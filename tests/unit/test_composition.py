@@ -11,7 +11,7 @@ import torch
 
 from lightning_tp.composition import BY_KEY, RULES, rendered
 from lightning_tp.layout import ParallelLayout
-from lightning_tp.parallelize import ParallelOptions
+from lightning_tp.parallel_options import ParallelOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

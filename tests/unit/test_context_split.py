@@ -457,7 +457,7 @@ def test_compiled_layers_run_the_split_attention_outside_their_graphs(one_rank_m
 
 def test_fullgraph_compile_with_context_parallelism_is_refused_by_name() -> None:
     from lightning_tp.layout import ParallelLayout
-    from lightning_tp.parallelize import ParallelOptions
+    from lightning_tp.parallel_options import ParallelOptions
 
     options = ParallelOptions(compile={"fullgraph": True})
     with pytest.raises(ValueError, match=r"fullgraph.*cp_size=2.*Drop `fullgraph`"):

@@ -10,7 +10,8 @@ from lightning_tp.layout import ParallelLayout
 from lightning_tp.parallel.expert_parallel import EP_STYLES, resolve_expert_plan
 from lightning_tp.parallel.router_loss import global_load_balancing_loss, router_loss_module
 from lightning_tp.plans.resolve import resolve_plan
-from lightning_tp.tools.inspect import format_report, inspect_model
+from lightning_tp.tools.inspect import format_report
+from lightning_tp.tools.inspect_report import inspect_model
 from tests.helpers.models import build_causal_lm, tiny_config
 
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lightning_tp.tools.inspect import build_meta_model, compact_names, format_report, inspect_model, local_shape, main
+from lightning_tp.tools.inspect import build_meta_model, compact_names, format_report, main
+from lightning_tp.tools.inspect_report import inspect_model, local_shape
 from tests.helpers.models import build_causal_lm, tiny_config, tiny_vlm_config
 
 
@@ -127,7 +128,8 @@ def test_lists_the_tp_sizes_that_work_and_why_the_others_fail(intermediate: int,
     replicated, and an MLP width that 9 does not divide (SmolLM2's 1536) rules 9 out too."""
     from transformers import LlamaConfig
 
-    from lightning_tp.tools.inspect import format_report, tp_sizes
+    from lightning_tp.tools.inspect import format_report
+    from lightning_tp.tools.inspect_report import tp_sizes
 
     config = LlamaConfig(
         vocab_size=90,

@@ -8,7 +8,7 @@ import torch
 from lightning_tp.parallel.blocks import rank_rows
 from lightning_tp.plans.mixers import MIXER_KINDS, find_mixers
 from lightning_tp.plans.resolve import kept_whole, key_regex, resolve_plan
-from lightning_tp.tools.inspect import inspect_model
+from lightning_tp.tools.inspect_report import inspect_model
 from tests.helpers.models import build_causal_lm, coverage_model, tiny_config
 
 

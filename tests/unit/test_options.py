@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from lightning_tp.options import OPTIONS, TRAINER_ONLY, options_of
-from lightning_tp.parallelize import ParallelOptions
+from lightning_tp.parallel_options import ParallelOptions
 from lightning_tp.strategies import fabric, trainer
 from lightning_tp.strategies.shared import StrategyOptions
 

@@ -14,7 +14,7 @@ from lightning_tp.parallel.pipeline import PipelineOutput, labelled_tokens
 from lightning_tp.parallel.pipeline_plan import balanced_split, generate_owners, pipeline_problem, resolve_pipeline_plan
 from lightning_tp.parallel.pipeline_stages import ROUTER_TOTALS, PipelineStageModule, keep_stages
 from lightning_tp.parallel.router_loss import RouterTotals
-from lightning_tp.parallelize import ParallelOptions
+from lightning_tp.parallel_options import ParallelOptions
 from lightning_tp.patches import undo_owned
 from lightning_tp.strategies.shared import StrategyOptions
 from tests.helpers.models import build_causal_lm, tiny_config
@@ -286,7 +286,7 @@ def test_the_loss_counts_the_labelled_tokens_after_the_shift_and_the_output_name
 def test_a_v_schedule_with_tied_embeddings_and_data_parallelism_is_refused_before_anything_moves():
     """ZBV and DualPipeV put the first and the last stage on one rank: a tied embedding is one parameter in two
     stages, which FSDP2 (each stage sharded on its own) would split in two."""
-    from lightning_tp.parallelize import resolve_targets
+    from lightning_tp.stages import resolve_targets
     from tests.helpers.process_group import one_rank_mesh
 
     layout = ParallelLayout.resolve(4, tp_size=1, pp_size=2)  # dp_shard 2

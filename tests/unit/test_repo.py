@@ -247,7 +247,7 @@ def _subpackages() -> list[Path]:
 
 #: Modules of the package outside any subpackage that are a layer of their own, their docstring saying what they may
 #: import as a subpackage's ``__init__`` does.
-LAYER_MODULES = ("parallelize",)
+LAYER_MODULES = ("parallel_options", "stages", "parallelize")
 
 
 def _may_import(init: Path) -> set[str]:
@@ -262,7 +262,8 @@ def _may_import(init: Path) -> set[str]:
 def test_each_subpackage_imports_only_the_layers_its_docstring_allows():
     """The folders are layers: a subpackage imports its own modules and the layers its ``__init__`` docstring names,
     and those permissions form no cycle (so no import cycle can form between subpackages), at module level and
-    inside functions alike. So does each of :data:`LAYER_MODULES` (``parallelize.py``), by its own docstring."""
+    inside functions alike. So does each of :data:`LAYER_MODULES` (``parallel_options.py``, ``stages.py``,
+    ``parallelize.py``), by its own docstring."""
     modules = _module_names()
     allowed = {init.name: _may_import(init / "__init__.py") for init in _subpackages()}
     assert allowed, "no subpackage found"

@@ -121,7 +121,7 @@ def test_cpu_offload_leaves_parameters_and_moves_buffers_metrics_and_the_modules
     The meta device stands in for the accelerator here."""
     import torchmetrics
 
-    from lightning_tp.parallelize import place_on_device
+    from lightning_tp.stages import place_on_device
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
