@@ -338,6 +338,186 @@ RULES: tuple[Rule, ...] = (
         reason=("FSDP2 gathers nothing in this layout; `bf16-mixed` autocasts over fp32 weights as on one device."),
         fix="Drop `fsdp_param_dtype`.",
     ),
+    # What a model must be for each axis: refused before anything moves, read from its structure and config (never
+    # its code), the same on every rank. The checks name the model and what it has; the rule says why and what to do.
+    Rule(
+        key="cp+not_transformers",
+        axes=("cp",),
+        verdict="refused",
+        when="a model that is not a Transformers model",
+        reason="context parallelism splits the sequences of Transformers' causal LMs, read from their config.",
+        fix="Use tp_size or dp_shard_size for it.",
+    ),
+    Rule(
+        key="cp+composite",
+        axes=("cp",),
+        verdict="refused",
+        when="a composite (vision-language or audio) model",
+        reason=(
+            "context parallelism supports text causal LMs; image and audio tokens have positions and masks of "
+            "their own."
+        ),
+        fix="Use tp_size or dp_shard_size for it.",
+    ),
+    Rule(
+        key="cp+not_causal",
+        axes=("cp",),
+        verdict="refused",
+        when="a model without causal attention (an encoder, an encoder-decoder)",
+        reason="the load-balanced split assumes a causal mask.",
+        fix="Use tp_size or dp_shard_size for it.",
+    ),
+    Rule(
+        key="cp+attn_implementation",
+        axes=("cp",),
+        verdict="refused",
+        when="an `attn_implementation` outside Transformers' attention interface",
+        reason=(
+            "context parallelism runs inside one of Transformers' attention implementations: its tiles replace the "
+            "attention of a split forward, and a forward that decodes runs the model's own."
+        ),
+        fix='Load the model with `attn_implementation="sdpa"`.',
+    ),
+    Rule(
+        key="cp+sequence_mixers",
+        axes=("cp",),
+        verdict="refused",
+        when="layers that mix the sequence without attention (`config.layer_types`: linear attention, state-space, "
+        "convolution)",
+        reason=(
+            "each rank would see its chunk only: a recurrence over a chunk needs the state the previous rank's chunk "
+            "ended with."
+        ),
+        fix="Use tp_size (their heads are split) or dp_shard_size instead.",
+    ),
+    Rule(
+        key="cp+router_loss",
+        axes=("cp",),
+        verdict="refused",
+        when="a router's load-balancing loss in the model's loss (`output_router_logits=True`)",
+        reason="it would be computed over each rank's chunk of the tokens.",
+        fix="Set `output_router_logits=False`.",
+    ),
+    Rule(
+        key="cp+custom_loss",
+        axes=("cp",),
+        verdict="refused",
+        when="a model whose `loss_function` is not Transformers' causal-LM loss",
+        reason="the split shifts the causal-LM loss's labels before cutting them, and knows no other loss.",
+        fix="Keep the model's causal-LM loss, or use cp_size=1.",
+    ),
+    Rule(
+        key="cp+own_attention",
+        axes=("cp",),
+        verdict="refused",
+        when="layers with attention code of their own (`is_backend_compatible()` False: GPT-Neo, Bloom, MPT)",
+        reason=(
+            "Transformers' attention interface is the only place where context parallelism exchanges keys and "
+            "values; such layers would attend within each rank's chunk."
+        ),
+        fix="Run it without `cp_size` (tp_size or dp_shard_size instead).",
+    ),
+    Rule(
+        key="cp+stack_signature",
+        axes=("cp",),
+        verdict="refused",
+        when="a decoder stack whose `forward` takes no `position_ids` or `attention_mask`",
+        reason="the split passes the whole sequence's positions and mask to the decoder stack.",
+        fix="Use tp_size or dp_shard_size for it.",
+    ),
+    Rule(
+        key="pp+not_transformers",
+        axes=("pp",),
+        verdict="refused",
+        when="a model that is not a Transformers causal LM, or one sharded by Transformers at load time",
+        reason="pipeline parallelism cuts Transformers causal LMs along their `base_model_pp_plan`.",
+        fix="Load it without `distributed_config`, or use pp_size=1.",
+    ),
+    Rule(
+        key="pp+no_plan",
+        axes=("pp",),
+        verdict="refused",
+        when="no `config.base_model_pp_plan`, and a base model that is not one embedding, one list of layers, one norm",
+        reason="there are no stages to cut it into.",
+        fix="Use pp_size=1.",
+    ),
+    Rule(
+        key="pp+plan_not_layers",
+        axes=("pp",),
+        verdict="refused",
+        when="a pipeline plan whose second entry is not a list of decoder layers",
+        reason="the stages are cut between decoder layers.",
+        fix="Use pp_size=1.",
+    ),
+    Rule(
+        key="pp+parameters_outside_plan",
+        axes=("pp",),
+        verdict="refused",
+        when="a base model with parameters outside its pipeline plan",
+        reason="no stage would compute them.",
+        fix="Use pp_size=1.",
+    ),
+    Rule(
+        key="pp+v_shaped+tied+dp",
+        axes=("pp", "dp_shard"),
+        verdict="refused",
+        when="a V-shaped schedule (`ZBVZeroBubble`, `DualPipeV`) with tied embeddings and FSDP2",
+        reason=(
+            "it places the first and the last stage on one rank, so the embedding tied to the head is one parameter "
+            "in two stages, which FSDP2 shards each on its own and would split into two."
+        ),
+        fix="Use a loop schedule (Interleaved1F1B, InterleavedZeroBubble), no data parallelism, or untie the "
+        "embeddings.",
+    ),
+    Rule(
+        key="pp+custom_loss",
+        axes=("pp",),
+        verdict="refused",
+        when="`set_pipeline_loss` with CP, loss parallelism or a router's loss in the model's",
+        reason=(
+            "the loss would get the whole micro-batch's logits, but CP gives the last stage its rank's chunk of the "
+            "sequence, loss parallelism keeps its logits vocabulary-sharded, and a router's load-balancing loss over "
+            "the whole batch would be dropped."
+        ),
+        fix="Use the model's own loss (its `loss_function`, which those wrap), or drop that parallelism "
+        "(`config.output_router_logits=False` for the router's).",
+    ),
+    Rule(
+        key="ep+presharded",
+        axes=("ep",),
+        verdict="refused",
+        when="a model sharded by Transformers at load time (`distributed_config`)",
+        reason="its own TP plan split the experts already.",
+        fix="Load it without `distributed_config`: the strategy then splits the experts over the EP ranks.",
+    ),
+    Rule(
+        key="ep+sequence_parallel",
+        axes=("ep", "tp"),
+        verdict="refused",
+        when="`sequence_parallel=True` with ep_size > 1",
+        reason=(
+            "sequence parallelism gives each TP rank its own tokens, which the experts' dispatch takes for the TP "
+            "group's shared ones."
+        ),
+        fix="Drop one of them.",
+    ),
+    Rule(
+        key="ep+fp16",
+        axes=("ep",),
+        verdict="refused",
+        when="`precision='16-true'` with ep_size > 1",
+        reason="FSDP2 (torch 2.13) divides the experts' fp16 gradients twice where a rank holds its experts alone.",
+        fix="Use 'bf16-true' or 'bf16-mixed'.",
+    ),
+    Rule(
+        key="ep+no_plan",
+        axes=("ep",),
+        verdict="refused",
+        when="a model without an expert-parallel plan (`base_model_ep_plan`), or one with styles not applied here",
+        reason="the strategy knows a model's experts, and how to split them, from that plan only.",
+        fix="Use ep_size=1 (a mixture-of-experts plan's `moe_tp_experts` splits each expert over the TP ranks "
+        "instead).",
+    ),
 )
 
 #: The rules by key.
@@ -358,6 +538,22 @@ def refusal(key: str, detail: str) -> ValueError:
     rule = BY_KEY[key]
     assert rule.verdict == "refused", key
     return ValueError(f"{detail}: {rule.reason} {rule.fix}")
+
+
+def problem(key: str, detail: str) -> str:
+    """Why a model cannot run as refused rule ``key`` says, as the end of a sentence that the check frames
+    (``f"cp_size=2: {problem}."``): ``detail`` (the model, and what it has), the rule's reason and its fix.
+
+    Args:
+        key: a refused rule's key.
+        detail: the model and what it has, the message's start.
+
+    Raises:
+        KeyError: an unknown key (an internal mistake, not a user's).
+    """
+    rule = BY_KEY[key]
+    assert rule.verdict == "refused", key
+    return f"{detail}: {rule.reason} {rule.fix}".removesuffix(".")
 
 
 def ignored(key: str, setting: str, *, context: str = "") -> str:
@@ -436,7 +632,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["BY_KEY", "RULES", "Rule", "Verdict", "ignored", "refusal", "render", "rendered"]
+__all__ = ["BY_KEY", "RULES", "Rule", "Verdict", "ignored", "problem", "refusal", "render", "rendered"]
 
 
 if __name__ == "__main__":

@@ -188,9 +188,9 @@ def apply_parallelisms(
             assert target.pipeline is not None, "a model without a pipeline plan under pp"
             # The logits a custom pipeline loss would get are this rank's share under CP or loss parallelism.
             custom_loss_refusal = (
-                f"context parallelism (cp_size={layout.cp_size}) gives the last stage its rank's chunk of the sequence"
+                f"context parallelism (cp_size={layout.cp_size})"
                 if layout.cp_size > 1
-                else "loss parallelism keeps the last stage's logits vocabulary-sharded"
+                else f"loss parallelism (tp_size={layout.tp_size})"
                 if options.loss_parallel and layout.tp_size > 1
                 else None
             )

@@ -28,6 +28,7 @@ from lightning_tp.compat import (
     parameter_dict,
     record_module_device,
 )
+from lightning_tp.composition import refusal
 from lightning_tp.layout import CP_AXIS, DP_REPLICATE_AXIS, DP_SHARD_AXIS, DP_SHARD_CP_AXIS, ParallelLayout
 from lightning_tp.parallel.collectives import TP_GRAD_REDUCE_DTYPES
 from lightning_tp.parallel.context_parallel import install_context_parallel
@@ -159,10 +160,15 @@ def resolve_targets(
         pipeline = None
         if layout.pp_size > 1:
             if presharded_mesh is not None or not is_transformers_model(module):
-                state = "sharded by Transformers at load time" if presharded_mesh is not None else "not one"
+                state = (
+                    "sharded by Transformers at load time"
+                    if presharded_mesh is not None
+                    else "not a Transformers causal LM"
+                )
                 raise ValueError(
-                    f"pp_size={layout.pp_size} cuts Transformers causal LMs along their `base_model_pp_plan`; "
-                    f"{type(module).__name__} is {state}. Load it without `distributed_config`, or use pp_size=1."
+                    f"pp_size={layout.pp_size}: "
+                    + problem("pp+not_transformers", f"{type(module).__name__} is {state}")
+                    + "."
                 )
             if (problem := pipeline_problem(module)) is not None:
                 raise ValueError(f"pp_size={layout.pp_size}: {problem}.")
@@ -176,12 +182,10 @@ def resolve_targets(
                 pad_to_multiple_of=options.pp_pad_to_multiple_of,
             )
             if pipeline.v_shaped and layout.fsdp_size > 1 and tied_head(module, pipeline) is not None:
-                raise ValueError(
-                    f"`pp_schedule={pipeline.schedule!r}` places the first and the last stage on one rank, so "
-                    f"{type(module).__name__}'s embedding tied to its head is one parameter in two stages; FSDP2 "
-                    f"(over {layout.fsdp_size} ranks of data parallelism) shards each stage on its own and would split "
-                    "it into two. Use a loop schedule (Interleaved1F1B, InterleavedZeroBubble), no data parallelism, "
-                    "or untie the embeddings."
+                raise refusal(
+                    "pp+v_shaped+tied+dp",
+                    f"`pp_schedule={pipeline.schedule!r}` with {type(module).__name__}'s embedding tied to its head "
+                    f"and FSDP2 over {layout.fsdp_size} ranks of data parallelism",
                 )
         if layout.ep_size > 1:
             problem = expert_parallel_problem(

@@ -11,6 +11,7 @@ from torch import nn
 from lightning_tp.compat import (
     attention_implementation,
 )
+from lightning_tp.composition import problem
 from lightning_tp.parallel.cp_split import (
     ATTENTION_LAYER_TYPES,
     NAME_PREFIX,
@@ -35,54 +36,46 @@ def context_parallel_problem(model: nn.Module) -> str | None:
 
     name = type(model).__name__
     if not is_transformers_model(model):
-        return f"{name} is not a Transformers model; context parallelism splits the sequences of causal LMs"
+        return problem("cp+not_transformers", f"{name} is not a Transformers model")
     config = model.config
     if config.get_text_config() is not config:
-        return (
-            f"{name} is a composite (vision-language or audio) model; context parallelism supports text causal LMs "
-            "(their image and audio tokens have positions and masks of their own)"
-        )
+        return problem("cp+composite", f"{name} is a composite (vision-language or audio) model")
     if not getattr(config, "is_causal", True) or getattr(config, "is_encoder_decoder", False):
-        return f"{name} does not use causal attention; the load-balanced split assumes a causal mask"
+        return problem("cp+not_causal", f"{name} does not use causal attention")
     implementation = attention_implementation(config)
     if not _runs_inside(implementation):
-        return (
+        return problem(
+            "cp+attn_implementation",
             f"{name} uses attn_implementation={implementation!r}, which is not one of Transformers' attention "
-            "implementations that context parallelism runs inside (its tiles replace the attention of a split "
-            'forward; a forward that decodes runs the model\'s own). Load the model with `attn_implementation="sdpa"`'
+            "implementations",
         )
     layer_types = set(getattr(config, "layer_types", None) or ())
     other = sorted(layer_types - ATTENTION_LAYER_TYPES - TOKENWISE_LAYER_TYPES)
     if other:
-        # A recurrence over a chunk would need the state the previous rank's chunk ended with (not passed yet).
-        return (
-            f"{name} has layers of type {other} (`config.layer_types`), which mix the sequence without attention "
-            "(linear attention, state-space or convolution layers): each rank would see its chunk only, so context "
-            "parallelism is refused for it; use tp_size (their heads are split) or dp_shard_size instead"
+        return problem(
+            "cp+sequence_mixers",
+            f"{name} has layers of type {other} (`config.layer_types`), which mix the sequence without attention",
         )
     if getattr(config, "output_router_logits", False):
-        return (
-            f"{name} adds its router's load-balancing loss (`output_router_logits=True`), which is computed over the "
-            "local chunk's tokens; set `output_router_logits=False`"
-        )
+        return problem("cp+router_loss", f"{name} adds its router's load-balancing loss (`output_router_logits=True`)")
     if not computes_causal_lm_loss(model):
         current = model.loss_function
-        return (
+        return problem(
+            "cp+custom_loss",
             f"{name} computes its loss with {getattr(current, '__name__', current)!r}, not Transformers' causal-LM "
-            "loss, whose labels the split shifts before cutting them"
+            "loss",
         )
     if not declares_attention_interface(model):
-        return (
+        return problem(
+            "cp+own_attention",
             f"{name} does not declare that its layers compute attention through Transformers' attention interface "
-            f"(`{name}.is_backend_compatible()` is False), the only place where context parallelism exchanges keys and "
-            "values: layers with attention code of their own (GPT-Neo, Bloom, MPT, Falcon's in Transformers 5.24) "
-            "would attend within each rank's chunk. Run it without `cp_size` (tp_size or dp_shard_size instead)"
+            f"(`{name}.is_backend_compatible()` is False)",
         )
     base = decoder_stack(model, block_classes(model))
     parameters = inspect.signature(base.forward).parameters
     missing = [arg for arg in ("position_ids", "attention_mask") if arg not in parameters]
     if missing:
-        return f"{type(base).__name__}.forward takes no {missing}; the split passes the whole sequence's positions"
+        return problem("cp+stack_signature", f"{type(base).__name__}.forward takes no {missing}")
     return None
 
 

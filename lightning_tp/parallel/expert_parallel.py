@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_tp.compat import is_view, transformers_apply_expert_parallelism, uses_experts_interface
+from lightning_tp.composition import problem
 from lightning_tp.layout import DP_REPLICATE_AXIS, EFSDP_AXIS
 from lightning_tp.parallel.fsdp import apply_fsdp
 from lightning_tp.plans.resolve import ResolvedPlan, key_regex
@@ -57,21 +58,12 @@ def expert_parallel_problem(
     the configuration alone, the same on every rank."""
     name = type(model).__name__
     if presharded is not None:
-        return (
-            f"{name} was sharded by Transformers at load time (its own TP plan, experts included). Load it without "
-            "`distributed_config`: the strategy then splits the experts over the EP ranks"
-        )
+        return problem("ep+presharded", f"{name} was sharded by Transformers at load time")
     if sequence_parallel:
-        return (
-            "sequence_parallel=True is not supported with expert parallelism yet: it gives each TP rank its own "
-            "tokens, which the dispatch takes for the TP group's shared ones. Drop one of them"
-        )
+        return problem("ep+sequence_parallel", "sequence_parallel=True is not supported with expert parallelism yet")
     if precision == "16-true":
         # FSDP2 divides fp16 gradients before and after the reduction and, on a one-rank group, once more.
-        return (
-            "precision='16-true' is not supported with expert parallelism: FSDP2 (torch 2.13) divides the experts' "
-            "fp16 gradients twice where a rank holds its experts alone. Use 'bf16-true' or 'bf16-mixed'"
-        )
+        return problem("ep+fp16", "precision='16-true' is not supported with expert parallelism")
     return None
 
 
@@ -89,16 +81,21 @@ def resolve_expert_plan(module: nn.Module, plan: ResolvedPlan, *, ep_size: int) 
     rules = dict(getattr(module, "ep_plan", None) or {})
     if not rules:
         raise ValueError(
-            f"ep_size={ep_size}: {name} has no expert-parallel plan (its config has no `base_model_ep_plan`), so this "
-            "strategy does not know which modules are its experts. Use ep_size=1 (a mixture-of-experts plan's "
-            "`moe_tp_experts` splits each expert over the TP ranks instead)."
+            f"ep_size={ep_size}: "
+            + problem("ep+no_plan", f"{name} has no expert-parallel plan (its config has no `base_model_ep_plan`)")
+            + "."
         )
     tp_rules = {key: style for key, style in rules.items() if style not in EP_STYLES and facts(style) is not None}
     unknown = {key: style for key, style in rules.items() if style not in EP_STYLES and key not in tp_rules}
     if unknown:
         raise ValueError(
-            f"ep_size={ep_size}: {name}'s expert-parallel plan uses styles this strategy does not apply: {unknown}. "
-            f"It applies {list(EP_STYLES)}; use ep_size=1."
+            f"ep_size={ep_size}: "
+            + problem(
+                "ep+no_plan",
+                f"{name}'s expert-parallel plan uses styles this strategy does not apply: {unknown} (it applies "
+                f"{list(EP_STYLES)})",
+            )
+            + "."
         )
     if tp_rules:
         # Gemma 4's lists the dense MLP's column-/row-wise rules too (its published layout keeps the attention

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_tp.compat import forward_only_actions
+from lightning_tp.composition import refusal
 from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR
 from lightning_tp.parallel.pipeline_plan import PipelinePlan, is_single_stage_schedule, schedule_class
 from lightning_tp.parallel.pipeline_stages import (
@@ -134,10 +135,7 @@ def set_pipeline_loss(model: nn.Module, loss: PipelineLoss | None) -> None:
             "pp_size > 1 (call it after the strategy's setup, e.g. in `on_fit_start`)."
         )
     if loss is not None and runner.custom_loss_refusal is not None:
-        raise ValueError(
-            f"`set_pipeline_loss` gives the loss the whole micro-batch's logits, but {runner.custom_loss_refusal}. "
-            "Use the model's own loss (its `loss_function`, which those wrap), or drop that parallelism."
-        )
+        raise refusal("pp+custom_loss", f"`set_pipeline_loss` with {runner.custom_loss_refusal}")
     runner.custom_loss = loss
 
 
@@ -160,7 +158,7 @@ class PipelineRunner:
         self.model, self.plan, self.pp_mesh, self.device = model, plan, pp_mesh, device
         #: The data-parallel ranks whose tokens a router loss covers with this rank's (``None``: this rank's alone).
         self.dp_mesh = dp_mesh
-        #: Why a custom pipeline loss cannot be given the logits (the end of a sentence), or ``None``.
+        #: What refuses a custom pipeline loss (rule ``pp+custom_loss``), in words, or ``None``.
         self.custom_loss_refusal = custom_loss_refusal
         self.stage_modules = stages
         self.custom_loss: PipelineLoss | None = None
@@ -468,14 +466,11 @@ def install_pipeline(
     dp_mesh: DeviceMesh | None = None,
 ) -> list[PipelineStageModule]:
     """Keep this rank's stages of ``model`` and make ``model(...)`` run the schedule; returns the stage modules
-    (FSDP2 roots of their own under data parallelism). ``custom_loss_refusal``: why :func:`set_pipeline_loss` is
-    refused for it (the end of a sentence), if it is. ``dp_mesh``: the data-parallel ranks whose tokens a router loss
-    covers with this rank's."""
+    (FSDP2 roots of their own under data parallelism). ``custom_loss_refusal``: what refuses
+    :func:`set_pipeline_loss` for it (rule ``pp+custom_loss``: CP, loss parallelism), in words, if anything does.
+    ``dp_mesh``: the data-parallel ranks whose tokens a router loss covers with this rank's."""
     if plan.router is not None and custom_loss_refusal is None:
-        custom_loss_refusal = (
-            "the model's loss adds its routers' load-balancing loss over the whole batch, which a loss of the logits "
-            "would drop (set `config.output_router_logits=False` to train without it)"
-        )
+        custom_loss_refusal = "a router's load-balancing loss in the model's (`output_router_logits=True`)"
     stages = plan.stages_of(pp_mesh.get_local_rank(), pp_mesh.size())
     modules = [PipelineStageModule(model, plan, stage) for stage in stages]
     tied = tied_across_stages(model, plan, pp_size=pp_mesh.size())  # while the model holds both ends

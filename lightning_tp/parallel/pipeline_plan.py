@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_tp.composition import problem
 from lightning_tp.parallel.router_loss import (
     PipelinedRouterLoss,
     pipelined_router_loss,
@@ -140,25 +141,27 @@ def pipeline_problem(model: nn.Module) -> str | None:
     """Why ``model`` cannot be pipelined (the end of a sentence), or ``None``."""
     parts = pipeline_parts(model)
     if parts is None:
-        return (
+        return problem(
+            "pp+no_plan",
             f"{type(model).__name__} has no `config.base_model_pp_plan` (Transformers' split of a causal LM into "
             "embeddings, decoder layers and norm) and its base model is not one embedding, one list of decoder layers "
-            "and one final norm, so there are no stages to cut it into. Use pp_size=1"
+            "and one final norm",
         )
     base_name = base_model_name(model)
     base = getattr(model, base_name)
     if not isinstance(getattr(base, parts[1], None), nn.ModuleList):
-        return (
-            f"{type(model).__name__}'s pipeline plan names {list(parts)}, whose second entry is not a list of decoder "
-            "layers. Use pp_size=1"
+        return problem(
+            "pp+plan_not_layers",
+            f"{type(model).__name__}'s pipeline plan names {list(parts)}, whose second entry is not a list of "
+            "decoder layers",
         )
     others = [
         name for name, child in base.named_children() if name not in parts and any(True for _ in child.parameters())
     ]
     if others:
-        return (
-            f"{type(model).__name__}.{base_name} holds parameters outside its pipeline plan ({others}), which no "
-            "stage would compute. Use pp_size=1"
+        return problem(
+            "pp+parameters_outside_plan",
+            f"{type(model).__name__}.{base_name} holds parameters outside its pipeline plan ({others})",
         )
     return None
 
