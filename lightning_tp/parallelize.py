@@ -89,16 +89,13 @@ from lightning_tp.parallel.tensor_parallel import (
     take_rank_zero_values,
     transformers_tp_mesh,
 )
+from lightning_tp.plans.checks import check_style
 from lightning_tp.plans.discovery import modules_outside, peft_models, torchmetrics_in, transformers_models
+from lightning_tp.plans.heads import uneven_kv_projections
 from lightning_tp.plans.mixers import find_mixers
-from lightning_tp.plans.resolve import (
-    ResolvedPlan,
-    check_style,
-    is_transformers_model,
-    no_plan,
-    resolve_plan,
-    uneven_kv_projections,
-)
+from lightning_tp.plans.resolve import no_plan, resolve_plan
+from lightning_tp.plans.resolved import ResolvedPlan
+from lightning_tp.plans.source import is_transformers_model
 from lightning_tp.plans.structure import block_classes
 from lightning_tp.state import ParallelState
 
@@ -811,7 +808,7 @@ def apply_compile(
             rank_zero_warn(
                 f"`compile`: {len(eager)} of {len(layers)} decoder layers of {type(target.module).__name__} run "
                 f"uncompiled: they hold {', '.join(kinds)}, whose compiled backward fails in torch "
-                f"{torch.__version__.split('+')[0]} (see lightning_tp.plans.mixers.MixerKind.compiles)."
+                f"{torch.__version__.split('+')[0]} (see lightning_tp.plans.mixer_kinds.MixerKind.compiles)."
             )
         for layer in layers:
             if layer not in eager:
