@@ -275,7 +275,8 @@ def sharded_sizes(model: torch.nn.Module) -> dict[str, Any]:
     """The sizes the model's plan splits, found from its styles: ``{"other": {size: example}, "kv": {...},
     "vocab": {...}, "fused_qkv": bool, "source": ...}`` (``vocab``: the split dims of the embeddings and
     ``lm_head``). Raises ``ValueError`` when the plan is refused or missing."""
-    from lightning_tp.plans.resolve import plan_source, resolve_plan
+    from lightning_tp.plans.resolve import resolve_plan
+    from lightning_tp.plans.source import plan_source
     from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, facts
 
     _, source, _ = plan_source(model)
@@ -452,7 +453,7 @@ def prepare_case(
 ) -> tuple | None:
     """The pure part of a case (no collective): the tiny model, its copy trained whole, the batches and the reference
     losses; ``None`` when the case ends here (``result`` then says why: skipped or n/a)."""
-    from lightning_tp.plans.resolve import plan_source
+    from lightning_tp.plans.source import plan_source
 
     try:
         config = tiny_config(family, kv_heads=CASE_KV_HEADS[case], vocab=CASE_VOCAB.get(case, VOCAB))
@@ -491,7 +492,8 @@ def _kept_whole(model: torch.nn.Module, tp_size: int) -> dict[str, Any]:
     """What the plan at ``tp_size`` leaves whole: the layer kinds no rule splits (share of the parameters, 1% or
     more) and the mixers kept whole with the reason (no collective; the plan is resolved once more, as
     ``parallelize`` will)."""
-    from lightning_tp.plans.resolve import kept_whole, resolve_plan
+    from lightning_tp.plans.coverage import kept_whole
+    from lightning_tp.plans.resolve import resolve_plan
 
     try:
         plan = resolve_plan(model, "auto", tp_size=tp_size)
@@ -508,7 +510,7 @@ def _kept_whole(model: torch.nn.Module, tp_size: int) -> dict[str, Any]:
 
 def _has_experts(model: torch.nn.Module) -> bool:
     """Whether a module of ``model`` takes its expert-parallel plan's ``ep_dispatch_experts``."""
-    from lightning_tp.plans.resolve import key_regex
+    from lightning_tp.plans.source import key_regex
 
     keys = [key_regex(k) for k, style in model.ep_plan.items() if style == "ep_dispatch_experts"]
     return any(regex.fullmatch(name) for name, _ in model.named_modules() for regex in keys)

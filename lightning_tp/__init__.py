@@ -63,9 +63,9 @@ __all__ = [
 #: Names this module exported before that are internals (the plan's machinery), by where they live now: still
 #: importable from here, with a FutureWarning, for one release.
 _MOVED = {
-    "REFUSED_STYLES": "lightning_tp.plans.resolve",
-    "SUPPORTED_STYLES": "lightning_tp.plans.resolve",
-    "ResolvedPlan": "lightning_tp.plans.resolve",
+    "REFUSED_STYLES": "lightning_tp.plans.styles",
+    "SUPPORTED_STYLES": "lightning_tp.plans.styles",
+    "ResolvedPlan": "lightning_tp.plans.resolved",
     "resolve_plan": "lightning_tp.plans.resolve",
     "apply_tensor_parallel": "lightning_tp.parallel.tensor_parallel",
 }

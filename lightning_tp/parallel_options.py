@@ -21,7 +21,7 @@ from lightning_tp.layout import ParallelLayout
 from lightning_tp.parallel.collectives import TP_GRAD_REDUCE_DTYPES
 from lightning_tp.parallel.fsdp import BF16_NAMES
 from lightning_tp.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES, schedule_class
-from lightning_tp.plans.resolve import check_style
+from lightning_tp.plans.checks import check_style
 
 #: Precisions (Lightning's flags) whose parameters and gradients stay exact under TP, and the dtype the ``-true``
 #: ones cast the module to before sharding.

@@ -45,7 +45,7 @@ from lightning_tp.parallel.pipeline import install_pipeline, pipeline_runner
 from lightning_tp.parallel.rng import prepare_dtensor_random, warn_repeated_dropout
 from lightning_tp.parallel.router_loss import install_global_router_loss
 from lightning_tp.parallel_options import ParallelOptions
-from lightning_tp.plans.resolve import is_transformers_model
+from lightning_tp.plans.source import is_transformers_model
 from lightning_tp.stages import (
     Targets,
     apply_activation_checkpointing,

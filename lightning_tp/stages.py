@@ -61,8 +61,11 @@ from lightning_tp.parallel.tensor_parallel import (
 )
 from lightning_tp.parallel_options import PRECISION_DTYPES, ParallelOptions
 from lightning_tp.plans.discovery import modules_outside, peft_models, torchmetrics_in, transformers_models
+from lightning_tp.plans.heads import uneven_kv_projections
 from lightning_tp.plans.mixers import find_mixers
-from lightning_tp.plans.resolve import ResolvedPlan, is_transformers_model, no_plan, resolve_plan, uneven_kv_projections
+from lightning_tp.plans.resolve import no_plan, resolve_plan
+from lightning_tp.plans.resolved import ResolvedPlan
+from lightning_tp.plans.source import is_transformers_model
 from lightning_tp.plans.structure import block_classes
 
 if TYPE_CHECKING:
@@ -403,7 +406,7 @@ def apply_compile(
             rank_zero_warn(
                 f"`compile`: {len(eager)} of {len(layers)} decoder layers of {type(target.module).__name__} run "
                 f"uncompiled: they hold {', '.join(kinds)}, whose compiled backward fails in torch "
-                f"{torch.__version__.split('+')[0]} (see lightning_tp.plans.mixers.MixerKind.compiles)."
+                f"{torch.__version__.split('+')[0]} (see lightning_tp.plans.mixer_kinds.MixerKind.compiles)."
             )
         for layer in layers:
             if layer not in eager:

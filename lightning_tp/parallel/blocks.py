@@ -38,7 +38,7 @@ from lightning_tp.compat import buffer_dict, parameter_dict
 from lightning_tp.parallel.collectives import SumGradients, SumOverGroupBothWays, chunk_sizes
 from lightning_tp.parallel.hooks import run_on_parameter_views
 from lightning_tp.patches import install
-from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.resolved import ResolvedPlan
 
 COLUMN_STYLE = "colwise_blocks"
 LOCAL_STYLE = "local_blocks"

@@ -31,7 +31,7 @@ def context_parallel_problem(model: nn.Module) -> str | None:
         model: the model to split (a Transformers causal LM, else refused).
     """
     from lightning_tp.parallel.loss_parallel import computes_causal_lm_loss
-    from lightning_tp.plans.resolve import is_transformers_model
+    from lightning_tp.plans.source import is_transformers_model
     from lightning_tp.plans.structure import block_classes
 
     name = type(model).__name__
@@ -97,7 +97,7 @@ def declares_attention_interface(model: nn.Module) -> bool:
     do is not read from their code.
 
     Args:
-        model: a Transformers model (:func:`lightning_tp.plans.resolve.is_transformers_model`).
+        model: a Transformers model (:func:`lightning_tp.plans.source.is_transformers_model`).
     """
     declared = getattr(type(model), "is_backend_compatible", None)
     return (callable(declared) and bool(declared())) or type(model).__name__ in UNDECLARED_ATTENTION_INTERFACE

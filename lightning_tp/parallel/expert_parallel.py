@@ -32,7 +32,8 @@ from lightning_tp.compat import is_view, transformers_apply_expert_parallelism, 
 from lightning_tp.composition import problem
 from lightning_tp.layout import DP_REPLICATE_AXIS, EFSDP_AXIS
 from lightning_tp.parallel.fsdp import apply_fsdp
-from lightning_tp.plans.resolve import ResolvedPlan, key_regex
+from lightning_tp.plans.resolved import ResolvedPlan
+from lightning_tp.plans.source import key_regex
 from lightning_tp.plans.styles import facts, style_names
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads
 from lightning_tp.parallel.random_init import record_local_size
 from lightning_tp.plans.mixers import rotary_width
-from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.styles import STYLES, StyleFacts, facts
 
 

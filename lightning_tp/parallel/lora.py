@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_tp.parallel.random_init import whole_parameters
-from lightning_tp.plans.resolve import ResolvedPlan, Style
+from lightning_tp.plans.resolved import ResolvedPlan, Style
 from lightning_tp.plans.styles import facts
 
 #: LoRA configuration options this strategy cannot shard, merge or save correctly, with the reason.

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_tp.compat import assert_async, causal_lm_loss_function, compute_local_shape_and_global_offset
-from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.rewrite import rewrite_output_head
 
 _REDUCTIONS = ("mean", "sum", "none")

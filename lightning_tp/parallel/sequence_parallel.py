@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_tp.parallel.hooks import on_hidden_states
-from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.rewrite import rewrite_for_sequence_parallel
 
 SEQUENCE_DIM = 1

@@ -31,7 +31,7 @@ from lightning_tp.parallel.hooks import RUNS_NO_PARAMETERS_ATTR, on_hidden_state
 from lightning_tp.parallel.kv_heads import kv_head_layout, localize_kv_groups
 from lightning_tp.parallel.layers import APPLIED_ELSEWHERE, LAYERS, RowParallel, shard_parameter
 from lightning_tp.parallel.random_init import record_local_size
-from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.rewrite import rewrite_dense_layers
 from lightning_tp.plans.styles import (
     KV_GROUPS_ATTRIBUTE,

@@ -90,7 +90,7 @@ FUSED_QKV_LAYOUTS: dict[str, FusedLayout] = {
 def _how_to_write(model: nn.Module, example: str) -> str:
     return (
         f"Pass `tp_plan` to the strategy with the module paths of {type(model).__name__}, e.g. {example} "
-        "(style names: lightning_tp.plans.resolve.SUPPORTED_STYLES; 'local_heads' on the attention module when its "
+        "(style names: lightning_tp.plans.styles.SUPPORTED_STYLES; 'local_heads' on the attention module when its "
         "code reshapes by its head count), or use tp_size=1."
     )
 

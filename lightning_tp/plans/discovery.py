@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_tp.plans.resolve import is_transformers_model
+from lightning_tp.plans.source import is_transformers_model
 
 
 def peft_models(root: nn.Module) -> list[nn.Module]:

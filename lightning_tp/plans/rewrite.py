@@ -1,5 +1,5 @@
 """Rewrites of a resolved plan, before anything is sharded: the dense-layer regions, sequence parallelism and the
-vocabulary-sharded output head of loss parallelism. Each takes a :class:`~lightning_tp.plans.resolve.ResolvedPlan`
+vocabulary-sharded output head of loss parallelism. Each takes a :class:`~lightning_tp.plans.resolved.ResolvedPlan`
 and returns a new one (the given plan is left as it is); the styles a rewrite puts in that this package defines
 (:mod:`lightning_tp.parallel`) are given as factories by the caller, so that plans stay below the layer that applies
 them.
@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from lightning_tp.plans.resolve import ResolvedPlan
+from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.structure import decoder_layers, layer_entries, layer_stacks, output_head, text_decoder_layers
 from lightning_tp.plans.styles import style_names
 

@@ -20,15 +20,12 @@ from torch import nn
 from lightning_tp.compat import config_value
 from lightning_tp.parallel.blocks import row_exchange
 from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
-from lightning_tp.plans.mixers import ATTENTION_KINDS, attribute, config_heads, find_mixers, mixer_kind
-from lightning_tp.plans.resolve import (
-    ResolvedPlan,
-    key_regex,
-    model_plan,
-    plan_source,
-    resolve_plan,
-    uneven_kv_projections,
-)
+from lightning_tp.plans.fallback_kinds import ATTENTION_KINDS
+from lightning_tp.plans.heads import uneven_kv_projections
+from lightning_tp.plans.mixers import attribute, config_heads, find_mixers, mixer_kind
+from lightning_tp.plans.resolve import resolve_plan
+from lightning_tp.plans.resolved import ResolvedPlan
+from lightning_tp.plans.source import key_regex, model_plan, plan_source
 from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, facts, style_names
 
 #: Styles that split an embedding's vocabulary (dim 0): a vocabulary the TP size does not divide gives uneven shards.

@@ -5,7 +5,8 @@ import torch
 
 from lightning_tp.parallel.tensor_parallel import localize_heads
 from lightning_tp.plans.derived import FUSED_QKV_LAYOUTS, derive_plan, vocabulary_plan
-from lightning_tp.plans.resolve import plan_source, resolve_plan
+from lightning_tp.plans.resolve import resolve_plan
+from lightning_tp.plans.source import plan_source
 from lightning_tp.tools.inspect import format_report
 from lightning_tp.tools.inspect_report import inspect_model
 from tests.helpers.models import DERIVED_KINDS, tiny_config

@@ -98,7 +98,7 @@ def test_layers_with_their_own_head_counts_are_decided_one_by_one():
 
 
 def test_uneven_kv_widths_are_allowed_under_tp_and_named_for_fsdp():
-    from lightning_tp.plans.resolve import uneven_kv_projections
+    from lightning_tp.plans.heads import uneven_kv_projections
 
     model = _meta("llama", num_attention_heads=6, num_key_value_heads=1, head_dim=10, intermediate_size=96)
     plan = resolve_plan(model, "auto", tp_size=3)  # k_proj's 10 rows over 3 ranks: gathered before use

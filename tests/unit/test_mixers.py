@@ -1,4 +1,5 @@
-"""The head-parallel mixers as data (lightning_tp/plans/mixers.py) and the rows each rank takes of packed blocks."""
+"""The head-parallel mixers as data (lightning_tp/plans/mixer_kinds.py, read by mixers.py) and the rows each rank
+takes of packed blocks."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 
 from lightning_tp.parallel.blocks import rank_rows
+from lightning_tp.plans.coverage import kept_whole
 from lightning_tp.plans.mixers import MIXER_KINDS, find_mixers
-from lightning_tp.plans.resolve import kept_whole, key_regex, resolve_plan
+from lightning_tp.plans.resolve import resolve_plan
+from lightning_tp.plans.source import key_regex
 from lightning_tp.tools.inspect_report import inspect_model
 from tests.helpers.models import build_causal_lm, coverage_model, tiny_config
 
@@ -477,7 +480,8 @@ def test_experts_the_kinds_do_not_describe_stay_whole_and_say_why():
     with the reason."""
     from torch import nn
 
-    from lightning_tp.plans.mixers import MIXER_KIND_EXPERTS, stacked_sizes
+    from lightning_tp.plans.fallback_kinds import MIXER_KIND_EXPERTS
+    from lightning_tp.plans.mixers import stacked_sizes
 
     model = _with_plan("qwen3_moe", without=("experts",))
     first, second = (layer.mlp.experts for layer in model.model.layers)

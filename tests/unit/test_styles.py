@@ -14,8 +14,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_tp.parallel.layers import LAYERS, ColumnParallel, EmbeddingParallel, RowParallel, shard_parameter
 from lightning_tp.parallel.lora import extend_plan_to_adapters
-from lightning_tp.plans.resolve import REFUSED_STYLES, SUPPORTED_STYLES, resolve_plan
-from lightning_tp.plans.styles import STYLES
+from lightning_tp.plans.resolve import resolve_plan
+from lightning_tp.plans.styles import REFUSED_STYLES, STYLES, SUPPORTED_STYLES
 from lightning_tp.tools.inspect_report import inspect_model, local_shape
 from tests.helpers.models import build_causal_lm, tiny_config
 from tests.helpers.process_group import one_rank_mesh as one_rank_mesh_of_gloo
