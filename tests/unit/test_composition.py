@@ -46,8 +46,82 @@ CHECKED = {
 }
 
 
+def _meta_model(kind: str, **config):
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.models import tiny_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(kind, **config))
+
+
+def _cp(model: torch.nn.Module):
+    from lightning_tp.parallel.cp_checks import context_parallel_problem
+
+    return context_parallel_problem(model)
+
+
+def _pp(kind: str):
+    from lightning_tp.parallel.pipeline_plan import pipeline_problem
+
+    return pipeline_problem(_meta_model(kind))
+
+
+def _ep(**options):
+    from lightning_tp.parallel.expert_parallel import expert_parallel_problem
+
+    kwargs = {"sequence_parallel": False, "precision": "32-true", "presharded": None, **options}
+    return expert_parallel_problem(_meta_model("qwen3_moe"), **kwargs)
+
+
+#: Model-dependent refused rules: what meets each (a model's check returning the problem).
+MODEL_CHECKED = {
+    "cp+not_transformers": lambda: _cp(torch.nn.Linear(2, 2)),
+    "cp+not_causal": lambda: _cp(_meta_model("qwen3", is_causal=False)),
+    "cp+router_loss": lambda: _cp(_meta_model("qwen3", output_router_logits=True)),
+    "cp+own_attention": lambda: _cp(_meta_model("mpt")),
+    "pp+no_plan": lambda: _pp("gpt2"),
+    "ep+presharded": lambda: _ep(presharded=object()),
+    "ep+sequence_parallel": lambda: _ep(sequence_parallel=True),
+    "ep+fp16": lambda: _ep(precision="16-true"),
+}
+
+
 def test_every_refusal_and_warning_of_the_layout_check_is_a_rule_of_the_table():
-    assert set(CHECKED) == {r.key for r in RULES if r.verdict != "allowed"}
+    assert set(CHECKED) <= {r.key for r in RULES if r.verdict != "allowed"}
+
+
+@pytest.mark.parametrize("key", sorted(MODEL_CHECKED))
+def test_a_models_check_gives_the_rules_reason_and_fix(key: str):
+    rule = BY_KEY[key]
+    message = MODEL_CHECKED[key]()
+    assert message is not None and message.endswith(f"{rule.reason} {rule.fix}".removesuffix(".")), message
+
+
+def _rule_keys_used_in_the_package() -> dict[str, list[str]]:
+    """Each rule key the package's checks pass to :func:`refusal`, :func:`problem` or :func:`ignored`, with where."""
+    import ast
+
+    used: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "lightning_tp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) in ("refusal", "problem", "ignored")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                used.setdefault(node.args[0].value, []).append(path.relative_to(ROOT).as_posix())
+    return used
+
+
+def test_every_refused_or_ignored_rule_is_what_a_check_raises_and_every_check_names_a_rule():
+    """The table is the checks' one source: each refusal and warning of a rule is raised by some check of the
+    package (a rule nobody raises is a table out of date), and every key a check names is a rule."""
+    used = _rule_keys_used_in_the_package()
+    assert not set(used) - set(BY_KEY), sorted(set(used) - set(BY_KEY))
+    unused = {r.key for r in RULES if r.verdict != "allowed"} - set(used)
+    assert not unused, f"rules no check raises: {sorted(unused)}"
 
 
 @pytest.mark.parametrize("key", sorted(CHECKED))

@@ -293,7 +293,7 @@ def test_a_v_schedule_with_tied_embeddings_and_data_parallelism_is_refused_befor
     options = ParallelOptions(pp_schedule="ZBVZeroBubble", pp_stages_per_rank=2)
     tied = build_causal_lm(tiny_config("tied", num_hidden_layers=4, layer_types=["full_attention"] * 4))
     with one_rank_mesh() as mesh:
-        with pytest.raises(ValueError, match="one parameter in two stages; FSDP2"):
+        with pytest.raises(ValueError, match="one parameter in two stages, which FSDP2 shards"):
             resolve_targets(tied, layout=layout, tp_mesh=mesh, dp_mesh=None, options=options)
         untied = _deep()
         resolve_targets(untied, layout=layout, tp_mesh=mesh, dp_mesh=None, options=options)  # fine

@@ -1,60 +1,12 @@
-"""What composes with what: one table of rules, each a combination of features (mesh axes, options, model traits)
-with its verdict (``allowed``, ``refused``, ``ignored``), the reason and, where it is allowed, the evidence (the
-parity cases). The checks read their messages from it (:func:`refusal`, :func:`ignored`), and the documentation's
-composition tables are rendered from it (:func:`render`; ``python -m lightning_tp.composition docs/*.md`` rewrites
-the blocks between ``<!-- composition: NAME -->`` and ``<!-- /composition -->``, and tests/unit/test_composition.py
-fails when a page differs from the table).
+"""The composition table's rules, as data: what composes with pipeline parallelism (each a parity case), what the
+layout check refuses or ignores, and what a model must be for each axis.
 
-The lowest layer: imports nothing of the package.
+The lowest layer: imports nothing of the package but the rule's class.
 """
 
 from __future__ import annotations
 
-import re
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
-
-#: What a rule decides: allowed (tested at parity), refused (a ``ValueError`` before anything moves), or ignored
-#: (a warning: the setting has no effect in that layout).
-Verdict = Literal["allowed", "refused", "ignored"]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One combination and its verdict.
-
-    Args:
-        key: the rule's name, unique (``"pp+compile+split_backward"``).
-        axes: the features combined (``"pp"``, ``"cp"``, ``"compile"``, ...): the tables it appears in.
-        verdict: ``allowed``, ``refused`` or ``ignored``.
-        when: the combination, in words (a table's first column).
-        reason: how it works (allowed), or why it cannot (refused, ignored): the message's body.
-        fix: what to do instead (refused, ignored).
-        ranks: the process counts its tests run on (allowed).
-        evidence: what shows it (allowed: the parity cases).
-
-    Raises:
-        ValueError: an unknown verdict, or a refusal without its fix.
-    """
-
-    key: str
-    axes: tuple[str, ...]
-    verdict: Verdict
-    when: str
-    reason: str
-    fix: str = ""
-    ranks: str = ""
-    evidence: str = ""
-
-    def __post_init__(self) -> None:
-        if self.verdict not in ("allowed", "refused", "ignored"):
-            raise ValueError(f"rule {self.key!r}: unknown verdict {self.verdict!r}")
-        if self.verdict == "refused" and not self.fix:
-            raise ValueError(f"rule {self.key!r}: a refusal names its fix")
-
+from lightning_tp.composition.rule import Rule
 
 RULES: tuple[Rule, ...] = (
     # Next to pipeline parallelism: each a parity case against one process (tests/distributed/test_pipeline.py).
@@ -520,120 +472,5 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
-#: The rules by key.
-BY_KEY: dict[str, Rule] = {rule.key: rule for rule in RULES}
-assert len(BY_KEY) == len(RULES), "a rule's key is used twice"
 
-
-def refusal(key: str, detail: str) -> ValueError:
-    """The ``ValueError`` of refused rule ``key``: ``detail`` (the inputs, as given), its reason and its fix.
-
-    Args:
-        key: a refused rule's key.
-        detail: what was given (names and values), the message's start.
-
-    Raises:
-        KeyError: an unknown key (an internal mistake, not a user's).
-    """
-    rule = BY_KEY[key]
-    assert rule.verdict == "refused", key
-    return ValueError(f"{detail}: {rule.reason} {rule.fix}")
-
-
-def problem(key: str, detail: str) -> str:
-    """Why a model cannot run as refused rule ``key`` says, as the end of a sentence that the check frames
-    (``f"cp_size=2: {problem}."``): ``detail`` (the model, and what it has), the rule's reason and its fix.
-
-    Args:
-        key: a refused rule's key.
-        detail: the model and what it has, the message's start.
-
-    Raises:
-        KeyError: an unknown key (an internal mistake, not a user's).
-    """
-    rule = BY_KEY[key]
-    assert rule.verdict == "refused", key
-    return f"{detail}: {rule.reason} {rule.fix}".removesuffix(".")
-
-
-def ignored(key: str, setting: str, *, context: str = "") -> str:
-    """The warning of ignored rule ``key``: ``setting`` (as given) is ignored (``context``: where), why, and the fix.
-
-    Args:
-        key: an ignored rule's key.
-        setting: the setting as given, the message's start.
-        context: the layout or precision it is ignored in, if the rule's reason does not say it.
-
-    Raises:
-        KeyError: an unknown key (an internal mistake, not a user's).
-    """
-    rule = BY_KEY[key]
-    assert rule.verdict == "ignored", key
-    return f"{setting} is ignored{' ' + context if context else ''}: {rule.reason} {rule.fix}"
-
-
-#: The documentation's tables by name: the header, which rules are rows, and a row's cells.
-_TABLES: dict[str, tuple[str, Callable[[Rule], bool], Callable[[Rule], tuple[str, ...]]]] = {
-    "pp": (
-        "| next to pp 2 | ranks | status | how |",
-        lambda r: r.axes[0] == "pp" and r.verdict == "allowed",
-        lambda r: (r.when, r.ranks, r.evidence, r.reason),
-    ),
-    "pp-refused": (
-        "| with pp | verdict | why | instead |",
-        lambda r: "pp" in r.axes and r.verdict != "allowed",
-        lambda r: (r.when, r.verdict, r.reason, r.fix),
-    ),
-}
-
-
-def render(name: str) -> str:
-    """The markdown table named ``name`` (one of :data:`_TABLES`: ``"pp"``, what composes with pipeline parallelism;
-    ``"pp-refused"``, what it refuses or ignores), rendered from :data:`RULES`.
-
-    Args:
-        name: the table's name.
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    if name not in _TABLES:
-        raise ValueError(f"no composition table named {name!r}; the known ones: {sorted(_TABLES)}")
-    header, is_row, cells = _TABLES[name]
-    columns = header.count("|") - 1
-    lines = [header, "|" + "---|" * columns]
-    lines += ["| " + " | ".join(cells(rule)) + " |" for rule in RULES if is_row(rule)]
-    return "\n".join(lines)
-
-
-_BLOCK = re.compile(r"(<!-- composition: ([\w-]+) -->\n)(.*?)\n?<!-- /composition -->", re.DOTALL)
-
-
-def rendered(text: str) -> str:
-    """``text`` with each composition block's table rendered anew from :data:`RULES`.
-
-    Args:
-        text: a markdown page.
-
-    Raises:
-        ValueError: a block names an unknown table.
-    """
-    return _BLOCK.sub(lambda m: f"{m.group(1)}{render(m.group(2))}\n<!-- /composition -->", text)
-
-
-def main(argv: list[str]) -> int:
-    """``python -m lightning_tp.composition PAGE...``: rewrite the pages' composition blocks; print what changed."""
-    for page in map(Path, argv):
-        text = page.read_text()
-        new = rendered(text)
-        if new != text:
-            page.write_text(new)
-            print(f"{page}: composition tables rewritten")
-    return 0
-
-
-__all__ = ["BY_KEY", "RULES", "Rule", "Verdict", "ignored", "problem", "refusal", "render", "rendered"]
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+__all__ = ["RULES"]
