@@ -77,6 +77,11 @@ _TABLES: dict[str, tuple[str, Callable[[Rule], bool], Callable[[Rule], tuple[str
         lambda r: r.axes[0] == "pp" and r.verdict == "allowed",
         lambda r: (r.when, r.ranks, r.evidence, r.reason),
     ),
+    "cp": (
+        "| cp_comm | ranks | status | how |",
+        lambda r: r.axes == ("cp",) and r.verdict == "allowed",
+        lambda r: (r.when, r.ranks, r.evidence, r.reason),
+    ),
     **{
         f"{axis}-refused": (
             f"| with {axis} | verdict | why | instead |",
@@ -90,8 +95,8 @@ _TABLES: dict[str, tuple[str, Callable[[Rule], bool], Callable[[Rule], tuple[str
 
 def render(name: str) -> str:
     """The markdown table named ``name`` (one of :data:`_TABLES`: ``"pp"``, what composes with pipeline parallelism;
-    ``"pp-refused"``, ``"cp-refused"``, ``"ep-refused"``, what each axis refuses or ignores), rendered from
-    :data:`RULES`.
+    ``"cp"``, how context parallelism exchanges keys and values; ``"pp-refused"``, ``"cp-refused"``, ``"ep-refused"``,
+    what each axis refuses or ignores), rendered from :data:`RULES`.
 
     Args:
         name: the table's name.

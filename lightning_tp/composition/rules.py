@@ -290,6 +290,34 @@ RULES: tuple[Rule, ...] = (
         reason=("FSDP2 gathers nothing in this layout; `bf16-mixed` autocasts over fp32 weights as on one device."),
         fix="Drop `fsdp_param_dtype`.",
     ),
+    # How context parallelism exchanges keys and values (`cp_comm`): the inspector prints the chosen one's rule.
+    Rule(
+        key="cp+all_gather",
+        axes=("cp",),
+        verdict="allowed",
+        when="`cp_comm='all_gather'` (the default)",
+        ranks="2, 4",
+        evidence="at parity (`qwen3_cp2`, `qwen3_cp2_packed`, `gemma2_cp2_tp2_lp`)",
+        reason=(
+            "each attention layer all-gathers its keys and values over the CP group in one collective before its "
+            "tiles, and the backward reduce-scatters their gradients: the most memory (the whole sequence's keys "
+            "and values for one layer at a time), the fewest collectives."
+        ),
+    ),
+    Rule(
+        key="cp+ring",
+        axes=("cp",),
+        verdict="allowed",
+        when="`cp_comm='ring'`",
+        ranks="2, 4",
+        evidence="at parity (`granite_swa_cp2_ring_padded`, `qwen3_cp4_ring_packed`)",
+        reason=(
+            "keys and values pass around the CP group point to point, one other rank's chunk at a time, overlapping "
+            "each send with the tiles of the chunk held; their gradients travel beside them in the backward: the "
+            "same bytes as the all-gather in cp - 1 steps, with one chunk's keys and values in flight instead of "
+            "the whole sequence's."
+        ),
+    ),
     # What a model must be for each axis: refused before anything moves, read from its structure and config (never
     # its code), the same on every rank. The checks name the model and what it has; the rule says why and what to do.
     Rule(

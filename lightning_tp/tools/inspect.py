@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_tp.checkpoint.loading import model_from_config
+from lightning_tp.parallel_options import CP_COMMS
 from lightning_tp.tools.inspect_report import Report, inspect_model
 
 
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-size", type=int, required=True)
     parser.add_argument("--dp-shard-size", type=int, default=1)
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks splitting each sequence")
+    parser.add_argument(
+        "--cp-comm", choices=CP_COMMS, default="all_gather", help="how context parallelism exchanges keys and values"
+    )
     parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks splitting the experts")
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline ranks, each holding some of the stages")
     parser.add_argument("--pp-stages-per-rank", type=int, default=1, help="stages per pipeline rank")
@@ -192,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = build_meta_model(args.model, lora_r=args.lora_r, lora_targets=args.lora_targets)
     sizes = dict(tp_size=args.tp_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size, ep_size=args.ep_size)
-    report = inspect_model(model, **sizes, pp_size=args.pp_size, pp_stages_per_rank=args.pp_stages_per_rank)
+    report = inspect_model(
+        model, **sizes, pp_size=args.pp_size, pp_stages_per_rank=args.pp_stages_per_rank, cp_comm=args.cp_comm
+    )
     print(format_report(report, **sizes, pp_size=args.pp_size))
     return 0 if not [p for p in report.problems if not p.startswith("warning:")] else 1
 

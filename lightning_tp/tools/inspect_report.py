@@ -122,10 +122,12 @@ def inspect_model(
     pp_size: int = 1,
     pp_stages_per_rank: int = 1,
     tp_plan: str | dict[str, Any] = "auto",
+    cp_comm: str = "all_gather",
 ) -> Report:
     """The report for a (meta) model: no process group needed. FSDP2 shards over ``dp_shard_size x cp_size``; with
     ``ep_size > 1`` the experts go whole to the EP ranks, FSDP2 shards them over ``dp_shard x cp x tp / ep``; with
-    ``pp_size > 1`` each pipeline rank holds its stages (the memory shown is the heaviest rank's)."""
+    ``pp_size > 1`` each pipeline rank holds its stages (the memory shown is the heaviest rank's); ``cp_comm``: how
+    context parallelism exchanges keys and values (the strategies' option)."""
     report = Report()
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
@@ -213,7 +215,7 @@ def inspect_model(
         counts = heaviest or counts
     report.parts = _parts(model, sharded_shapes)
     if cp_size > 1:
-        report.context_parallel, problem = _context_parallel(model, tp_size=tp_size, cp_size=cp_size)
+        report.context_parallel, problem = _context_parallel(model, tp_size=tp_size, cp_size=cp_size, cp_comm=cp_comm)
         if problem is not None:
             report.problems.append(f"cp_size={cp_size}: {problem}.")
     if ep_size > 1 and plan.experts:
@@ -489,30 +491,44 @@ def _kv_replication(model: nn.Module, plan: ResolvedPlan, tp_size: int) -> list[
     return lines
 
 
-def _context_parallel(model: nn.Module, *, tp_size: int, cp_size: int) -> tuple[list[str], str | None]:
-    """What a rank holds of each sequence with ``cp_size`` ranks splitting it, and the bytes its attention exchanges
-    (see :mod:`lightning_tp.parallel.context_parallel`); and why the model cannot be split, if it cannot."""
+def _context_parallel(
+    model: nn.Module, *, tp_size: int, cp_size: int, cp_comm: str = "all_gather"
+) -> tuple[list[str], str | None]:
+    """What a rank holds of each sequence with ``cp_size`` ranks splitting it (the split's own functions, at 8,192
+    tokens), how ``cp_comm`` exchanges keys and values (its rule of the composition table) and the bytes it moves;
+    and why the model cannot be split, if it cannot (the strategy's own check)."""
+    from lightning_tp.composition import BY_KEY
     from lightning_tp.parallel.cp_checks import context_parallel_problem
+    from lightning_tp.parallel.cp_split import padded_length, piece_starts
 
     problem = context_parallel_problem(model)
     config = model.config.get_text_config() if hasattr(model, "config") else None
     heads = config_value(config, "num_attention_heads")
     kv_heads = config_value(config, "num_key_value_heads") or heads
     layers = getattr(config, "num_hidden_layers", None)
+    length = padded_length(8192, 2 * cp_size)
+    piece = length // (2 * cp_size)
+    held = ", ".join(
+        f"rank {r}: " + " + ".join(f"[{s:,}, {s + piece:,})" for s in piece_starts(length, cp_size, r))
+        for r in range(min(cp_size, 4))
+    )
     lines = [
         f"Each sequence is split into {2 * cp_size} pieces; each rank holds 2 of them (one from the front, its mirror "
         f"from the back), 1/{cp_size} of the tokens and of the activations (lengths are padded to a multiple of "
-        f"{2 * cp_size}, times tp_size under sequence parallelism).",
+        f"{2 * cp_size}, times tp_size under sequence parallelism). Of {length:,} tokens, {held}"
+        + (", ..." if cp_size > 4 else "")
+        + ".",
+        f"cp_comm={cp_comm!r}: {BY_KEY[f'cp+{cp_comm}'].reason}",
     ]
     if isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(layers, int):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         local_kv = max(kv_head_layout(heads, kv_heads, tp_size=tp_size, rank=r).local_kv_heads for r in range(tp_size))
         per_token = 2 * local_kv * head_dim  # keys and values, per layer
         lines.append(
-            f"Each of the {layers} attention layers all-gathers its keys and values over the CP group: "
-            f"{per_token:,} values per token of the sequence ({local_kv} KV head(s) x {head_dim} x K and V per TP "
-            f"rank), {(cp_size - 1) / cp_size:.0%} of them from other ranks; the backward reduce-scatters their "
-            f"gradients. Per 1,024 tokens and layer, bf16: {per_token * 1024 * 2 / 2**20:.2f} MiB gathered."
+            f"Each of the {layers} attention layers receives {per_token:,} values per token of the sequence "
+            f"({local_kv} KV head(s) x {head_dim} x K and V per TP rank), {(cp_size - 1) / cp_size:.0%} of them from "
+            f"other ranks, and sends their gradients back in the backward. Per 1,024 tokens and layer, bf16: "
+            f"{per_token * 1024 * 2 / 2**20:.2f} MiB received."
         )
     return lines, problem
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from lightning_tp.composition import BY_KEY
 from lightning_tp.tools.inspect import build_meta_model, compact_names, format_report, main
 from lightning_tp.tools.inspect_report import inspect_model, local_shape
 from tests.helpers.models import build_causal_lm, tiny_config, tiny_vlm_config
@@ -109,12 +110,21 @@ def test_context_parallel_layout_is_explained(config_dirs, capsys):
     assert "Layout: tp=2 x cp=2 x dp_shard=1" in out and "Context parallelism (cp=2):" in out
     assert "split into 4 pieces" in out and "1/2 of the tokens" in out
     # 2 KV heads over tp 2: 1 per rank, x head_dim 16 x K and V = 32 values per token and layer.
-    assert "Each of the 2 attention layers all-gathers its keys and values" in out and "32 values per token" in out
+    assert "Each of the 2 attention layers receives 32 values per token" in out
+    # What each rank holds, from the split's own functions; how the keys and values travel, from the table's rule.
+    assert "Of 8,192 tokens, rank 0: [0, 2,048) + [6,144, 8,192), rank 1: [2,048, 4,096) + [4,096, 6,144)" in out
+    assert f"cp_comm='all_gather': {BY_KEY['cp+all_gather'].reason}" in out
     assert "[64, 64] -> [16, 64]" in out  # q_proj: tp 2, then FSDP2 over cp 2
     model = build_meta_model(str(config_dirs / "qwen3"))
     with_cp = inspect_model(model, tp_size=2, cp_size=2).memory["fp32"]
     with_dp = inspect_model(model, tp_size=2, dp_shard_size=2).memory["fp32"]
     assert with_cp == with_dp
+
+
+def test_the_ring_exchange_is_explained_by_its_rule(config_dirs, capsys):
+    assert main([str(config_dirs / "qwen3"), "--tp-size", "1", "--cp-size", "4", "--cp-comm", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert f"cp_comm='ring': {BY_KEY['cp+ring'].reason}" in out and "rank 3: [3,072, 4,096) + [4,096, 5,120)" in out
 
 
 def test_context_parallel_refusals_are_problems(config_dirs, capsys):
