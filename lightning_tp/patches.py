@@ -20,11 +20,12 @@ The lowest layer: imports nothing of the package.
 
 from __future__ import annotations
 
+import copy
 import enum
 import inspect
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,7 +59,9 @@ class Patch:
     :data:`ABSENT`)."""
 
     def __init__(self, target: Any, name: str, value: Any, previous: Any) -> None:
-        self.target = target
+        # Held weakly: the record lives on the target, and a strong reference back would make every patched object
+        # (a model) a reference cycle, freed only by the cyclic collector instead of when its last user drops it.
+        self._target = _held(target)
         self.name = name
         self.value = value
         self.previous = previous
@@ -69,6 +72,23 @@ class Patch:
         state = "active" if self.active else "undone"
         where = self.target.__name__ if is_process_wide(self.target) else type(self.target).__name__
         return f"<Patch {where}.{self.name} ({state})>"
+
+    @property
+    def target(self) -> Any:
+        """The patched object (``None`` once it is gone)."""
+        return self._target()
+
+    def __deepcopy__(self, memo: dict) -> Patch:
+        """The record of a deep copy of the target names the copy (``copy.deepcopy`` of a patched model)."""
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        target = self.target
+        if target is not None and not is_process_wide(target):
+            twin._target = _held(copy.deepcopy(target, memo))
+        twin.value = copy.deepcopy(self.value, memo)
+        twin.previous = copy.deepcopy(self.previous, memo)
+        twin._owners = list(self._owners)
+        return twin
 
     @property
     def owners(self) -> list[Any]:
@@ -116,15 +136,18 @@ class Patch:
         if not self.active:
             return False
         self.active = False
-        records = vars(self.target).get(RECORDS_ATTR)
+        target = self.target
+        if target is None:  # gone, and its record with it
+            return False
+        records = vars(target).get(RECORDS_ATTR)
         assert records is not None and records.get(self.name) is self, f"{self!r} is not the object's record"
         del records[self.name]
-        if vars(self.target).get(self.name, ABSENT) is not self.value:
+        if vars(target).get(self.name, ABSENT) is not self.value:
             return False
         if self.previous is ABSENT:
-            delattr(self.target, self.name)
+            delattr(target, self.name)
         else:
-            setattr(self.target, self.name, self.previous)
+            setattr(target, self.name, self.previous)
         return True
 
 
@@ -328,6 +351,14 @@ def _served_by_getattr(target: object, name: str) -> bool:
     if isinstance(target, type) or inspect.getattr_static(type(target), name, ABSENT) is not ABSENT:
         return False
     return hasattr(target, name) and name not in vars(target)  # a lazy module's `__getattr__` may import it now
+
+
+def _held(target: object) -> Callable[[], Any]:
+    """A weak reference to ``target``, or a function returning it if it cannot be weakly referenced."""
+    try:
+        return weakref.ref(target)
+    except TypeError:
+        return lambda: target
 
 
 def _own_dict(owner: object) -> dict:

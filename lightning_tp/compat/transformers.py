@@ -14,6 +14,7 @@ from torch import nn
 
 __all__ = [
     "FSDP_MANAGED_ATTR",
+    "set_loss_function",
     "is_hf_initialized",
     "mark_hf_initialized",
     "config_value",
@@ -142,6 +143,24 @@ def set_attention_implementation(config: Any, name: str) -> None:
     checks of ``PreTrainedModel.set_attn_implementation`` (which loads kernels and refuses names it does not ship);
     the config's setter passes it on to the sub-configs."""
     config._attn_implementation = name
+
+
+def set_loss_function(model: Any, function: Callable[..., Any], *, owner: object) -> Any:
+    """Set a Transformers model's ``loss_function`` on this instance through :func:`lightning_tp.patches.install`:
+    the property's setter stores it in the instance's ``_loss_function`` (private), which is patched instead, recorded
+    with what the instance held (usually nothing: the property then maps the model's ``loss_type``). A loss function
+    this package set earlier (loss parallelism's, which context parallelism then wraps) is replaced, its record
+    keeping the original, so that undoing the last restores the model's own. Returns the patch.
+
+    Raises:
+        ValueError: as :func:`lightning_tp.patches.install` (``owner`` cannot be weakly referenced).
+    """
+    from lightning_tp import patches
+
+    earlier = patches.installed(model, "_loss_function")
+    if earlier is not None:
+        earlier.undo()
+    return patches.install(model, "_loss_function", function, owner=owner)
 
 
 def register_attention_implementation(

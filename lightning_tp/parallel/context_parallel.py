@@ -58,6 +58,7 @@ from lightning_tp.compat import (
     attention_implementation,
     register_attention_implementation,
     set_attention_implementation,
+    set_loss_function,
 )
 from lightning_tp.parallel.blockwise import Scores, blockwise_attention, interval_violations
 from lightning_tp.parallel.blockwise import range_mask as make_range_mask
@@ -86,6 +87,7 @@ from lightning_tp.parallel.cp_split import (
     whole_positions,
 )
 from lightning_tp.parallel.ring import ring_attention
+from lightning_tp.patches import install
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The split
@@ -574,7 +576,7 @@ def install_context_parallel(
     base.register_forward_pre_hook(cp.split_inputs, with_kwargs=True)
     base.register_forward_hook(cp.check_layers, with_kwargs=True)
     base.register_forward_hook(cp.end_direct, with_kwargs=True, always_call=True)
-    model.loss_function = _causal_lm_loss(model.loss_function)
+    set_loss_function(model, _causal_lm_loss(model.loss_function), owner=model)
     for outer in outers or (model,):
         outer.register_forward_pre_hook(cp.begin, with_kwargs=True)
         outer.register_forward_hook(cp.end, with_kwargs=True, always_call=True)
@@ -582,12 +584,13 @@ def install_context_parallel(
 
 
 def _own_config(model: nn.Module) -> None:
-    """Give ``model`` and its modules a copy of the config they share, so that changing it changes no other model."""
+    """Give ``model`` and its modules a copy of the config they share, so that changing it changes no other model:
+    each module's ``config`` patched (:mod:`lightning_tp.patches`), owned by the model."""
     shared = model.config
     own = copy.deepcopy(shared)
     for module in model.modules():
-        if getattr(module, "config", None) is shared:
-            module.config = own
+        if vars(module).get("config") is shared:
+            install(module, "config", own, owner=model)
 
 
 __all__ = ["ContextParallel", "install_context_parallel"]

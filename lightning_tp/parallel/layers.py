@@ -42,6 +42,7 @@ from lightning_tp.parallel.collectives import (
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads
 from lightning_tp.parallel.random_init import record_local_size
+from lightning_tp.patches import install, installed
 from lightning_tp.plans.mixers import rotary_width
 from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.styles import STYLES, StyleFacts, facts
@@ -225,9 +226,14 @@ class EmbeddingParallel(ParallelStyle):
             mask = (ids < start) | (ids >= stop)
             local_ids = (ids - start).masked_fill(mask, 0)
             padding = getattr(module, "padding_idx", None)
-            calls.append((local_ids, mask, padding))
-            if isinstance(padding, int):
-                module.padding_idx = padding - start if start <= padding < stop else None
+            # The layer's own `padding_idx` stays global outside its forward (a model's position ids may read it);
+            # its forward sees the local one, patched for the call and undone after it.
+            local = (
+                install(module, "padding_idx", padding - start if start <= padding < stop else None, owner=module)
+                if isinstance(padding, int) and installed(module, "padding_idx") is None
+                else None
+            )
+            calls.append((local_ids, mask, local))
             return ((local_ids, *args[1:]), kwargs) if key is None else (args, {**kwargs, key: local_ids})
 
         def leave(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -235,9 +241,9 @@ class EmbeddingParallel(ParallelStyle):
             index = next((i for i in range(len(calls) - 1, -1, -1) if calls[i][0] is ids), None)
             if index is None:  # the forward raised before this layer's pre-hook ran (``always_call``)
                 return None
-            _, mask, padding = calls.pop(index)
-            if isinstance(padding, int):
-                module.padding_idx = padding
+            _, mask, local = calls.pop(index)
+            if local is not None:
+                local.undo()
             if output is None:  # the forward raised: nothing to sum, nothing left behind
                 return None
             return SumPartialOutputs.apply(output.masked_fill(mask.unsqueeze(-1), 0), group, True)

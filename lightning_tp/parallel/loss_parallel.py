@@ -29,7 +29,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from lightning_tp.compat import assert_async, causal_lm_loss_function, compute_local_shape_and_global_offset
+from lightning_tp.compat import (
+    assert_async,
+    causal_lm_loss_function,
+    compute_local_shape_and_global_offset,
+    set_loss_function,
+)
 from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.rewrite import rewrite_output_head
 
@@ -336,7 +341,7 @@ def install_loss_parallel(model: nn.Module, *, gather_logits: bool = True) -> nn
     """
     if _check_causal_lm_loss(model) is causal_lm_loss:
         return model
-    model.loss_function = causal_lm_loss
+    set_loss_function(model, causal_lm_loss, owner=model)
     if gather_logits:
         model.register_forward_hook(_gather_logits_without_labels, with_kwargs=True)
     return model

@@ -6,7 +6,7 @@
 - ``gguf``: a GGUF file converted once into a Transformers directory.
 
 May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
-``plans``, ``parallel``, ``checkpoint``, ``runtime``.
+``plans``, ``parallel``, ``checkpoint``, ``runtime``, ``parallel_options``.
 """
 
 __all__ = ["export", "gguf", "inspect", "inspect_report"]

@@ -189,6 +189,20 @@ def test_a_deep_copy_carries_its_own_patch():
     assert "forward" not in vars(twin) and installed(norm, "forward") is not None
 
 
+def test_a_patched_object_is_freed_when_its_last_user_drops_it():
+    """No reference cycle through the record (it holds its object weakly): a patched model goes when its last
+    reference does, without waiting for the cyclic collector (whose pauses the strategy schedules)."""
+    gc.disable()
+    try:
+        model = nn.Linear(1, 1)
+        install(model, "config", {"own": True}, owner=model)
+        ref = weakref.ref(model)
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_the_records_live_on_their_objects_not_in_the_module():
     """No registry of the process: the module holds no mutable state, an owner's patches are listed on the owner, and
     a copy or a pickle of an owner owns none of them (the original's undo still gives them up)."""

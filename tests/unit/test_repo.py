@@ -343,3 +343,87 @@ def test_compat_exports_every_name_of_its_modules():
             assert getattr(compat, name, None) is getattr(module, name), f"lightning_tp.compat.{name} ({path.name})"
         exported += module.__all__
     assert sorted(compat.__all__) == sorted(exported)
+
+
+#: Attributes of objects this package does not own (a Transformers model, its modules, torch's layers, Lightning's
+#: plugins) that it changes: each change goes through ``lightning_tp/patches.py`` (recorded, undone by its owner).
+FOREIGN_ATTRIBUTES = {
+    "loss_function",
+    "_loss_function",
+    "config",
+    "padding_idx",
+    "forward",
+    "generate",
+    "save_pretrained",
+    "clip_grad_by_norm",
+    "_distribute_tensors",
+}
+#: Writes to an imported module's attribute outside patches.py, each with why it is not a patch.
+MODULE_WRITES_ALLOWED = {
+    ("compat/torch_distributed.py", "_random._rng_tracker"): "torch's own lazily created tracker, created early",
+}
+
+
+def _foreign_writes(source: str, where: str) -> list[str]:
+    """The direct writes in ``source`` of a foreign attribute (:data:`FOREIGN_ATTRIBUTES`, by assignment or
+    ``setattr``/``delattr`` with a literal name) or of an imported module's attribute."""
+    tree = ast.parse(source)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        for target in [t for group in targets for t in (group.elts if isinstance(group, ast.Tuple) else [group])]:
+            if not isinstance(target, ast.Attribute) or (
+                isinstance(target.value, ast.Name) and target.value.id in ("self", "cls")
+            ):
+                continue
+            text = ast.unparse(target)
+            is_module = isinstance(target.value, ast.Name) and target.value.id in imported
+            if target.attr in FOREIGN_ATTRIBUTES or (is_module and (where, text) not in MODULE_WRITES_ALLOWED):
+                found.append(f"{where}:{node.lineno}: {text}")
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in FOREIGN_ATTRIBUTES
+        ):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_every_foreign_write_goes_through_patches():
+    """Every change of an object this package does not own is a patch (recorded with what it replaced, undone by its
+    owner), not a direct assignment: a model's loss function and config, an embedding's padding index, a module's
+    forward, torch's functions."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where != "patches.py":
+            found += _foreign_writes(path.read_text(), where)
+    assert not found, "direct writes to foreign objects (use lightning_tp.patches):\n" + "\n".join(found)
+
+
+def test_the_foreign_write_check_catches_each_kind():
+    source = (
+        "import torch.distributed._state_dict_utils as utils\n"
+        "def f(model, module, fn):\n"
+        "    model.loss_function = fn\n"
+        "    module.config = fn\n"
+        "    setattr(module, 'padding_idx', 0)\n"
+        "    utils._distribute_tensors = fn\n"
+        "    self_like = model\n"
+        "    self_like.other = 1\n"
+    )
+    found = _foreign_writes(source, "x.py")
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "model.loss_function",
+        "module.config",
+        "utils._distribute_tensors",
+        "setattr(module, 'padding_idx', 0)",
+    ], found
