@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_tp.composition import ignored, refusal
 from lightning_tp.layout import ParallelLayout
+from lightning_tp.options import OPTIONS
 from lightning_tp.parallel.collectives import TP_GRAD_REDUCE_DTYPES
 from lightning_tp.parallel.fsdp import BF16_NAMES
 from lightning_tp.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES, schedule_class
@@ -31,6 +32,10 @@ PRECISION_DTYPES: Mapping[str, torch.dtype | None] = MappingProxyType(
 SUPPORTED_PRECISIONS = tuple(PRECISION_DTYPES)
 #: How context parallelism may exchange keys and values (``cp_comm``; see :mod:`lightning_tp.parallel.ring`).
 CP_COMMS = ("all_gather", "ring")
+
+
+#: The pipeline's options besides its size (:data:`lightning_tp.options.OPTIONS`'s ``pp_*``): ignored with pp_size=1.
+PIPELINE_OPTIONS = tuple(option for option in OPTIONS if option.name.startswith("pp_") and option.name != "pp_size")
 
 
 @dataclass(frozen=True)
@@ -121,20 +126,9 @@ class ParallelOptions:
             split_backward = {name.lower() for name in SPLIT_BACKWARD_SCHEDULES}
             if self.compile is not False and str(self.pp_schedule).lower() in split_backward:
                 raise refusal("pp+compile+split_backward", f"`pp_schedule={self.pp_schedule!r}` with `compile`")
-        elif (
-            self.pp_schedule,
-            self.pp_microbatches,
-            self.pp_stages_per_rank,
-            self.pp_split,
-            self.pp_pad_to_multiple_of,
-        ) != (None, None, 1, None, None):
-            rank_zero_warn(
-                ignored(
-                    "pp_options_without_pp",
-                    "Each of `pp_schedule`, `pp_microbatches`, `pp_stages_per_rank`, `pp_split` and "
-                    "`pp_pad_to_multiple_of`",
-                )
-            )
+        elif given := [o.name for o in PIPELINE_OPTIONS if getattr(self, o.name) != o.default]:
+            names = " and ".join(f"`{name}`" for name in given)
+            rank_zero_warn(ignored("pp_options_without_pp", f"Each of {names}" if len(given) > 1 else names))
         if layout.cp_size == 1 and self.cp_comm != "all_gather":
             rank_zero_warn(ignored("cp_comm_without_cp", f"`cp_comm={self.cp_comm!r}`"))
         if layout.cp_size > 1 and isinstance(self.compile, Mapping) and self.compile.get("fullgraph"):
