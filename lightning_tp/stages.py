@@ -61,7 +61,7 @@ from lightning_tp.parallel.tensor_parallel import (
 )
 from lightning_tp.parallel_options import PRECISION_DTYPES, ParallelOptions
 from lightning_tp.plans.discovery import modules_outside, peft_models, torchmetrics_in, transformers_models
-from lightning_tp.plans.heads import uneven_kv_projections
+from lightning_tp.plans.heads import uneven_kv_problem
 from lightning_tp.plans.mixers import find_mixers
 from lightning_tp.plans.resolve import no_plan, resolve_plan
 from lightning_tp.plans.resolved import ResolvedPlan
@@ -168,11 +168,7 @@ def resolve_targets(
                     if presharded_mesh is not None
                     else "not a Transformers causal LM"
                 )
-                raise ValueError(
-                    f"pp_size={layout.pp_size}: "
-                    + problem("pp+not_transformers", f"{type(module).__name__} is {state}")
-                    + "."
-                )
+                raise refusal("pp+not_transformers", f"pp_size={layout.pp_size}: {type(module).__name__} is {state}")
             if (problem := pipeline_problem(module)) is not None:
                 raise ValueError(f"pp_size={layout.pp_size}: {problem}.")
             pipeline = resolve_pipeline_plan(
@@ -200,21 +196,14 @@ def resolve_targets(
             if problem is not None:
                 raise ValueError(f"ep_size={layout.ep_size}: {problem}.")
             plan = resolve_expert_plan(module, plan, ep_size=layout.ep_size)
-        uneven = uneven_kv_projections(module, plan, layout.tp_size) if layout.fsdp_size > 1 else []
-        if uneven:
-            raise ValueError(
-                f"{type(module).__name__}: the KV heads of {uneven[0]} are replicated over tp_size={layout.tp_size}, "
-                f"and its width ({module.get_submodule(uneven[0]).weight.shape[0]}: KV heads x head_dim) is not "
-                f"divisible by it, so its shards are uneven, which FSDP2 (over {layout.shard_size} rank(s) of "
-                "data and context parallelism) cannot shard further. Use a tp_size that divides that width, or no "
-                "data parallelism."
-            )
+        shards = layout.shard_size if layout.fsdp_size > 1 else 1
+        if (uneven := uneven_kv_problem(module, plan, layout.tp_size, shards=shards)) is not None:
+            raise ValueError(f"{uneven}.")
         if presharded_mesh is not None and plan.kv_replicated:
-            raise ValueError(
-                f"{type(module).__name__} was sharded by Transformers at load time, which cannot split KV heads "
-                f"that tp_size={layout.tp_size} does not divide ({sorted(set(plan.kv_replicated.values()))}: query "
-                "and KV heads). Load it without `distributed_config`: the strategy then replicates the KV heads "
-                "(each rank computes those of its query heads)."
+            raise refusal(
+                "tp+presharded+kv_replicated",
+                f"{type(module).__name__} was sharded by Transformers at load time, and tp_size={layout.tp_size} "
+                f"does not divide its KV heads ({sorted(set(plan.kv_replicated.values()))}: query and KV heads)",
             )
         if has_peft(module):
             # PEFT was applied to the whole model: shard each adapter with its base layer, and refuse what cannot be

@@ -88,7 +88,7 @@ _TABLES: dict[str, tuple[str, Callable[[Rule], bool], Callable[[Rule], tuple[str
             lambda r, axis=axis: axis in r.axes and r.verdict != "allowed",
             lambda r: (r.when, r.verdict, r.reason, r.fix),
         )
-        for axis in ("pp", "cp", "ep")
+        for axis in ("pp", "cp", "ep", "sp", "tp")
     },
 }
 
@@ -96,7 +96,7 @@ _TABLES: dict[str, tuple[str, Callable[[Rule], bool], Callable[[Rule], tuple[str
 def render(name: str) -> str:
     """The markdown table named ``name`` (one of :data:`_TABLES`: ``"pp"``, what composes with pipeline parallelism;
     ``"cp"``, how context parallelism exchanges keys and values; ``"pp-refused"``, ``"cp-refused"``, ``"ep-refused"``,
-    what each axis refuses or ignores), rendered from :data:`RULES`.
+    ``"sp-refused"``, ``"tp-refused"``, what each axis refuses or ignores), rendered from :data:`RULES`.
 
     Args:
         name: the table's name.

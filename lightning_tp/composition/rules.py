@@ -463,6 +463,66 @@ RULES: tuple[Rule, ...] = (
         "(`config.output_router_logits=False` for the router's).",
     ),
     Rule(
+        key="ep+tp_not_multiple",
+        axes=("ep", "tp"),
+        verdict="refused",
+        when="`ep_size` not a multiple of `tp_size`",
+        reason="an EP group holds whole TP groups, whose ranks share one batch.",
+        fix="Use a multiple of tp_size.",
+    ),
+    Rule(
+        key="tp+dp+uneven_kv",
+        axes=("tp", "dp_shard"),
+        verdict="refused",
+        when="KV heads replicated over `tp_size` into a width it does not divide, with FSDP2 (data or context "
+        "parallelism)",
+        reason="the projection's TP shards are uneven, which FSDP2 cannot shard further.",
+        fix="Use a tp_size that divides that width, or no data parallelism.",
+    ),
+    Rule(
+        key="tp+presharded+kv_replicated",
+        axes=("tp",),
+        verdict="refused",
+        when="a model sharded by Transformers at load time whose KV heads `tp_size` does not divide",
+        reason="Transformers' load-time sharding cannot split KV heads that the TP size does not divide.",
+        fix="Load it without `distributed_config`: the strategy then replicates the KV heads (each rank computes "
+        "those of its query heads).",
+    ),
+    Rule(
+        key="sp+style_not_rewritable",
+        axes=("sp", "tp"),
+        verdict="refused",
+        when="`sequence_parallel=True` with a decoder layer entry whose style is not column- or row-wise",
+        reason="sequence parallelism rewrites a decoder layer's column-/row-wise pairs with torch's styles and knows "
+        "no other.",
+        fix="Drop `sequence_parallel` for this model, or override that entry.",
+    ),
+    Rule(
+        key="sp+no_rowwise",
+        axes=("sp", "tp"),
+        verdict="refused",
+        when="`sequence_parallel=True` with a decoder layer without a row-wise projection",
+        reason="the sequence is scattered again at each row-wise exit: a layer without one has no region to gather.",
+        fix="Drop `sequence_parallel` for this model.",
+    ),
+    Rule(
+        key="sp+rowwise_in_layer",
+        axes=("sp", "tp"),
+        verdict="refused",
+        when="`sequence_parallel=True` with a row-wise projection directly in a decoder layer",
+        reason="a region's input is its parent module's: here the whole layer, norms and residuals included, with no "
+        "attention or MLP module around it.",
+        fix="Drop `sequence_parallel` for this model.",
+    ),
+    Rule(
+        key="save_frozen_weights+full_file",
+        axes=("checkpoint",),
+        verdict="refused",
+        when="`save_frozen_weights=False` without `save_distributed_checkpoint=True`",
+        reason="a full checkpoint file is loaded weight by weight and must hold every weight.",
+        fix="Set `save_distributed_checkpoint=True`, or keep the frozen weights.",
+    ),
+    Rule(
         key="ep+presharded",
         axes=("ep",),
         verdict="refused",

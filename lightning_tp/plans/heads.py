@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_tp.compat import config_value, layer_configs
+from lightning_tp.composition import problem
 from lightning_tp.plans.resolved import ResolvedPlan, Style
 from lightning_tp.plans.source import is_transformers_model
 from lightning_tp.plans.styles import HEAD_COUNT_ATTRIBUTES, KV_GROUPS_ATTRIBUTE, KV_HEAD_COUNT_ATTRIBUTES, style_names
@@ -214,6 +215,22 @@ def uneven_kv_projections(module: nn.Module, plan: ResolvedPlan, tp_size: int) -
     ]
 
 
+def uneven_kv_problem(module: nn.Module, plan: ResolvedPlan, tp_size: int, *, shards: int) -> str | None:
+    """Why FSDP2 over ``shards`` ranks (data and context parallelism) cannot shard ``module``'s TP shards further
+    (rule ``tp+dp+uneven_kv``: a KV projection :func:`uneven_kv_projections` names), or ``None``: the strategy's
+    refusal and the inspector's problem, one message."""
+    uneven = uneven_kv_projections(module, plan, tp_size) if shards > 1 else []
+    if not uneven:
+        return None
+    width = module.get_submodule(uneven[0]).weight.shape[0]
+    return problem(
+        "tp+dp+uneven_kv",
+        f"{type(module).__name__}: the KV heads of {uneven[0]} are replicated over tp_size={tp_size}, and its width "
+        f"({width}: KV heads x head_dim) is not divisible by it, with FSDP2 over {shards} rank(s) of data and "
+        "context parallelism",
+    )
+
+
 def _check_head_counts(owner: str, config: Any, styles: Mapping[str, Style], tp_size: int) -> None:
     """The heads of a model inside a composite one (a vision tower) that its plan entries split must divide by the
     TP size (no KV-head replication there)."""
@@ -247,5 +264,6 @@ def _check_head_counts(owner: str, config: Any, styles: Mapping[str, Style], tp_
 __all__ = [
     "check_local_heads",
     "replicate_kv_heads",
+    "uneven_kv_problem",
     "uneven_kv_projections",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from lightning_tp.composition import problem
 from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.structure import decoder_layers, layer_entries, layer_stacks, output_head, text_decoder_layers
 from lightning_tp.plans.styles import style_names
@@ -30,16 +31,13 @@ def region_problem(styles: Mapping[str, Any], layer: str) -> str | None:
     inside = layer_entries(styles, layer)
     for key, style in inside.items():
         if not (isinstance(style, str) and style in _REWRITABLE):
-            return f"{key!r} has style {style!r}. Drop `sequence_parallel` for this model, or override that entry"
+            return problem("sp+style_not_rewritable", f"{key!r} has style {style!r}")
     if not any(style == "rowwise" for style in inside.values()):
-        return f"decoder layer {layer!r} has no row-wise projection"
+        return problem("sp+no_rowwise", f"decoder layer {layer!r} has no row-wise projection")
     direct = [key for key, style in inside.items() if style == "rowwise" and key.rpartition(".")[0] == layer]
     if direct:
         # The region's input is the parent's `hidden_states`: here the whole layer, norms and residuals included.
-        return (
-            f"{direct[0]!r} sits directly in decoder layer {layer!r}, with no attention or MLP module around it to "
-            "take the region's input. Drop `sequence_parallel` for this model"
-        )
+        return problem("sp+rowwise_in_layer", f"{direct[0]!r} sits directly in decoder layer {layer!r}")
     return None
 
 

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_tp.compat import distributed_is_initialized
+from lightning_tp.composition import refusal
 from lightning_tp.layout import CP_AXIS, TP_AXIS, ParallelLayout
 from lightning_tp.parallel.fsdp import ACCUMULATE_GRADS
 from lightning_tp.parallel.grad import clip_grad_norm_
@@ -89,9 +90,8 @@ class StrategyOptions:
         if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
             raise ValueError(f"`ep_size` must be a positive integer, got {ep_size!r}.")
         if tp_size is not None and ep_size > 1 and ep_size % tp_size:
-            raise ValueError(
-                f"ep_size={ep_size} must be a multiple of tp_size={tp_size}: an EP group holds whole TP groups (whose "
-                "ranks share one batch). Use a multiple of tp_size."
+            raise refusal(
+                "ep+tp_not_multiple", f"ep_size={ep_size} must be a multiple of tp_size={tp_size}"
             )  # the rest (the ranks it borrows) is checked against the world size in `layout`
         if accumulate_grads not in ACCUMULATE_GRADS:
             raise ValueError(
@@ -101,9 +101,8 @@ class StrategyOptions:
             )
         options = ParallelOptions(tp_plan=tp_plan, fsdp_blocks=tuple(fsdp_blocks) if fsdp_blocks else None, **parallel)
         if not save_frozen_weights and not save_distributed_checkpoint:
-            raise ValueError(
-                "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`: a full checkpoint file is "
-                "loaded weight by weight and must hold every weight."
+            raise refusal(
+                "save_frozen_weights+full_file", "`save_frozen_weights=False` needs `save_distributed_checkpoint=True`"
             )
         return cls(
             tp_size=tp_size,

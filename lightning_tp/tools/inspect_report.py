@@ -21,7 +21,7 @@ from lightning_tp.compat import config_value
 from lightning_tp.parallel.blocks import row_exchange
 from lightning_tp.parallel.kv_heads import describe_layouts, kv_head_layout
 from lightning_tp.plans.fallback_kinds import ATTENTION_KINDS
-from lightning_tp.plans.heads import uneven_kv_projections
+from lightning_tp.plans.heads import uneven_kv_problem
 from lightning_tp.plans.mixers import attribute, config_heads, find_mixers, mixer_kind
 from lightning_tp.plans.resolve import resolve_plan
 from lightning_tp.plans.resolved import ResolvedPlan
@@ -162,15 +162,9 @@ def inspect_model(
         except ValueError as err:
             report.problems.append(str(err))
     report.problems += _uneven_splits(model, plan, tp_size)
-    if dp_shard_size * cp_size > 1 and (uneven := uneven_kv_projections(model, plan, tp_size)):
-        # The strategy refuses it at setup (lightning_tp.parallelize): FSDP2 cannot shard uneven TP shards further.
-        width = model.get_submodule(uneven[0]).weight.shape[0]
-        report.problems.append(
-            f"the KV heads of {uneven[0]} are replicated over tp_size={tp_size}, and its width ({width}: KV heads x "
-            f"head_dim) is not divisible by it, so its shards are uneven, which FSDP2 (over dp_shard x cp = "
-            f"{dp_shard_size * cp_size}) cannot shard further. Use a tp_size that divides that width, or no data "
-            "parallelism."
-        )
+    # The strategy's own refusal at setup (lightning_tp.stages.resolve_targets), the same message.
+    if (uneven := uneven_kv_problem(model, plan, tp_size, shards=dp_shard_size * cp_size)) is not None:
+        report.problems.append(f"{uneven}.")
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
     modules = dict(model.named_modules())
