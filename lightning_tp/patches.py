@@ -53,6 +53,10 @@ class _Owned(list):
     def __reduce__(self) -> tuple:
         return (_Owned, ())
 
+    def forget(self, ref: weakref.ref) -> None:
+        """Drop ``ref``, a patch's reference that died (its weak reference's callback)."""
+        self[:] = [held for held in self if held is not ref]
+
 
 class Patch:
     """One attribute set by :func:`install`: ``target.name = value``, ``previous`` the object's own value before (or
@@ -110,7 +114,7 @@ class Patch:
             return
         owned = _owned_list(owner)
         self._owners.append(weakref.ref(owner))
-        owned.append(weakref.ref(self))
+        owned.append(weakref.ref(self, owned.forget))  # gone from the list when the patch is (no growth)
 
     def release(self, owner: object) -> bool:
         """Give up ``owner``'s hold on this patch, and undo it if no other owner holds it.
@@ -205,6 +209,21 @@ def patched(target: object, name: str, value: Any) -> Iterator[Patch]:
         yield patch
     finally:
         patch.undo()
+
+
+def install_for_call(target: object, name: str, value: Any) -> Patch:
+    """:func:`install` with no owner, for a span its caller ends with :meth:`Patch.undo` (a forward's pre-hook
+    installs, its post-hook undoes): :func:`patched` where the span is not one ``with`` block.
+
+    Args:
+        target: as for :func:`install`.
+        name: as for :func:`install`.
+        value: as for :func:`install`.
+
+    Raises:
+        ValueError: as :func:`install`.
+    """
+    return _install(target, name, value)
 
 
 def owned_by(owner: object) -> list[Patch]:
@@ -394,6 +413,7 @@ __all__ = [
     "Patch",
     "install",
     "install_entry",
+    "install_for_call",
     "installed",
     "installed_entry",
     "is_process_wide",

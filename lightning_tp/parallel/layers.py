@@ -42,7 +42,7 @@ from lightning_tp.parallel.collectives import (
 from lightning_tp.parallel.hooks import on_hidden_states, run_on_parameter_views
 from lightning_tp.parallel.kv_heads import ColwiseKVHeads
 from lightning_tp.parallel.random_init import record_local_size
-from lightning_tp.patches import install, installed
+from lightning_tp.patches import install_for_call, installed
 from lightning_tp.plans.mixers import rotary_width
 from lightning_tp.plans.resolved import ResolvedPlan
 from lightning_tp.plans.styles import STYLES, StyleFacts, facts
@@ -229,7 +229,7 @@ class EmbeddingParallel(ParallelStyle):
             # The layer's own `padding_idx` stays global outside its forward (a model's position ids may read it);
             # its forward sees the local one, patched for the call and undone after it.
             local = (
-                install(module, "padding_idx", padding - start if start <= padding < stop else None, owner=module)
+                install_for_call(module, "padding_idx", padding - start if start <= padding < stop else None)
                 if isinstance(padding, int) and installed(module, "padding_idx") is None
                 else None
             )

@@ -203,6 +203,16 @@ def test_a_patched_object_is_freed_when_its_last_user_drops_it():
         gc.enable()
 
 
+def test_an_owners_list_does_not_grow_with_patches_installed_and_undone():
+    """A patch installed and undone at every step (an embedding's ``padding_idx`` for one call) leaves nothing behind:
+    its owner's list forgets it when it goes, and a patch for a call has no owner at all."""
+    owner, thing = nn.Linear(1, 1), Thing()
+    for _ in range(100):
+        install(thing, "method", replacement, owner=owner).undo()
+        patches.install_for_call(thing, "method", replacement).undo()
+    assert len(vars(owner)[patches.OWNED_ATTR]) == 0 and installed(thing, "method") is None
+
+
 def test_the_records_live_on_their_objects_not_in_the_module():
     """No registry of the process: the module holds no mutable state, an owner's patches are listed on the owner, and
     a copy or a pickle of an owner owns none of them (the original's undo still gives them up)."""
