@@ -47,8 +47,8 @@ OWNED_ATTR = "_lightning_tp_owned_patches"
 
 
 class _Owned(list):
-    """An owner's patches, held weakly. A copy or a pickle of the owner (``copy.deepcopy`` of a model,
-    ``torch.save`` of a module) owns none of them: it gets an empty list."""
+    """An owner's patches, held weakly. A copy of the owner (``copy.deepcopy`` of a model) owns none of them: it gets
+    an empty list (a patched object itself cannot be pickled: its records hold weak references)."""
 
     def __reduce__(self) -> tuple:
         return (_Owned, ())
@@ -130,7 +130,7 @@ class Patch:
         self._owners = [ref for ref in self._owners if ref() is not None and ref() is not owner]
         owned = _own_dict(owner).get(OWNED_ATTR)
         if owned is not None:
-            owned[:] = [ref for ref in owned if ref() is not None and ref() is not self]
+            owned[:] = [ref for ref in tuple(owned) if ref() is not None and ref() is not self]
         return not self._owners and self.undo()
 
     def undo(self) -> bool:
@@ -228,7 +228,7 @@ def install_for_call(target: object, name: str, value: Any) -> Patch:
 
 def owned_by(owner: object) -> list[Patch]:
     """The active patches ``owner`` holds, in the order they were installed."""
-    owned = _own_dict(owner).get(OWNED_ATTR) or []
+    owned = tuple(_own_dict(owner).get(OWNED_ATTR) or ())  # a callback may rewrite the list meanwhile
     return [patch for ref in owned if (patch := ref()) is not None and patch.active]
 
 

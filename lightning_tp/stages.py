@@ -196,8 +196,8 @@ def resolve_targets(
             if problem is not None:
                 raise ValueError(f"ep_size={layout.ep_size}: {problem}.")
             plan = resolve_expert_plan(module, plan, ep_size=layout.ep_size)
-        shards = layout.shard_size if layout.fsdp_size > 1 else 1
-        if (uneven := uneven_kv_problem(module, plan, layout.tp_size, shards=shards)) is not None:
+        uneven = uneven_kv_problem(module, plan, layout.tp_size, fsdp=layout.fsdp_size > 1, shards=layout.shard_size)
+        if uneven is not None:
             raise ValueError(f"{uneven}.")
         if presharded_mesh is not None and plan.kv_replicated:
             raise refusal(

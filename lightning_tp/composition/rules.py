@@ -51,7 +51,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         key="pp+sequence_parallel",
-        axes=("pp", "sequence_parallel"),
+        axes=("pp", "sp"),
         verdict="allowed",
         when="sequence parallelism",
         ranks="4",
@@ -223,7 +223,7 @@ RULES: tuple[Rule, ...] = (
             "pp_size=1"
         ),
         reason="pp_size=1 runs no pipeline.",
-        fix="Drop them, or set `pp_size`.",
+        fix="Drop those options, or set `pp_size`.",
     ),
     Rule(
         key="cp_comm_without_cp",
@@ -353,8 +353,9 @@ RULES: tuple[Rule, ...] = (
         verdict="refused",
         when="an `attn_implementation` outside Transformers' attention interface",
         reason=(
-            "context parallelism runs inside one of Transformers' attention implementations: its tiles replace the "
-            "attention of a split forward, and a forward that decodes runs the model's own."
+            "context parallelism runs inside `eager` or an implementation Transformers' attention interface holds "
+            "(`sdpa`, `flash_attention_2`, `flex_attention`, ...): its tiles replace the attention of a split "
+            "forward, and a forward that decodes runs the model's own."
         ),
         fix='Load the model with `attn_implementation="sdpa"`.',
     ),
@@ -390,7 +391,7 @@ RULES: tuple[Rule, ...] = (
         key="cp+own_attention",
         axes=("cp",),
         verdict="refused",
-        when="layers with attention code of their own (`is_backend_compatible()` False: GPT-Neo, Bloom, MPT)",
+        when="layers with attention code of their own (`is_backend_compatible()` False: GPT-Neo, Bloom, MPT, Falcon)",
         reason=(
             "Transformers' attention interface is the only place where context parallelism exchanges keys and "
             "values; such layers would attend within each rank's chunk."
@@ -532,7 +533,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         key="ep+sequence_parallel",
-        axes=("ep", "tp"),
+        axes=("ep", "sp", "tp"),
         verdict="refused",
         when="`sequence_parallel=True` with ep_size > 1",
         reason=(

@@ -46,8 +46,7 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     if not _runs_inside(implementation):
         return problem(
             "cp+attn_implementation",
-            f"{name} uses attn_implementation={implementation!r}, which is not one of Transformers' attention "
-            "implementations",
+            f"{name} uses attn_implementation={implementation!r}, which context parallelism cannot run inside",
         )
     layer_types = set(getattr(config, "layer_types", None) or ())
     other = sorted(layer_types - ATTENTION_LAYER_TYPES - TOKENWISE_LAYER_TYPES)

@@ -68,11 +68,12 @@ def grad_norm(
         parameters: a parallelised model (its parameters, and under pipeline parallelism every stage's: the model
             knows its pipeline), or parameters or one tensor as torch's ``clip_grad_norm_`` takes them.
         norm_type: the norm's order (``inf`` for the largest magnitude).
-        pp_group: the ranks of this rank's pipeline, each holding other parameters (their stages'), for a pipeline
-            this package did not build: the norm then covers every stage's. Every rank of it must call this.
+        pp_group: the ranks of this rank's pipeline, each holding other parameters (their stages'): the norm then
+            covers every stage's. Every rank of it must call this. A model given, or ``state``, brings its own.
         state: the parallel state of the model the parameters belong to (:func:`lightning_tp.parallel_state`), for
             parameters given without their model (an optimizer's): under pipeline parallelism the norm then covers
-            every stage's, an embedding tied to the head across stages counted once. A model given is its own.
+            every stage's, an embedding tied to the head across stages counted once (with ``pp_group`` alone it
+            would be counted twice). A model given is its own.
 
     Raises:
         Nothing of its own: a gradient missing on one rank counts as zeros there, so every rank runs the same

@@ -470,7 +470,7 @@ def install_pipeline(
     :func:`set_pipeline_loss` for it (rule ``pp+custom_loss``: CP, loss parallelism), in words, if anything does.
     ``dp_mesh``: the data-parallel ranks whose tokens a router loss covers with this rank's."""
     if plan.router is not None and custom_loss_refusal is None:
-        custom_loss_refusal = "a router's load-balancing loss in the model's (`output_router_logits=True`)"
+        custom_loss_refusal = "`output_router_logits=True` (the model adds its routers' load-balancing loss)"
     stages = plan.stages_of(pp_mesh.get_local_rank(), pp_mesh.size())
     modules = [PipelineStageModule(model, plan, stage) for stage in stages]
     tied = tied_across_stages(model, plan, pp_size=pp_mesh.size())  # while the model holds both ends

@@ -215,11 +215,12 @@ def uneven_kv_projections(module: nn.Module, plan: ResolvedPlan, tp_size: int) -
     ]
 
 
-def uneven_kv_problem(module: nn.Module, plan: ResolvedPlan, tp_size: int, *, shards: int) -> str | None:
-    """Why FSDP2 over ``shards`` ranks (data and context parallelism) cannot shard ``module``'s TP shards further
-    (rule ``tp+dp+uneven_kv``: a KV projection :func:`uneven_kv_projections` names), or ``None``: the strategy's
-    refusal and the inspector's problem, one message."""
-    uneven = uneven_kv_projections(module, plan, tp_size) if shards > 1 else []
+def uneven_kv_problem(module: nn.Module, plan: ResolvedPlan, tp_size: int, *, fsdp: bool, shards: int) -> str | None:
+    """Why FSDP2 (``fsdp``: the layout applies it, HSDP's replicas included) cannot shard ``module``'s TP shards
+    further over ``shards`` ranks of data and context parallelism (rule ``tp+dp+uneven_kv``: a KV projection
+    :func:`uneven_kv_projections` names), or ``None``: the strategy's refusal and the inspector's problem, one
+    message."""
+    uneven = uneven_kv_projections(module, plan, tp_size) if fsdp else []
     if not uneven:
         return None
     width = module.get_submodule(uneven[0]).weight.shape[0]

@@ -118,9 +118,9 @@ def rewrite_for_sequence_parallel(
             f"sequence_parallel=True needs the decoder layers of {type(model).__name__} (classes {classes}), and "
             "found none. Pass `fsdp_blocks=[<decoder layer class>]`, or drop `sequence_parallel`."
         )
-    problems = [problem for layer in layers if (problem := region_problem(styles, layer))]
+    problems = [found for layer in layers if (found := region_problem(styles, layer))]
     if not problems:
-        problems = [problem for layer in layers if (problem := _outside_regions(model, styles, layer))]
+        problems = [found for layer in layers if (found := _outside_regions(model, styles, layer))]
     if problems:
         raise ValueError(f"sequence_parallel=True rewrites column-wise/row-wise pairs, but {problems[0]}.")
     firsts = {stage.start for stage in stages} | {0}

@@ -273,7 +273,12 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         parameters = self.precision.main_params(optimizer)
         return clip_grad_norm_(
-            parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, state=parallel_state(module)
+            parameters,
+            max_norm,
+            norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            pp_group=self.pp_group,
+            state=parallel_state(module),
         )
 
     @override

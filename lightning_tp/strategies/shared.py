@@ -306,14 +306,14 @@ def release_process_wide_patches(root: nn.Module | None) -> list[Patch]:
     return [patch for module in root.modules() for patch in undo_owned(module, instances=False)]
 
 
-def clip_with_dtensor_support(plugin: Any, *, state: ParallelState | None) -> None:
+def clip_with_dtensor_support(plugin: Any, *, state: ParallelState | None, pp_group: Any | None = None) -> None:
     """Lightning clips with ``torch.nn.utils.clip_grad_norm_``, which fails on DTensor gradients across meshes; route
     the precision plugin's norm clipping to :func:`lightning_tp.clip_grad_norm_`, same arguments (the norm over every
-    stage of a pipeline, from the model's parallel ``state``). A patch of the plugin it owns (the strategy's teardown
-    undoes it); a later setup's replaces it."""
+    stage of a pipeline: ``pp_group``, and the model's parallel ``state``, which finds a weight tied across stages).
+    A patch of the plugin it owns (the strategy's teardown undoes it); a later setup's replaces it."""
 
     def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: int | float) -> None:
-        clip_grad_norm_(plugin_self.main_params(optimizer), clip_val, state=state)
+        clip_grad_norm_(plugin_self.main_params(optimizer), clip_val, pp_group=pp_group, state=state)
 
     earlier = installed(plugin, "clip_grad_by_norm")
     if earlier is not None:

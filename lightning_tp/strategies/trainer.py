@@ -216,7 +216,7 @@ class TensorParallelStrategy(MeshMixin, ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self._add_callbacks(trainer)
         self.setup_precision_plugin()
-        clip_with_dtensor_support(self.precision_plugin, state=parallel_state(self.model))
+        clip_with_dtensor_support(self.precision_plugin, pp_group=self.pp_group, state=parallel_state(self.model))
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         # `generate` keeps the data-parallel ranks in step on FSDP2 models; with `eval_weights="gathered"`,

@@ -128,6 +128,10 @@ def inspect_model(
     ``ep_size > 1`` the experts go whole to the EP ranks, FSDP2 shards them over ``dp_shard x cp x tp / ep``; with
     ``pp_size > 1`` each pipeline rank holds its stages (the memory shown is the heaviest rank's); ``cp_comm``: how
     context parallelism exchanges keys and values (the strategies' option)."""
+    from lightning_tp.parallel_options import CP_COMMS
+
+    if cp_comm not in CP_COMMS:
+        raise ValueError(f"`cp_comm` must be one of {', '.join(map(repr, CP_COMMS))}, got {cp_comm!r}.")
     report = Report()
     source = plan_source(model)[1]
     report.source = source + (" + tp_plan" if isinstance(tp_plan, dict) and tp_plan else "")
@@ -163,7 +167,8 @@ def inspect_model(
             report.problems.append(str(err))
     report.problems += _uneven_splits(model, plan, tp_size)
     # The strategy's own refusal at setup (lightning_tp.stages.resolve_targets), the same message.
-    if (uneven := uneven_kv_problem(model, plan, tp_size, shards=dp_shard_size * cp_size)) is not None:
+    shards = dp_shard_size * cp_size
+    if (uneven := uneven_kv_problem(model, plan, tp_size, fsdp=shards > 1, shards=shards)) is not None:
         report.problems.append(f"{uneven}.")
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     report.unmatched = [key for key in model_plan(model) if not any(key_regex(key).fullmatch(n) for n in names)]
