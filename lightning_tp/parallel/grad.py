@@ -81,7 +81,7 @@ def grad_norm(
     """
     parameters, pp_group, state = _parameters_and_pipeline(parameters, pp_group, state)
     # The last stage's copies of an embedding tied to the head: the first stage's count them.
-    elsewhere = {id(p) for p in counted_on_another_stage(state.pipelines)} if state is not None else set()
+    elsewhere = counted_on_another_stage(state)
     groups: dict[object, list[torch.Tensor | None]] = {}
     for p in parameters:
         if not p.requires_grad or (pp_group is not None and id(p) in elsewhere):

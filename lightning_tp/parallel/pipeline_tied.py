@@ -5,11 +5,9 @@ values synchronised once at setup), and a gradient norm counts it once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_tp.parallel.pipeline_plan import PipelinePlan, generate_owners
@@ -27,18 +25,19 @@ class TiedAcrossStages:
     last_rank: int  # the pipeline rank holding the last stage
 
 
-def counted_on_another_stage(runners: Iterable[Any]) -> list[torch.Tensor]:
-    """The parameters of this rank that are the last stage's copy of a weight tied across stages, whose gradient the
-    first stage's copy holds as well (a norm or a count over the pipeline takes it once). ``runners``: the model's
-    pipeline runners (:attr:`lightning_tp.ParallelState.pipelines`). Found at the call: the copy is whatever
-    parameter the head holds now (sharding replaces it)."""
-    return [
-        parameter
+def counted_on_another_stage(state: Any | None) -> set[int]:
+    """The ids of this rank's parameters that are the last stage's copy of a weight tied across stages, whose
+    gradient the first stage's copy holds as well (a norm or a count over the pipeline takes it once): found through
+    the pipeline runners of ``state`` (a :class:`lightning_tp.ParallelState`; ``None``: none). Found at the call: the
+    copy is whatever parameter the head holds now (sharding replaces it)."""
+    runners = state.pipelines if state is not None else ()
+    return {
+        id(parameter)
         for runner in runners
         if runner.tied is not None
         and runner.pp_mesh.get_local_rank() == runner.tied.last_rank
         and (parameter := runner.tied_parameter()) is not None
-    ]
+    }
 
 
 def tied_head(model: nn.Module, plan: PipelinePlan) -> str | None:

@@ -191,8 +191,7 @@ def model_numel(module: torch.nn.Module, *, pp_group: Any | None = None, device:
     ``parameters()`` counts it."""
     if pp_group is None:
         return sum(p.numel() for p in module.parameters())
-    state = parallel_state(module)
-    elsewhere = {id(p) for p in counted_on_another_stage(state.pipelines)} if state is not None else set()
+    elsewhere = counted_on_another_stage(parallel_state(module))
     count = sum(p.numel() for p in module.parameters() if id(p) not in elsewhere)
     total = torch.tensor(count, dtype=torch.int64, device=device)
     dist.all_reduce(total, group=pp_group)
