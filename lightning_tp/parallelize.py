@@ -103,6 +103,9 @@ def parallelize(
         options: everything else (:class:`ParallelOptions`: sequence and loss parallelism, activation
             checkpointing, compile, FSDP2's settings, a plan of one's own).
         device: where the weights live (default: the mesh's device type, this rank's CUDA device on GPU).
+            ``"meta"`` with a model built on the meta device is a dry run: every check and every shard's shape as
+            on the real devices (on a CPU ``mesh`` of a fake process group of the real world size, say), nothing
+            allocated.
 
     Raises:
         ValueError: the process group is not initialised and no ``mesh`` is given; both a ``mesh`` and sizes are
@@ -257,6 +260,11 @@ def apply_parallelisms(
         apply_data_parallel(root, targets, mesh=mesh, layout=layout, options=options, expert_mesh=expert_mesh)
     # 8. Models built on the meta device are materialised only now, already sharded, and filled from their checkpoint
     #    slice by slice: no rank ever holds the whole model. With CPU offload FSDP2 keeps the shards on the CPU.
+    #    `device="meta"` is a dry run: everything above ran as it would (every check, every shard's shape), and
+    #    nothing is allocated, initialised or exchanged from here on.
+    if device.type == "meta":
+        _attach_state(root, targets, layout=layout, mesh=mesh, options=options, expert_mesh=expert_mesh)
+        return targets
     init_device = torch.device("cpu") if options.cpu_offload else device
     materialized = materialize_and_load(root, targets, device=init_device)
     # 8b. An embedding tied to the head across pipeline stages: the last stage's copy takes the first stage's values
@@ -276,6 +284,20 @@ def apply_parallelisms(
     place_on_device(root, device, cpu_offload=options.cpu_offload)
     # 11. What was made, on the module given and on each model inside it, for what runs on them later (gradient norms
     #    over every pipeline stage): read with `parallel_state(model)`.
+    _attach_state(root, targets, layout=layout, mesh=mesh, options=options, expert_mesh=expert_mesh)
+    return targets
+
+
+def _attach_state(
+    root: nn.Module,
+    targets: Targets,
+    *,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    options: ParallelOptions,
+    expert_mesh: DeviceMesh | None,
+) -> None:
+    """The :class:`ParallelState` of what was made, on ``root`` and on each model inside it."""
     runners = [pipeline_runner(target.module) for target in targets.models]
     state = ParallelState(
         layout=layout,
@@ -286,7 +308,6 @@ def apply_parallelisms(
         pipelines=tuple(runner for runner in runners if runner is not None),
     )
     state.attach([root, *(target.module for target in targets.models)])
-    return targets
 
 
 # ---------------------------------------------------------------------------------------------------------------------
