@@ -23,6 +23,10 @@ __all__ = [
     "is_view",
     "add_compile_callbacks",
     "compiled_graph_count",
+    "TorchDispatchMode",
+    "tree_leaves",
+    "fake_tensor_mode",
+    "DATA_DEPENDENT_ERRORS",
 ]
 
 
@@ -132,3 +136,29 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+# The dry run (lightning_tp.dryrun) watches a step at the dispatcher, on fake tensors. torch keeps these under private
+# modules in every version this package supports (torchtitan's estimation and torch's own ``CommDebugMode`` and
+# ``MemTracker`` use the same): ``TorchDispatchMode``, the base class of a mode that sees every operation, and
+# ``tree_leaves``, which flattens an operation's nested arguments.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` in which tensors carry shapes, dtypes and devices but no data, real tensors (a mesh's
+    rank map, a model's constants) taken in as fake ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _data_dependent_errors() -> tuple[type[Exception], ...]:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return (DataDependentOutputException, DynamicOutputShapeException)
+
+
+#: What a fake tensor raises where an operation needs its values (``.item()``, ``nonzero``).
+DATA_DEPENDENT_ERRORS = _data_dependent_errors()

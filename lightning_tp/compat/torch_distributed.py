@@ -29,6 +29,9 @@ __all__ = [
     "fsspec_writer_class",
     "fsspec_reader_class",
     "torch_get_layout",
+    "fake_world_store",
+    "group_by_name",
+    "clear_dtensor_sharding_cache",
 ]
 
 
@@ -69,10 +72,14 @@ def compute_local_shape_and_global_offset(
     shape: torch.Size, mesh: DeviceMesh, placements: Any
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This rank's shard shape and offset in a DTensor of ``shape`` (torch's own chunking rule, uneven sizes too);
-    DTensor exposes no public equivalent (``torch.distributed.tensor._utils``)."""
+    DTensor exposes no public equivalent (``torch.distributed.tensor._utils``). Computed outside any fake-tensor mode
+    (the dry run's, :mod:`lightning_tp.dryrun`): it reads the mesh's rank map, a real tensor, whose values a fake
+    tensor would not have; the result depends on the mesh alone."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as compute
 
-    return compute(shape, mesh, placements)
+    with unset_fake_temporarily():
+        return compute(shape, mesh, placements)
 
 
 def strided_shard(dim: int, split_factor: int) -> Any:
@@ -191,3 +198,32 @@ def torch_get_layout() -> Callable[[str], Any]:
     """What a DCP index pickles to name a tensor layout (``torch.serialization._get_layout``): the safe unpickler
     must hand back this very function."""
     return torch.serialization._get_layout
+
+
+def fake_world_store() -> dist.Store:
+    """A store for torch's ``"fake"`` backend (importing its module registers the backend): a process group whose
+    collectives return at once and leave their tensors as they are, so that one process can act as any rank of any
+    world size (the dry run, :mod:`lightning_tp.dryrun`). torch keeps it under ``torch.testing._internal`` (torchtitan's
+    memory estimation uses it the same way); its ``FakeStore`` has been there since torch 2.1."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def group_by_name(name: str) -> Any:
+    """The process group a functional collective names by string (``torch.ops._c10d_functional.*``'s
+    ``group_name``): the dry run reads which ranks a recorded collective spans. ``_resolve_process_group`` is private
+    in every torch this package supports."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Forget DTensor's cached sharding propagation. Its caches key on a mesh's value (layout and rank map), not on its
+    process groups: a dry run that simulates one rank after another, each in a new world, would get the previous
+    world's mesh (with group names that no longer resolve) back from them. ``_clear_sharding_prop_cache`` is torch's
+    own helper, private in every version this package supports."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

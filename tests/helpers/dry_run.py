@@ -1,0 +1,49 @@
+"""The layouts and models the dry run is checked on against real gloo ranks (tests/distributed/test_dry_run.py and
+its worker): the same table read by both sides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: World size -> the layouts run on it: (name, ParallelLayout.resolve's sizes).
+LAYOUTS: dict[int, list[tuple[str, dict[str, int]]]] = {
+    2: [("tp2", {"tp_size": 2})],
+    4: [("tp2_dp2", {"tp_size": 2}), ("dp4", {"tp_size": 1})],
+    8: [("tp2_dp4", {"tp_size": 2}), ("tp4_dp2", {"tp_size": 4})],
+}
+#: The models: a tiny decoder and a 12-layer one (activations grow with depth; checkpointing saves most of them).
+LAYERS = {"tiny": 2, "deep": 12}
+#: Each model with and without activation checkpointing.
+CHECKPOINTING = (False, True)
+#: The step's workload: rows per data-parallel rank, tokens per row.
+BATCH, SEQ = 2, 32
+
+
+def config(layers: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+
+
+def build(layers: int) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config(layers))
+
+
+def scenarios(world_size: int) -> list[tuple[str, dict[str, int], str, bool]]:
+    """(name, sizes, model, activation checkpointing) of each run on ``world_size`` ranks."""
+    return [
+        (f"{name}_{model}{'_ac' if checkpointing else ''}", sizes, model, checkpointing)
+        for name, sizes in LAYOUTS[world_size]
+        for model in LAYERS
+        for checkpointing in CHECKPOINTING
+    ]
