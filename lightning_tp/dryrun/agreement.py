@@ -85,10 +85,10 @@ def _check_point_to_point(runs: dict[int, Sequence[Call]]) -> None:
                 sent[(rank, call.peer)].append(call)
             elif call.kind == "recv" and call.peer is not None:
                 received[(call.peer, rank)].append(call)
-    for (source, target), sends in sorted(sent.items()):
-        if target not in runs:
+    for source, target in sorted(sent.keys() | received.keys()):
+        if source not in runs or target not in runs:
             continue
-        receives = received.get((source, target), [])
+        sends, receives = sent.get((source, target), []), received.get((source, target), [])
         for index in range(max(len(sends), len(receives))):
             send = sends[index] if index < len(sends) else None
             receive = receives[index] if index < len(receives) else None

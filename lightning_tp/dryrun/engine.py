@@ -262,8 +262,15 @@ def simulate_rank(
             try:
                 memory = _step(model, recorder, options, workload, traced=trace and not_traced is None)
             except _NotTraceable as why:
+                # The forward stopped halfway (FSDP2's layers left unsharded): a fresh model, parallelised the same
+                # way, gives the exact parameters, gradients and optimizer states.
                 not_traced = str(why)
-                memory = _step(model, recorder, options, workload, traced=False)
+                for module in model.modules():
+                    undo_owned(module)
+                with torch.device("meta"):
+                    model = build_model()
+                parallelize(model, mesh=mesh, ep_size=layout.ep_size, options=options, device="meta")
+                memory = _step(model, CollectiveRecorder(), options, workload, traced=False)
             calls = tuple(_labelled(call, axes) for call in recorder.calls)
             return RankRun(rank, _coordinates(layout, rank), memory, calls, not_traced if trace else None)
         finally:

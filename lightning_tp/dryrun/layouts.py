@@ -48,8 +48,8 @@ def _divisors(n: int, *, at_most: int | None = None) -> list[int]:
 
 
 def candidate_layouts(gpus: int, choices: Choices, *, seq_len: int, experts: int = 0) -> list[ParallelLayout]:
-    """The layouts of ``gpus`` ranks to try: TP sizes up to a node, pipelines of up to 8 stages, CP of 2 and 4 for
-    sequences of 16k tokens and more, EP sizes that divide the experts (a mixture-of-experts model only), one replica
+    """The layouts of ``gpus`` ranks to try: TP sizes up to a node, pipelines of up to 8 stages, CP of 2 from 16k
+    tokens and of 4 from 32k, EP sizes that divide the experts (a mixture-of-experts model only), one replica
     group (HSDP's replicas: fixed by the user). The user's fixed sizes replace the tries on their axes; a combination
     that does not multiply to ``gpus`` is not a layout of it and is left out.
 
@@ -126,7 +126,8 @@ class LayoutResult:
         if self.fits is False:
             return f"does not fit: {share} at the peak"
         if self.fits is None:
-            why = (self.not_traced or "").split(":")[0].removeprefix("the step of a ").removesuffix(" is not traced")
+            reason = self.not_traced or ""
+            why = next((w for w in ("pipelined", "context-parallel") if w in reason), "the forward reads a value")
             return f"weights, gradients and optimizer states fit ({share}); activations not traced ({why})"
         return f"fits: {share} at the peak"
 

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     shown = results[: args.top] if args.top else results
-    best = next((r for r in results if r.fits), None)
+    # A layout known to fit; else one whose weights fit and whose step could not be traced (pipelines, CP, MoE).
+    best = next((r for r in results if r.fits), None) or next((r for r in results if r.fits is None and r.memory), None)
     hang: str | None = None
     groups = 0
     if best is not None and not args.no_hang_check:

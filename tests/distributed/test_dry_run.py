@@ -2,7 +2,7 @@
 optimizer states measured in a real step equal the dry run's for that rank exactly, its activations and peak are
 within 10 % of the real ones, and it issues the collectives the dry run predicts (kind, axis, shapes, dtype, in
 order). The real step is measured by the dry run's own counter of live tensor bytes, on real tensors (CPU has no
-allocator statistics); on a GPU, tests/gpu/ compares with ``torch.cuda.max_memory_allocated``."""
+allocator statistics); a comparison with ``torch.cuda.max_memory_allocated`` on a GPU is not written yet."""
 
 from __future__ import annotations
 

@@ -108,7 +108,8 @@ def test_a_simulated_rank_holds_its_share_and_records_each_collective_with_its_a
     assert whole // 4 <= run.memory.parameters <= whole // 4 + 1024
     assert run.memory.gradients == run.memory.parameters
     assert run.memory.optimizer > 2 * run.memory.parameters  # AdamW: two moments and a step count per tensor
-    assert run.memory.activations > 0 and run.memory.peak >= run.memory.total
+    held = run.memory.parameters + run.memory.optimizer + run.memory.activations
+    assert run.memory.activations > 0 and run.memory.peak >= held
     assert run.coordinates == {"dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     axes = {(call.kind, call.axis, call.phase) for call in run.calls}
     assert ("all_reduce", "tp", "forward") in axes  # the row-wise layers' partial sums
