@@ -73,6 +73,7 @@ from lightning_tp.compat.torch_distributed import (
     group_options,
     install_dtensor_rng_tracker,
     is_strided_shard,
+    process_group_of,
     strided_shard,
     torch_get_layout,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "fake_world_store",
     "group_by_name",
     "clear_dtensor_sharding_cache",
+    "process_group_of",
     "compute_local_shape_and_global_offset",
     "strided_shard",
     "is_strided_shard",

@@ -32,6 +32,7 @@ __all__ = [
     "fake_world_store",
     "group_by_name",
     "clear_dtensor_sharding_cache",
+    "process_group_of",
 ]
 
 
@@ -227,3 +228,17 @@ def clear_dtensor_sharding_cache() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+
+
+def process_group_of(arg: Any) -> dist.ProcessGroup | None:
+    """The process group ``arg`` is, as an operator of ``torch.ops.c10d`` receives it (a ``ScriptObject`` boxing it in
+    torch 2.13 to 2.15, unboxed by ``ProcessGroup.unbox``, not documented), or ``None`` when it is none."""
+    if isinstance(arg, torch.ScriptObject):
+        unbox = getattr(dist.ProcessGroup, "unbox", None)
+        if unbox is None:
+            return None
+        try:
+            arg = unbox(arg)
+        except RuntimeError:  # a ScriptObject of another class
+            return None
+    return arg if isinstance(arg, dist.ProcessGroup) else None

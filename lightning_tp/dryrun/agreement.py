@@ -35,8 +35,11 @@ def _describe(call: Call | None) -> str:
 
 
 def check_agreement(runs: Iterable[tuple[int, Sequence[Call]]]) -> int:
-    """Compare the collectives of the simulated ranks (``(rank, calls)`` pairs) group by group; return how many
-    groups had two or more simulated members.
+    """Compare the collectives of the simulated ranks group by group; return how many groups had two or more
+    simulated members.
+
+    Args:
+        runs: ``(rank, calls)`` of each simulated rank (:attr:`RankRun.calls <lightning_tp.dryrun.engine.RankRun>`).
 
     Raises:
         CollectiveMismatch: two members of a group differ (the first difference, in the order of the groups'
@@ -103,11 +106,19 @@ def _check_point_to_point(runs: dict[int, Sequence[Call]]) -> None:
 
 
 def representative_ranks(layout: ParallelLayout) -> list[int]:
-    """The ranks whose collectives decide agreement for ``layout`` without simulating every rank: rank 0, the last
-    rank, and on each axis (the mesh's and the expert mesh's) the ranks that differ from rank 0 in that coordinate
-    alone, at the second and the last position. Every group of rank 0 then has two or more simulated members, and
-    every position that differs from the others (the first, the last) is one of them."""
-    ranks = {0, layout.world_size - 1}
+    """The ranks whose collectives decide agreement for ``layout`` without simulating every rank: rank 0 and the last
+    rank, and on each axis (the mesh's and the expert mesh's) the ranks that differ from either of them in that
+    coordinate alone, at the other end and next to it. Every group of rank 0 and of the last rank then has two or more
+    simulated members, each of them at the first or the last position of the group and a neighbour of it.
+
+    Args:
+        layout: the sizes of every axis.
+
+    Raises:
+        Nothing: every layout has these ranks.
+    """
+    last = layout.world_size - 1
+    ranks = {0, last}
     meshes = [(layout.mesh_axes, [getattr(layout, f"{axis}_size") for axis in layout.mesh_axes])]
     if layout.ep_size > 1:
         sizes = [layout.dp_replicate_size, layout.efsdp_size, layout.ep_size]
@@ -119,5 +130,6 @@ def representative_ranks(layout: ParallelLayout) -> list[int]:
         for size, stride in zip(sizes, strides, strict=True):
             for position in {1, size - 1}:
                 if 0 < position < size:
-                    ranks.add(position * stride)
+                    ranks.add(position * stride)  # rank 0's neighbour and far end on this axis
+                    ranks.add(last - position * stride)  # the last rank's
     return sorted(ranks)

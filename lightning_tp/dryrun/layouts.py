@@ -53,6 +53,12 @@ def candidate_layouts(gpus: int, choices: Choices, *, seq_len: int, experts: int
     group (HSDP's replicas: fixed by the user). The user's fixed sizes replace the tries on their axes; a combination
     that does not multiply to ``gpus`` is not a layout of it and is left out.
 
+    Args:
+        gpus: the world size.
+        choices: the fixed sizes.
+        seq_len: tokens per row (CP is tried for long ones).
+        experts: the routed experts of a mixture-of-experts model (0: dense; EP is not tried).
+
     Raises:
         ValueError: a fixed size that no layout of ``gpus`` has (named, with the divisors of ``gpus``).
     """
@@ -88,7 +94,8 @@ class LayoutResult:
     the step was not traced (``not_traced``).
 
     Args:
-        layout, activation_checkpointing, refusal, memory, fits, runs, not_traced: as above.
+        layout, activation_checkpointing, refusal, memory, fits, runs, not_traced: as above; ``failed``: why the
+            simulation itself failed (a defect of the dry run, not of the layout).
 
     Raises:
         Nothing: a record.
@@ -101,6 +108,7 @@ class LayoutResult:
     fits: bool | None = None
     runs: tuple[RankRun, ...] = field(default=(), repr=False)
     not_traced: str | None = None
+    failed: str | None = None
 
     @property
     def step_calls(self) -> list[Any]:
@@ -121,6 +129,8 @@ class LayoutResult:
     def verdict(self, gpu_memory: int) -> str:
         if self.refusal is not None:
             return "refused: " + self.refusal.split(". ")[0].rstrip(".") + "."
+        if self.failed is not None:
+            return self.failed
         assert self.memory is not None
         share = f"{self.memory.total / 2**30:.1f} of {gpu_memory / 2**30:.0f} GiB"
         if self.fits is False:
@@ -141,15 +151,29 @@ def evaluate(
     gpu_memory: int,
     ranks: Iterable[int] | None = None,
 ) -> LayoutResult:
-    """Simulate ``ranks`` of ``layout`` (default: rank 0, and one rank of each later pipeline stage) and judge it."""
+    """Simulate ``ranks`` of ``layout`` and judge it against ``gpu_memory``.
+
+    Args:
+        build_model: builds the model (called on the meta device, once per simulated rank).
+        layout: the sizes.
+        options, workload: the strategy's options and the step's workload.
+        gpu_memory: each GPU's bytes.
+        ranks: the ranks to simulate (default: rank 0, and the first rank of each later pipeline stage).
+
+    Raises:
+        Nothing: a refusal or a failure of the simulation is the result's ``refusal`` or ``failed``.
+    """
     if ranks is None:
         ranks = [stage * layout.stage_size for stage in range(layout.pp_size)]
     runs = []
     try:
         for rank in ranks:
             runs.append(simulate_rank(build_model, layout, rank, options=options, workload=workload))
-    except ValueError as refused:
+    except ValueError as refused:  # the strategy's own check: what it would raise on the GPUs
         return LayoutResult(layout, options.activation_checkpointing, refusal=str(refused))
+    except Exception as error:  # noqa: BLE001  (a failure of the simulation itself: said for this layout, not fatal)
+        failed = f"the dry run failed ({type(error).__name__}: {error}); please report it"
+        return LayoutResult(layout, options.activation_checkpointing, failed=failed)
     fullest = max(runs, key=lambda run: run.memory.total)
     traced = fullest.memory.peak is not None
     fits = fullest.memory.total <= gpu_memory
@@ -179,6 +203,16 @@ def plan_layouts(
     rank sends in a step, then by peak memory. Activation checkpointing is tried where the layout does not fit
     without (unless ``choices`` fixes it).
 
+    Args:
+        build_model: builds the model (on the meta device).
+        gpus: the world size.
+        gpu_memory: each GPU's bytes.
+        workload: the step's batch, sequence length, optimizer and clipping.
+        choices: the fixed sizes and checkpointing.
+        options: the strategy's other options (checkpointing is set per try).
+        experts: the routed experts (0: dense).
+        progress: called with each layout's description before it is simulated.
+
     Raises:
         ValueError: a fixed size that no layout of ``gpus`` has.
     """
@@ -198,12 +232,12 @@ def plan_layouts(
                 gpu_memory=gpu_memory,
             )
             results.append(result)
-            if result.refusal is not None or result.fits is not False:
+            if result.refusal is not None or result.failed is not None or result.fits is not False:
                 break
     order = {True: 0, None: 1, False: 2}
     return sorted(
         results,
-        key=lambda r: (r.refusal is not None, order[r.fits], r.traffic, r.memory.total if r.memory else 0),
+        key=lambda r: (r.memory is None, order[r.fits], r.traffic, r.memory.total if r.memory else 0),
     )
 
 
@@ -217,6 +251,10 @@ def check_hangs(
 ) -> int:
     """Simulate ``ranks`` of ``layout`` (default :func:`~lightning_tp.dryrun.agreement.representative_ranks`) and
     compare their collectives; return the number of groups compared.
+
+    Args:
+        build_model, layout, options, workload: as :func:`evaluate`'s.
+        ranks: the ranks to simulate.
 
     Raises:
         CollectiveMismatch: two ranks of a group would issue different collectives (named).

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_tp.compat import TorchDispatchMode, group_by_name, tree_leaves
+from lightning_tp.compat import TorchDispatchMode, group_by_name, process_group_of, tree_leaves
 from lightning_tp.patches import install
 
 #: The operator namespaces that hold torch's collectives: the in-place ``c10d`` ops ``torch.distributed``'s functions
@@ -115,14 +115,20 @@ class Call:
 
 
 def _group_ranks(arg: Any) -> tuple[int, ...] | None:
-    if isinstance(arg, torch.ScriptObject):  # how the in-place ``c10d`` operators are handed their group
-        try:
-            arg = dist.ProcessGroup.unbox(arg)
-        except RuntimeError:
-            return None
-    if isinstance(arg, dist.ProcessGroup):
-        return tuple(dist.get_process_group_ranks(arg))
-    return None
+    group = process_group_of(arg)
+    return None if group is None else tuple(dist.get_process_group_ranks(group))
+
+
+def _nbytes(kind: str, args: tuple, group_size: int, functional: bool) -> int:
+    """The whole buffer a collective moves: each argument's tensors summed (a list of chunks is the whole), the
+    largest argument taken (an all-gather's output, a reduce-scatter's input); a functional all-gather is handed its
+    input alone, a ``group_size``-th of its output."""
+    sizes = [
+        sum(math.prod(t.shape) * t.element_size() for t in tree_leaves(arg) if isinstance(t, torch.Tensor))
+        for arg in args
+    ]
+    whole = max(sizes, default=0)
+    return whole * group_size if functional and kind == "all_gather" else whole
 
 
 class CollectiveRecorder(TorchDispatchMode):
@@ -175,12 +181,12 @@ class CollectiveRecorder(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         if func.namespace in COLLECTIVE_NAMESPACES:
-            name = func._schema.name.split("::")[-1]
+            name = func.overloadpacket.__name__
             if name not in NOT_COLLECTIVES:
-                self.calls.append(self._call(name, args, kwargs))
+                self.calls.append(self._call(name, args, kwargs, functional=func.namespace != "c10d"))
         return func(*args, **kwargs)
 
-    def _call(self, name: str, args: tuple, kwargs: dict) -> Call:
+    def _call(self, name: str, args: tuple, kwargs: dict, *, functional: bool) -> Call:
         leaves = tree_leaves((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         group: tuple[int, ...] | None = None
@@ -201,7 +207,7 @@ class CollectiveRecorder(TorchDispatchMode):
             peer = group[ints[0]] if ints and 0 <= ints[0] < len(group) else None
         shapes = tuple(tuple(t.shape) for t in tensors)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
-        nbytes = max((math.prod(t.shape) * t.element_size() for t in tensors), default=0)
+        nbytes = _nbytes(kind, args, len(group), functional)
         axis = self.axes.get(group) or ("world" if len(group) == dist.get_world_size() else f"ranks {list(group)}")
         where = self._modules[-1] if self._modules and self._phase == "forward" else self._phase
         return Call(kind, group, axis, shapes, dtype, nbytes, peer, self._phase, where)

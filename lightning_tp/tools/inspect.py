@@ -42,6 +42,23 @@ def compact_names(names: list[str]) -> str:
     return ", ".join(names)
 
 
+def collapse_repeated(entries: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...], int]]:
+    """Parameters of the repeated layers as one line each: ``model.layers.*.input_layernorm.weight [8192] x 80``
+    (the numeric path components as ``*``, those of one shape counted), in the order first met.
+
+    Args:
+        entries: (name, shape) of each parameter.
+
+    Raises:
+        Nothing.
+    """
+    counts: dict[tuple[str, tuple[int, ...]], int] = {}
+    for name, shape in entries:
+        pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        counts[(pattern, tuple(shape))] = counts.get((pattern, tuple(shape)), 0) + 1
+    return [(pattern, shape, count) for (pattern, shape), count in counts.items()]
+
+
 def build_meta_model(name_or_path: str, *, lora_r: int | None = None, lora_targets: str = "all-linear") -> nn.Module:
     from transformers import AutoConfig
 
@@ -125,16 +142,22 @@ def format_report(
                 f"({compact_names(list(names))}): every rank computes all their heads"
             )
     lines += ["", f"Replicated over TP ({len(report.replicated)} parameters):"]
-    lines += [f"  {name} {list(shape)}" for name, shape in report.replicated[:40]]
-    if len(report.replicated) > 40:
-        lines.append(f"  ... and {len(report.replicated) - 40} more")
+    collapsed = collapse_repeated(report.replicated)
+    lines += [f"  {name} {list(shape)}" + (f" x {count}" if count > 1 else "") for name, shape, count in collapsed[:40]]
+    if len(collapsed) > 40:
+        lines.append(f"  ... and {len(collapsed) - 40} more")
     if report.unmatched:
         lines += ["", "Rules of the model's plan that match nothing:"] + [f"  {key}" for key in report.unmatched]
     shards = f", FSDP2 over dp_shard x cp = {dp_shard_size * cp_size}" if cp_size > 1 else ""
     shards += ", the heaviest pipeline rank" if report.pipeline else ""
     lines += [
         "",
-        f"Per-rank memory (MiB{shards}):",
+        f"Per-rank memory (MiB{shards}; "
+        + (
+            "counted by the dry run: the real parallelize on a fake process group, as `python -m lightning_tp.plan`):"
+            if report.memory_counted
+            else "estimated from the plan's shapes):"
+        ),
         f"  {'':<6} {'parameters':>12} {'gradients':>12} {'AdamW states':>14}",
     ]
     for dtype, values in report.memory.items():

@@ -56,6 +56,9 @@ class Report:
     unmatched: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Whether ``memory`` was counted by the dry run (exact, the real ``parallelize``) rather than estimated from
+    #: the plan's shapes (a refused layout, or inside a launched job).
+    memory_counted: bool = False
     #: Where the plan comes from: ``"model"`` (its config's ``base_model_tp_plan``), ``"derived"`` (from its module
     #: structure), ``"none"``; ``" + tp_plan"`` when overrides were given.
     source: str = "none"
@@ -228,7 +231,64 @@ def inspect_model(
             "gradients": counts["trainable"] * size,
             "adamw_states": counts["trainable"] * 2 * 4,  # exp_avg and exp_avg_sq, fp32 as usual
         }
+    if report.valid:
+        _count_by_dry_run(
+            model,
+            report,
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            cp_size=cp_size,
+            ep_size=ep_size,
+            pp_size=pp_size,
+            options={"tp_plan": tp_plan, "cp_comm": cp_comm, "pp_stages_per_rank": pp_stages_per_rank},
+        )
     return report
+
+
+def _count_by_dry_run(model: nn.Module, report: Report, *, options: dict[str, Any], **sizes: int) -> None:
+    """The memory of a valid layout counted by the dry run (:mod:`lightning_tp.dryrun`), the same count as
+    ``python -m lightning_tp.plan``: the real ``parallelize`` on a fake process group, rank 0 of each pipeline stage
+    (the fullest shown), each rank's shards and AdamW's real states, in float32 and in bfloat16. A layout the
+    strategy refuses where the checks above did not is a problem, with the strategy's message. Skipped, the
+    estimate above kept (``memory_counted`` false), inside a launched job (the dry run needs its own world)."""
+    import copy
+
+    import torch
+
+    from lightning_tp.compat import distributed_is_initialized
+    from lightning_tp.dryrun.engine import Workload, simulate_rank
+    from lightning_tp.layout import ParallelLayout
+    from lightning_tp.parallel_options import ParallelOptions
+
+    if distributed_is_initialized():
+        return
+    tp, dp, cp, ep, pp = (sizes[f"{axis}_size"] for axis in ("tp", "dp_shard", "cp", "ep", "pp"))
+    layout = ParallelLayout.resolve(tp * dp * cp * pp, tp_size=tp, cp_size=cp, ep_size=ep, pp_size=pp)
+    parallel_options = ParallelOptions(**options)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        runs = []
+        for stage in range(pp):
+            try:
+                runs.append(
+                    simulate_rank(
+                        lambda dtype=dtype: copy.deepcopy(model).to(dtype),
+                        layout,
+                        stage * layout.stage_size,
+                        options=parallel_options,
+                        workload=Workload(optimizer="adamw"),
+                        trace=False,
+                    )
+                )
+            except ValueError as refused:
+                report.problems.append(f"the strategy refuses this layout: {refused}")
+                return
+        fullest = max(runs, key=lambda run: run.memory.total).memory
+        report.memory[name] = {
+            "parameters": fullest.parameters,
+            "gradients": fullest.gradients,
+            "adamw_states": fullest.optimizer,
+        }
+    report.memory_counted = True
 
 
 def _pipeline(

@@ -33,6 +33,9 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 def parse_bytes(text: str) -> int:
     """``80GiB``, ``141GB``, ``80`` (GiB) as bytes.
 
+    Args:
+        text: a number with a unit (``B``, ``KiB`` ... ``TiB``, ``KB``, ``MB``, ``GB``) or none (GiB).
+
     Raises:
         ValueError: not a number with one of the units (named).
     """
@@ -45,7 +48,14 @@ def parse_bytes(text: str) -> int:
 
 def load_config(name_or_path: str) -> Any:
     """The model's configuration: a local directory, a ``config.json`` or a hub id (only ``config.json`` is
-    fetched)."""
+    fetched).
+
+    Args:
+        name_or_path: as above.
+
+    Raises:
+        OSError: no configuration there (Transformers' message); ValueError: not a configuration it knows.
+    """
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(name_or_path)
@@ -171,6 +181,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: ``argv`` as on the command line (default ``sys.argv[1:]``); returns the exit code (0 a layout
+    fits or may, 1 none does or the input is wrong, 2 a hang was found).
+
+    Args:
+        argv: the arguments (see ``--help``).
+
+    Raises:
+        SystemExit: ``--help`` or arguments argparse refuses.
+    """
     args = _parser().parse_args(argv)
     try:
         gpu_memory = parse_bytes(args.gpu_memory)
@@ -213,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     # A layout known to fit; else one whose weights fit and whose step could not be traced (pipelines, CP, MoE).
     best = next((r for r in results if r.fits), None) or next((r for r in results if r.fits is None and r.memory), None)
     hang: str | None = None
+    unchecked: str | None = None
     groups = 0
     if best is not None and not args.no_hang_check:
         ranks = representative_ranks(best.layout)
@@ -223,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
             groups = check_hangs(build, best.layout, options=best_options, workload=workload, ranks=ranks)
         except CollectiveMismatch as mismatch:
             hang = str(mismatch)
+        except ValueError as error:  # a representative rank the strategy refuses (an uneven shard, say)
+            unchecked = f"not checked: a rank was refused ({error})"
     if args.json:
-        print(json.dumps({"layouts": [as_json(r, gpu_memory) for r in shown], "hang": hang}, indent=1))
+        checked = "skipped" if args.no_hang_check or best is None else unchecked or f"{groups} groups agree"
+        report = {"layouts": [as_json(r, gpu_memory) for r in shown], "hang": hang, "hang_check": checked}
+        print(json.dumps(report, indent=1))
     else:
         name = getattr(config, "model_type", "model")
         print(
@@ -238,12 +262,13 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(f"Collectives of the best layout ({describe(best.layout)}) in one step:")
             print(format_collectives(best))
-            if hang is not None:
-                print(f"\nHang check: {hang}")
+            if hang is not None or unchecked is not None:
+                print(f"\nHang check: {hang or unchecked}")
             elif not args.no_hang_check:
+                only = " (its step is not traced: the setup's collectives only)" if best.not_traced else ""
                 print(
-                    f"\nHang check: ranks {representative_ranks(best.layout)} simulated; the collectives of {groups} "
-                    "groups agree."
+                    f"\nHang check: ranks {representative_ranks(best.layout)} simulated{only}; the collectives of "
+                    f"{groups} group{'s' if groups != 1 else ''} agree."
                 )
     if hang is not None:
         return 2

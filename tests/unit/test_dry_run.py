@@ -151,8 +151,10 @@ def test_a_collective_issued_on_one_rank_only_is_named_as_the_hang_it_would_be()
 def test_the_representative_ranks_cover_every_axis_of_rank_zero():
     from lightning_tp.dryrun.agreement import representative_ranks
 
-    assert representative_ranks(ParallelLayout.resolve(64, tp_size=8)) == [0, 1, 7, 8, 56, 63]
-    assert representative_ranks(ParallelLayout.resolve(8, tp_size=2, pp_size=2)) == [0, 1, 2, 4, 7]
+    # tp 8 x dp_shard 8: rank 0's tp neighbours 1 and 7 and dp_shard ones 8 and 56; the last rank's 62, 56, 55, 7.
+    assert representative_ranks(ParallelLayout.resolve(64, tp_size=8)) == [0, 1, 7, 8, 55, 56, 62, 63]
+    # pp 2 x dp_shard 2 x tp 2: every rank but one; each group of rank 0 and of rank 7 has two simulated members.
+    assert representative_ranks(ParallelLayout.resolve(8, tp_size=2, pp_size=2)) == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_the_plan_command_ranks_layouts_offline_from_a_local_config(tmp_path, monkeypatch, capsys):

@@ -52,6 +52,9 @@ def test_valid_layout_exit_code_and_report(config_dirs, capsys):
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn.q_proj.weight" in out and "[64, 64] -> [16, 64]" in out  # tp 2, then fsdp 2
     assert "model.norm.weight" in out  # replicated
+    # The repeated layers' replicated parameters one line each (2 layers; the norms FSDP-sharded over 2).
+    assert "  model.layers.*.input_layernorm.weight [32] x 2\n" in out
+    assert "counted by the dry run" in out  # the memory is the dry run's count, as `python -m lightning_tp.plan`'s
     assert "The layout is valid." in out
 
 
@@ -79,9 +82,13 @@ def test_memory_per_rank_divides_and_lora_counts_trainable_only(config_dirs):
     assert one["parameters"] == 4 * total
     norms = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)
     assert four["parameters"] <= (total - norms) * 4 / 4 + norms * 4 / 2  # shards, plus norms (FSDP-sharded only)
-    lora = inspect_model(build_meta_model(str(config_dirs / "qwen3"), lora_r=4), tp_size=2).memory["fp32"]
+    lora_model = build_meta_model(str(config_dirs / "qwen3"), lora_r=4)
+    adapters = sum(1 for p in lora_model.parameters() if p.requires_grad)
+    report = inspect_model(lora_model, tp_size=2)
+    lora = report.memory["fp32"]
     assert lora["gradients"] < one["gradients"] / 10  # r=4 adapters on a 86k-parameter model
-    assert lora["adamw_states"] == 2 * lora["gradients"]
+    # Counted by the dry run: AdamW's two moments of each adapter and its step count (a float32 scalar each).
+    assert report.memory_counted and lora["adamw_states"] == 2 * lora["gradients"] + 4 * adapters
 
 
 @pytest.mark.parametrize(("kind", "vision"), [("qwen2_5_vl", "model.visual"), ("gemma3", "model.vision_tower")])

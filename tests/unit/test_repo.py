@@ -427,3 +427,11 @@ def test_the_foreign_write_check_catches_each_kind():
         "utils._distribute_tensors",
         "setattr(module, 'padding_idx', 0)",
     ], found
+
+
+def test_test_files_have_unique_basenames():
+    """pytest imports a test module by its basename (the test folders are not packages): two files of one name, one in
+    tests/unit and one in tests/distributed, stop the whole suite at collection (found when the dry run's real-rank
+    check first shared the unit tests' name)."""
+    names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
+    assert not sorted({name for name in names if names.count(name) > 1})

@@ -57,7 +57,8 @@ def test_the_dry_run_predicts_each_real_ranks_bytes_and_collectives(measured: tu
         options = ParallelOptions(activation_checkpointing=checkpointing)
         workload = Workload(batch_size=dry_run.BATCH, seq_len=dry_run.SEQ)
         build = partial(dry_run.build, dry_run.LAYERS[model_name])
-        for rank in range(world):
+        # Every rank of the 2-layer model; the first and the last of the 12-layer one (their roles are the same).
+        for rank in range(world) if model_name == "tiny" else (0, world - 1):
             run = simulate_rank(build, layout, rank, options=options, workload=workload)
             predicted, actual = asdict(run.memory), real[rank][name]["memory"]
             where = f"{name}, rank {rank}"
@@ -72,4 +73,4 @@ def test_the_dry_run_predicts_each_real_ranks_bytes_and_collectives(measured: tu
             assert got == expected, where
             assert expected, f"{where}: no collective recorded in a step on {world} ranks"
             checked += 1
-    assert checked == world * len(dry_run.scenarios(world))
+    assert checked == sum(world if model == "tiny" else 2 for _, _, model, _ in dry_run.scenarios(world))
