@@ -4,6 +4,7 @@ backward, clipping, the optimizer) on fake tensors, recording what the rank hold
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -153,6 +154,10 @@ class RankRun:
 def simulated_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as ``rank`` of ``world_size`` on torch's fake process group (collectives return at once).
 
+    Args:
+        rank: the rank to be.
+        world_size: the number of ranks.
+
     Raises:
         ValueError: a process group is already initialised (the dry run needs its own world; run it apart from
             training).
@@ -195,7 +200,14 @@ def local_bytes(tensors: Any) -> int:
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's states (AdamW's two moments and step counts, say), each rank's part."""
+    """Bytes of the optimizer's states (AdamW's two moments and step counts, say), each rank's part.
+
+    Args:
+        optimizer: a torch optimizer after a step.
+
+    Raises:
+        Nothing.
+    """
     return local_bytes(
         value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
     )
@@ -203,7 +215,14 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def mesh_axis_names(model: nn.Module) -> dict[tuple[int, ...], str]:
     """Each process group of the model's meshes this rank belongs to, by its ranks, with its axis's name (flattened
-    axes included: ``dp``, ``dp_shard_cp``, the expert mesh's)."""
+    axes included: ``dp``, ``dp_shard_cp``, the expert mesh's).
+
+    Args:
+        model: parallelised by :func:`lightning_tp.parallelize` (none else: ``{}``).
+
+    Raises:
+        Nothing.
+    """
     state = parallel_state(model)
     if state is None:
         return {}
@@ -340,7 +359,7 @@ def measure_step(
         device: where the batch is made.
 
     Raises:
-        Nothing of its own: what the model's forward raises.
+        ValueError: ``UntypedStorage.resize_`` is patched already (another count running in this process).
     """
     recorder = recorder or CollectiveRecorder()
     live = LiveBytes()
@@ -353,10 +372,14 @@ def measure_step(
     with live, live.resizes_seen(), recorder:
         for tensor in (*model.parameters(), *model.buffers()):
             live.track(tensor)
+        # Reference cycles freed before each reading: a collective's work object can hold its tensors in one until
+        # Python's collector runs (seen on torch 2.15 with gloo), which would make the count depend on its timing.
+        gc.collect()
         live.reset_peak()
         start = live.live
         with recorder.phase("forward"), recorder.watch(model), autocast:
             loss = model(input_ids=ids, labels=ids).loss
+        gc.collect()
         activations = live.live - start
         with recorder.phase("backward"):
             loss.backward()
@@ -376,5 +399,12 @@ def measure_step(
 
 def parameter_dtype(precision: str) -> torch.dtype:
     """The dtype a precision's parameters are built in: the ``-true`` precisions' (cast before sharding), else
-    float32 (``bf16-mixed`` keeps float32 parameters and computes in bfloat16 under autocast)."""
+    float32 (``bf16-mixed`` keeps float32 parameters and computes in bfloat16 under autocast).
+
+    Args:
+        precision: one of :data:`~lightning_tp.parallel_options.SUPPORTED_PRECISIONS`.
+
+    Raises:
+        Nothing: an unknown precision is float32 (``ParallelOptions`` refuses it first).
+    """
     return PRECISION_DTYPES.get(precision) or torch.float32

@@ -136,7 +136,14 @@ class CollectiveRecorder(TorchDispatchMode):
     (ranks -> axis name); ``phase`` and the running module are set by :meth:`phase` and :meth:`watch`.
 
     DTensor's operations are let through first (``NotImplemented``, as torch's ``CommDebugMode`` does): a dispatch
-    mode runs before a tensor subclass, so DTensor's redistributions would otherwise run below the mode, unseen."""
+    mode runs before a tensor subclass, so DTensor's redistributions would otherwise run below the mode, unseen.
+
+    Args:
+        axes: group ranks -> axis name (the calls can also be labelled afterwards).
+
+    Raises:
+        Nothing: a recorder; the operations run as they would.
+    """
 
     def __init__(self, axes: dict[tuple[int, ...], str] | None = None) -> None:
         super().__init__()
@@ -217,7 +224,14 @@ class LiveBytes(TorchDispatchMode):
     """The bytes of the storages the operations run while active have made and not yet freed: ``live`` now and its
     ``peak``. A storage is counted once (views share it), when an operation first returns it, and uncounted when torch
     frees it; a storage resized in place (FSDP2 frees and re-allocates its unsharded parameters so) is counted at its
-    new size, through a patch of ``UntypedStorage.resize_`` held while the mode is (:meth:`resizes_seen`)."""
+    new size, through a patch of ``UntypedStorage.resize_`` held while the mode is (:meth:`resizes_seen`).
+
+    Args:
+        None.
+
+    Raises:
+        Nothing: a counter; the operations run as they would.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -263,7 +277,11 @@ class LiveBytes(TorchDispatchMode):
 
     @contextmanager
     def resizes_seen(self) -> Iterator[None]:
-        """While active, ``UntypedStorage.resize_`` tells this tracker each storage's new size."""
+        """While active, ``UntypedStorage.resize_`` tells this tracker each storage's new size.
+
+        Raises:
+            ValueError: ``resize_`` is patched already (:func:`lightning_tp.patches.install`'s check).
+        """
         original = torch.UntypedStorage.resize_
         tracker = self
 

@@ -131,8 +131,14 @@ class _GradientForEveryParameter(torch.autograd.Function):
         for holder in ctx.holders:
             for param in holder.parameters(recurse=False):  # unsharded: FSDP2 has not resharded them yet
                 if param.requires_grad and param.grad is None:
-                    param.grad = torch.zeros_like(param)
+                    param.grad = torch.zeros_like(param, dtype=gradient_dtype(param))
         return (None, *grads)
+
+
+def gradient_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype a gradient of ``param`` must have: its ``grad_dtype`` where torch has one (2.15 and later; FSDP2's
+    bfloat16 copies of float32 parameters under ``bf16-mixed`` take float32 gradients), else its own dtype."""
+    return getattr(param, "grad_dtype", None) or param.dtype
 
 
 def give_every_parameter_a_gradient(unit: nn.Module) -> None:

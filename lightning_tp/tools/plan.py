@@ -61,7 +61,7 @@ def load_config(name_or_path: str) -> Any:
     return AutoConfig.from_pretrained(name_or_path)
 
 
-def model_builder(config: Any, precision: str) -> Any:
+def _model_builder(config: Any, precision: str) -> Any:
     """Builds the model (on the meta device, where the dry run calls it) in the dtype ``precision`` trains its
     parameters in: float32 for ``bf16-mixed`` and ``32-true`` (what AdamW's states then take too), whatever the
     config's ``torch_dtype`` says."""
@@ -71,7 +71,7 @@ def model_builder(config: Any, precision: str) -> Any:
     return lambda: model_from_config(config).to(parameter_dtype(precision))
 
 
-def experts_of(config: Any) -> int:
+def _experts_of(config: Any) -> int:
     """The routed experts of a mixture-of-experts config (0 for a dense model), read from the config's usual keys."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in ("num_experts", "n_routed_experts", "num_local_experts"):
@@ -85,7 +85,7 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
-def as_json(result: LayoutResult, gpu_memory: int) -> dict[str, Any]:
+def _as_json(result: LayoutResult, gpu_memory: int) -> dict[str, Any]:
     memory = result.memory
     return {
         "sizes": {name.removesuffix("_size"): getattr(result.layout, name) for name in SIZES},
@@ -113,7 +113,7 @@ def as_json(result: LayoutResult, gpu_memory: int) -> dict[str, Any]:
     }
 
 
-def format_table(results: list[LayoutResult], gpu_memory: int) -> str:
+def _format_table(results: list[LayoutResult], gpu_memory: int) -> str:
     head = ("#", "layout", "AC", "params", "grads", "optim", "activ.", "transient", "peak", "sent/step", "verdict")
     rows = []
     for i, r in enumerate(results, 1):
@@ -141,7 +141,7 @@ def format_table(results: list[LayoutResult], gpu_memory: int) -> str:
     return "\n".join(lines)
 
 
-def format_collectives(result: LayoutResult) -> str:
+def _format_collectives(result: LayoutResult) -> str:
     kinds: dict[str, dict[str, int]] = {}
     for call in result.step_calls:
         kinds.setdefault(call.axis, {}).setdefault(call.kind, 0)
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    build = model_builder(config, args.precision)
+    build = _model_builder(config, args.precision)
     start = time.perf_counter()
     progress = None if args.json else (lambda text: print(f"  simulating {text} ...", file=sys.stderr, flush=True))
     try:
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             workload=workload,
             choices=choices,
             options=options,
-            experts=experts_of(config),
+            experts=_experts_of(config),
             progress=progress,
         )
     except ValueError as error:
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             unchecked = f"not checked: a rank was refused ({error})"
     if args.json:
         checked = "skipped" if args.no_hang_check or best is None else unchecked or f"{groups} groups agree"
-        report = {"layouts": [as_json(r, gpu_memory) for r in shown], "hang": hang, "hang_check": checked}
+        report = {"layouts": [_as_json(r, gpu_memory) for r in shown], "hang": hang, "hang_check": checked}
         print(json.dumps(report, indent=1))
     else:
         name = getattr(config, "model_type", "model")
@@ -257,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - start:.0f} s"
         )
         print()
-        print(format_table(shown, gpu_memory))
+        print(_format_table(shown, gpu_memory))
         if best is not None:
             print()
             print(f"Collectives of the best layout ({describe(best.layout)}) in one step:")
-            print(format_collectives(best))
+            print(_format_collectives(best))
             if hang is not None or unchecked is not None:
                 print(f"\nHang check: {hang or unchecked}")
             elif not args.no_hang_check:

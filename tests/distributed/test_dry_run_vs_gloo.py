@@ -6,14 +6,15 @@ allocator statistics); a comparison with ``torch.cuda.max_memory_allocated`` on 
 
 from __future__ import annotations
 
-from functools import partial
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import dry_run
-from tests.helpers.launch import workers
+from tests.helpers.launch import ROOT, child_env, workers
 
 WORKER = Path(__file__).with_name("dry_run_worker.py")
 #: The activation estimate's tolerance against the measured value (the issue's 10 %).
@@ -43,24 +44,22 @@ def _step_calls(calls: list[dict]) -> list[tuple]:
     ]
 
 
-def test_the_dry_run_predicts_each_real_ranks_bytes_and_collectives(measured: tuple[int, list[dict]]) -> None:
-    from dataclasses import asdict
-
-    from lightning_tp.dryrun.engine import Workload, simulate_rank
-    from lightning_tp.layout import ParallelLayout
-    from lightning_tp.parallel_options import ParallelOptions
-
+def test_the_dry_run_predicts_each_real_ranks_bytes_and_collectives(
+    measured: tuple[int, list[dict]], tmp_path: Path
+) -> None:
+    """The dry run runs in a process of its own (``python -m tests.helpers.dry_run``), as a user runs the command: in
+    this pytest process, a reference run of an earlier test had changed one rank's activations by 80 KiB (found on
+    the full suite at the newest end; not yet explained)."""
     world, real = measured
+    out = tmp_path / "predicted.pt"
+    subprocess.run(
+        [sys.executable, "-m", "tests.helpers.dry_run", str(world), str(out)], env=child_env(), check=True, cwd=ROOT
+    )
+    predicted_runs = torch.load(out, weights_only=False)
     checked = 0
-    for name, sizes, model_name, checkpointing in dry_run.scenarios(world):
-        layout = ParallelLayout.resolve(world, **sizes)
-        options = ParallelOptions(activation_checkpointing=checkpointing)
-        workload = Workload(batch_size=dry_run.BATCH, seq_len=dry_run.SEQ)
-        build = partial(dry_run.build, dry_run.LAYERS[model_name])
-        # Every rank of the 2-layer model; the first and the last of the 12-layer one (their roles are the same).
-        for rank in range(world) if model_name == "tiny" else (0, world - 1):
-            run = simulate_rank(build, layout, rank, options=options, workload=workload)
-            predicted, actual = asdict(run.memory), real[rank][name]["memory"]
+    for name, _, _, _ in dry_run.scenarios(world):
+        for rank, run in predicted_runs[name].items():
+            predicted, actual = run["memory"], real[rank][name]["memory"]
             where = f"{name}, rank {rank}"
             for key in ("parameters", "gradients", "optimizer"):
                 assert predicted[key] == actual[key], (where, key, predicted[key], actual[key])
@@ -69,8 +68,7 @@ def test_the_dry_run_predicts_each_real_ranks_bytes_and_collectives(measured: tu
             low, high = (1 - ACTIVATION_TOLERANCE) * actual["peak"], (1 + PEAK_OVER) * actual["peak"]
             assert low <= predicted["peak"] <= high, (where, predicted, actual)
             expected = _step_calls(real[rank][name]["calls"])
-            got = _step_calls([asdict(call) for call in run.calls])
-            assert got == expected, where
+            assert _step_calls(run["calls"]) == expected, where
             assert expected, f"{where}: no collective recorded in a step on {world} ranks"
             checked += 1
     assert checked == sum(world if model == "tiny" else 2 for _, _, model, _ in dry_run.scenarios(world))

@@ -47,3 +47,39 @@ def scenarios(world_size: int) -> list[tuple[str, dict[str, int], str, bool]]:
         for model in LAYERS
         for checkpointing in CHECKPOINTING
     ]
+
+
+def predict(world_size: int) -> dict:
+    """The dry run of every scenario on ``world_size`` ranks: ``{name: {rank: {"memory": ..., "calls": [...]}}}`` for
+    every rank of the 2-layer model, the first and last of the 12-layer one (their roles are the same)."""
+    from dataclasses import asdict
+    from functools import partial
+
+    from lightning_tp.dryrun.engine import Workload, simulate_rank
+    from lightning_tp.layout import ParallelLayout
+    from lightning_tp.parallel_options import ParallelOptions
+
+    out: dict = {}
+    for name, sizes, model, checkpointing in scenarios(world_size):
+        layout = ParallelLayout.resolve(world_size, **sizes)
+        options = ParallelOptions(activation_checkpointing=checkpointing)
+        ranks = range(world_size) if model == "tiny" else (0, world_size - 1)
+        out[name] = {}
+        for rank in ranks:
+            run = simulate_rank(
+                partial(build, LAYERS[model]),
+                layout,
+                rank,
+                options=options,
+                workload=Workload(batch_size=BATCH, seq_len=SEQ),
+            )
+            out[name][rank] = {"memory": asdict(run.memory), "calls": [asdict(call) for call in run.calls]}
+    return out
+
+
+if __name__ == "__main__":  # `python -m tests.helpers.dry_run WORLD OUT`: in a process of its own, as a user runs it
+    import sys
+
+    import torch
+
+    torch.save(predict(int(sys.argv[1])), sys.argv[2])

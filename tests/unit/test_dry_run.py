@@ -230,3 +230,20 @@ def test_every_layout_of_the_distributed_suite_agrees_at_64_simulated_ranks():
         # have none at setup (tp 1).
         traced = layout.pp_size == layout.cp_size == layout.ep_size == 1
         assert compared >= 1 or not traced, (sizes, options)
+
+
+def test_fsdp2_alone_under_bf16_mixed_steps_on_the_newest_torch():
+    """Found by the dry run: FSDP2 alone (tp_size=1) under bf16-mixed failed in its backward on torch 2.15, where the
+    zero gradient given to a parameter without one must take the parameter's ``grad_dtype`` (float32 for FSDP2's
+    bfloat16 copy of a float32 weight). A real gloo run failed the same way; the dry run is one process."""
+    from lightning_tp.dryrun.engine import Workload, simulate_rank
+    from lightning_tp.parallel_options import ParallelOptions
+
+    run = simulate_rank(
+        _tiny(),
+        ParallelLayout.resolve(2, tp_size=1),
+        0,
+        options=ParallelOptions(precision="bf16-mixed"),
+        workload=Workload(**WORKLOAD),
+    )
+    assert run.not_traced is None and run.memory.gradients == run.memory.parameters  # float32 gradients
