@@ -105,7 +105,7 @@ def _check_point_to_point(runs: dict[int, Sequence[Call]]) -> None:
                 )
 
 
-def representative_ranks(layout: ParallelLayout) -> list[int]:
+def representative_ranks(layout: ParallelLayout, *, both_ends: bool = True) -> list[int]:
     """The ranks whose collectives decide agreement for ``layout`` without simulating every rank: rank 0 and the last
     rank, and on each axis (the mesh's and the expert mesh's) the ranks that differ from either of them in that
     coordinate alone, at the other end and next to it. Every group of rank 0 and of the last rank then has two or more
@@ -113,12 +113,13 @@ def representative_ranks(layout: ParallelLayout) -> list[int]:
 
     Args:
         layout: the sizes of every axis.
+        both_ends: the last rank's groups too; ``False``: rank 0's only (fewer ranks, for a quick check).
 
     Raises:
         Nothing: every layout has these ranks.
     """
     last = layout.world_size - 1
-    ranks = {0, last}
+    ranks = {0, last} if both_ends else {0}
     meshes = [(layout.mesh_axes, [getattr(layout, f"{axis}_size") for axis in layout.mesh_axes])]
     if layout.ep_size > 1:
         sizes = [layout.dp_replicate_size, layout.efsdp_size, layout.ep_size]
@@ -131,5 +132,6 @@ def representative_ranks(layout: ParallelLayout) -> list[int]:
             for position in {1, size - 1}:
                 if 0 < position < size:
                     ranks.add(position * stride)  # rank 0's neighbour and far end on this axis
-                    ranks.add(last - position * stride)  # the last rank's
+                    if both_ends:
+                        ranks.add(last - position * stride)  # the last rank's
     return sorted(ranks)

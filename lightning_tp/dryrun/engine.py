@@ -346,6 +346,7 @@ def measure_step(
     workload: Workload,
     recorder: CollectiveRecorder | None = None,
     device: torch.device | str = "cpu",
+    free_cycles: bool = False,
 ) -> Memory:
     """One training step of a parallelised ``model`` as it is, on fake tensors (the dry run) or real ones (what a
     test measures the dry run against): forward with the labels, backward, clipping, the optimizer's step, counting
@@ -357,6 +358,10 @@ def measure_step(
         workload: the batch, sequence length, optimizer and clipping.
         recorder: records the step's collectives, each with its phase; ``None``: not recorded.
         device: where the batch is made.
+        free_cycles: collect Python's reference cycles before each reading. A real run's collective can leave its
+            tensors in a cycle with its work object until the collector runs (seen on torch 2.15 with gloo), so the
+            count would depend on the collector's timing; a full collection costs a good part of a second in a large
+            process, so the dry run (whose fake collectives make no such cycle) leaves it off.
 
     Raises:
         ValueError: ``UntypedStorage.resize_`` is patched already (another count running in this process).
@@ -372,14 +377,14 @@ def measure_step(
     with live, live.resizes_seen(), recorder:
         for tensor in (*model.parameters(), *model.buffers()):
             live.track(tensor)
-        # Reference cycles freed before each reading: a collective's work object can hold its tensors in one until
-        # Python's collector runs (seen on torch 2.15 with gloo), which would make the count depend on its timing.
-        gc.collect()
+        if free_cycles:
+            gc.collect()
         live.reset_peak()
         start = live.live
         with recorder.phase("forward"), recorder.watch(model), autocast:
             loss = model(input_ids=ids, labels=ids).loss
-        gc.collect()
+        if free_cycles:
+            gc.collect()
         activations = live.live - start
         with recorder.phase("backward"):
             loss.backward()

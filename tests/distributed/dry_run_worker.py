@@ -46,7 +46,7 @@ def main() -> None:
         lightning_tp.parallelize(model, mesh=mesh, options=options, device="cpu")
         recorder = CollectiveRecorder()
         workload = Workload(batch_size=dry_run.BATCH, seq_len=dry_run.SEQ)
-        memory = measure_step(model, options=options, workload=workload, recorder=recorder)
+        memory = measure_step(model, options=options, workload=workload, recorder=recorder, free_cycles=True)
         axes = mesh_axis_names(model)
         calls = [asdict(replace(call, axis=axes.get(call.group, call.axis))) for call in recorder.calls]
         results[name] = {"memory": asdict(memory), "calls": calls}
