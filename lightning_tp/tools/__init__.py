@@ -1,4 +1,4 @@
-"""Command-line tools, run as ``python -m lightning_tp.export|inspect|gguf``:
+"""Command-line tools, run as ``python -m lightning_tp.export|inspect|plan|gguf``:
 
 - ``export``: a checkpoint of this strategy as a standard Transformers directory (adapters merged on request);
 - ``inspect``: will this model shard, and what will each rank hold (on the meta device, no processes);
