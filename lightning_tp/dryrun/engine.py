@@ -240,13 +240,11 @@ def mesh_axis_names(model: nn.Module) -> dict[tuple[int, ...], str]:
     return names
 
 
-def _coordinates(layout: ParallelLayout, rank: int) -> dict[str, int]:
-    sizes = [getattr(layout, f"{axis}_size") for axis in layout.mesh_axes]
-    coordinates = {}
-    for axis, size in reversed(list(zip(layout.mesh_axes, sizes, strict=True))):
-        coordinates[axis] = rank % size
-        rank //= size
-    return dict(reversed(coordinates.items()))
+def _forget_patches(model: nn.Module) -> None:
+    """Undo what ``parallelize`` patched for ``model`` (its modules' and the process-wide patches they own), as a
+    strategy's teardown does: the next simulated rank starts from an unpatched process."""
+    for module in model.modules():
+        undo_owned(module)
 
 
 def simulate_rank(
@@ -297,17 +295,16 @@ def simulate_rank(
                 # The forward stopped halfway (FSDP2's layers left unsharded): a fresh model, parallelised the same
                 # way, gives the exact parameters, gradients and optimizer states.
                 not_traced = str(why)
-                for module in model.modules():
-                    undo_owned(module)
+                _forget_patches(model)
                 with torch.device("meta"):
                     model = build_model()
                 parallelize(model, mesh=mesh, ep_size=layout.ep_size, options=options, device="meta")
                 memory = _step(model, CollectiveRecorder(), options, workload, traced=False)
             calls = tuple(_labelled(call, axes) for call in recorder.calls)
-            return RankRun(rank, _coordinates(layout, rank), memory, calls, not_traced if trace else None)
+            coordinates = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+            return RankRun(rank, coordinates, memory, calls, not_traced if trace else None)
         finally:
-            for module in model.modules():
-                undo_owned(module)
+            _forget_patches(model)
 
 
 def _labelled(call: Call, axes: dict[tuple[int, ...], str]) -> Call:

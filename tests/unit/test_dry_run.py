@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import lightning_tp
 from lightning_tp.layout import ParallelLayout
@@ -51,7 +50,9 @@ def _dry_run(model: torch.nn.Module, mesh) -> None:
 
 
 def _local_bytes(model: torch.nn.Module) -> int:
-    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+    from lightning_tp.dryrun.engine import local_bytes
+
+    return local_bytes(model.parameters())
 
 
 def test_a_70b_model_at_64_ranks_holds_a_64th_on_each_rank_and_nothing_is_allocated(world_of_64):
