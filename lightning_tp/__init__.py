@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_tp import fabric
 from lightning_tp.checkpoint.hf_saves import save_merged
 from lightning_tp.checkpoint.loading import from_pretrained, load_sharded
+from lightning_tp.checkpoint.stream import stream_weights
 from lightning_tp.checkpoint.trust import UntrustedCheckpointError
 from lightning_tp.checkpoint.validation import IncompleteCheckpointError
 from lightning_tp.layout import ParallelLayout
@@ -55,6 +56,7 @@ __all__ = [
     "parallel_state",
     "parallelize",
     "save_merged",
+    "stream_weights",
     "token_entropy",
     "token_logprobs",
     "vocab_parallel_cross_entropy",

@@ -42,22 +42,26 @@ def split_dims(tensor: DTensor) -> set[int]:
     return {p.dim for p in tensor.placements if isinstance(p, Shard) or is_strided_shard(p)}
 
 
-def whole_tensor(tensor: torch.Tensor, *, keep: bool, chunk_bytes: int | None = None) -> torch.Tensor | None:
-    """The whole of ``tensor`` (a DTensor, or a plain tensor) on the CPU where ``keep``, else ``None``. A collective
-    for a DTensor: every rank of its mesh calls it, each with its own ``keep``. See the module's docstring."""
+def whole_tensor(
+    tensor: torch.Tensor, *, keep: bool, chunk_bytes: int | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
+    """The whole of ``tensor`` (a DTensor, or a plain tensor) on ``device`` (the CPU by default) where ``keep``, else
+    ``None``. A collective for a DTensor: every rank of its mesh calls it, each with its own ``keep``. See the
+    module's docstring. The result may share storage with ``tensor`` (a plain tensor, or a replicated one, already
+    on ``device``): copy it before changing it."""
     if not isinstance(tensor, DTensor):
-        return tensor.detach().cpu() if keep else None
+        return tensor.detach().to(device) if keep else None
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     sharded = on_mesh_device(tensor.detach())
     whole_bytes = tensor.numel() * tensor.element_size()
     free = [dim for dim in range(tensor.ndim) if dim not in split_dims(tensor) and tensor.shape[dim] > 1]
     if whole_bytes <= chunk_bytes or not free:
         whole = sharded.full_tensor()
-        return whole.cpu() if keep else None
+        return whole.to(device) if keep else None
     dim = max(free, key=lambda d: tensor.shape[d])
     size = tensor.shape[dim]
     step = max(1, size * chunk_bytes // whole_bytes)
-    out = torch.empty(tensor.shape, dtype=tensor.dtype) if keep else None
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device) if keep else None
     local = sharded.to_local()
     for start in range(0, size, step):
         length = min(step, size - start)

@@ -554,6 +554,19 @@ def run_loss_parallel(ctx: Context) -> dict:
     return {"checks": run_loss_parallel_checks()}
 
 
+@SCENARIOS.register("stream_weights")
+def run_stream_weights(ctx: Context) -> dict:
+    """lightning_tp.stream_weights against save_pretrained and save_merged, its peak memory, its targets, a consumer's
+    tp parts and a failing rank (tests/distributed/stream_checks.py): TP 2, dp 2 x tp 2, and pp 2 on 8 ranks."""
+    from tests.distributed.stream_checks import run_stream_checks
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=tripwire_timeout())
+    world = dist.get_world_size()
+    pp_size = 2 if world == 8 else 1
+    return run_stream_checks(ctx.out, tp_size=ctx.layout["tp_size"] or world, pp_size=pp_size)
+
+
 def run_error(ctx: Context, name: str) -> dict:
     build, kwargs, _ = ERROR_CASES[name]
     module = ParityModule(build, **ERROR_MODULE_KWARGS.get(name, {}))
