@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import json
+import os
 import random
 import zlib
 from collections.abc import Callable
@@ -276,7 +278,7 @@ class GRPO(L.LightningModule):
             else:
                 with self.policy.disable_adapter():
                     reference = self.logprobs(self.policy, rollout)[0]
-        losses, norms = [], []
+        losses, norms, scales = [], [], []
         for _ in range(self.num_iterations):
             logp, entropy = self.logprobs(self.policy, rollout, entropy=self.entropy_coef > 0)
             ratio = torch.exp(logp - (old if old is not None else logp.detach()))
@@ -288,11 +290,13 @@ class GRPO(L.LightningModule):
             if entropy is not None:
                 per_token = per_token - self.entropy_coef * entropy
             loss, whole_loss = self.loss(per_token, mask)
+            scale = self.loss(per_token.detach().abs(), mask)[1]  # the size of the terms the loss sums
             optimizer.zero_grad()
             self.manual_backward(loss)
             norms.append(float(lightning_tp.grad_norm(self.policy)))
             optimizer.step()
             losses.append(float(whole_loss))
+            scales.append(float(scale))
         mean_reward = float(self.global_sum(rewards.sum()) / self.global_sum(torch.tensor(float(rewards.numel()))))
         self.history.append(
             {
@@ -302,6 +306,7 @@ class GRPO(L.LightningModule):
                 "mean_reward": mean_reward,
                 "losses": losses,
                 "grad_norms": norms,
+                "loss_scales": scales,
             }
         )
         self.print(f"step {self.global_step:3d}  reward {mean_reward:.4f}  loss {losses[-1]:.6f}  grad {norms[-1]:.6f}")
@@ -405,6 +410,9 @@ def main() -> None:
     parser.add_argument("--loss-type", default="token", choices=("token", "sequence", "dr_grpo"))
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--engine", default=None, help="host:port of examples/engine.py: weights pushed every step")
+    parser.add_argument(
+        "--record", default=None, help="a directory: each rank's completions, rewards, losses per step (JSON)"
+    )
     args = parser.parse_args()
 
     tokenizer = None
@@ -412,7 +420,8 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompts = Prompts(args.steps * args.prompts_per_step, tokenizer=tokenizer)
+    # As many prompts as the longest run reads: the first steps of any run see the same prompts.
+    prompts = Prompts(max(args.steps, 200) * args.prompts_per_step, tokenizer=tokenizer)
     pad = CharTokenizer.pad_token_id if tokenizer is None else (tokenizer.pad_token_id or tokenizer.eos_token_id)
     module = GRPO(
         args.model,
@@ -433,6 +442,10 @@ def main() -> None:
     )
     loader = prompt_loader(prompts, per_step=args.prompts_per_step, devices=args.devices, tp_size=args.tp_size, pad=pad)
     trainer.fit(module, loader)
+    if args.record:  # each rank's own prompts (a data-parallel rank's share of each step)
+        os.makedirs(args.record, exist_ok=True)
+        with open(os.path.join(args.record, f"rank{trainer.global_rank}.json"), "w") as file:
+            json.dump(module.history, file)
 
 
 if __name__ == "__main__":

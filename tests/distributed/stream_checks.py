@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import lightning_tp
 from lightning_tp.dryrun.record import LiveBytes
+from lightning_tp.parallel.gather import split_dims
 from tests.helpers.cases import _lora
 from tests.helpers.models import build_causal_lm, tiny_config
 
@@ -68,7 +69,8 @@ def run_stream_checks(out: Path, *, tp_size: int, pp_size: int) -> dict[str, Any
     record: dict[str, Any] = {"world": dist.get_world_size()}
     kind = "tied" if pp_size > 1 else "qwen3"  # pp: a weight tied across stages, streamed once
     torch.manual_seed(0)
-    config = tiny_config(kind, num_hidden_layers=4) if pp_size > 1 else tiny_config(kind)
+    deep = {"num_hidden_layers": 4, "layer_types": ["full_attention"] * 4} if pp_size > 1 else {}
+    config = tiny_config(kind, **deep)
     model = lightning_tp.parallelize(build_causal_lm(config), **sizes)
     directory = out / "stream_save"
     model.save_pretrained(directory)
@@ -81,8 +83,20 @@ def run_stream_checks(out: Path, *, tp_size: int, pp_size: int) -> dict[str, Any
     del streamed
 
     sizes_bytes = [t.numel() * t.element_size() for t in model.state_dict().values()]
-    chunk = max(64, max(sizes_bytes) // 8)
-    record["memory"] = {**_peak(model, chunk), "largest": max(sizes_bytes), "chunk": chunk}
+    chunk = max(64, max(sizes_bytes) // 32)
+    # A tensor that every placement splits on every dim (a row-wise weight under FSDP2) is gathered whole, not in
+    # slices (lightning_tp/parallel/gather.py): its collectives' buffers count once more.
+    whole_gathers = [
+        t.numel() * t.element_size()
+        for t in model.state_dict().values()
+        if isinstance(t, DTensor) and all(d in split_dims(t) or t.shape[d] == 1 for d in range(t.ndim))
+    ]
+    record["memory"] = {
+        **_peak(model, chunk),
+        "largest": max(sizes_bytes),
+        "chunk": chunk,
+        "largest_split_everywhere": max(whole_gathers, default=0),
+    }
 
     # Which ranks receive.
     record["targets"] = {
@@ -116,7 +130,7 @@ def run_stream_checks(out: Path, *, tp_size: int, pp_size: int) -> dict[str, Any
 
     # LoRA merged on the fly, against save_merged of the same sharded model.
     torch.manual_seed(0)
-    peft_model = lightning_tp.parallelize(_lora(kind, {"num_hidden_layers": 4} if pp_size > 1 else None), **sizes)
+    peft_model = lightning_tp.parallelize(_lora(kind, deep or None), **sizes)
     merged_dir = out / "stream_merged"
     lightning_tp.save_merged(peft_model, merged_dir)
     merged = {name: tensor.clone() for name, tensor in lightning_tp.stream_weights(peft_model, chunk_bytes=chunk)}
