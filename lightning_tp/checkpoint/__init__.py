@@ -9,7 +9,7 @@ read already sharded, and standard Hugging Face directories written from a shard
   ``dcp_layouts``: layouts DCP writes wrongly, saved plainly; ``readers``: checkpoints read one tensor at a time;
   ``remote``: fsspec URLs; ``safetensors``: the format written one tensor at a time;
 - ``loading``: pretrained safetensors read as each rank's slices; ``hf_saves``: ``save_pretrained``, the adapter save
-  and ``save_merged`` of a sharded model.
+  and ``save_merged`` of a sharded model; ``stream``: the whole weights one tensor at a time, for an inference engine.
 
 May import (checked by tests/unit/test_repo.py): ``compat``, ``composition``, ``patches``, ``layout``, ``state``,
 ``plans``, ``parallel``.
@@ -28,6 +28,7 @@ __all__ = [
     "safetensors",
     "stage_files",
     "state",
+    "stream",
     "trust",
     "validation",
 ]
