@@ -4,8 +4,8 @@ engine loads after each training step (GRPO's rollouts), without writing a direc
 Each tensor is gathered over the ranks that hold it (the gather of ``save_pretrained``:
 :func:`~lightning_tp.parallel.gather.whole_tensor`, in slices where the tensor is large), handed to the caller on the
 target ranks, and dropped before the next: no rank holds more than one whole tensor beyond its shards, plus the
-buffers of one slice's gather (a few times ``chunk_bytes``: measured on gloo, 3.5 of them at most) and a LoRA layer's
-adapters, whole. A LoRA layer's adapters are
+buffers of one slice's gather (a few times ``chunk_bytes``: measured on gloo, 4.25 of them at most) and a LoRA
+layer's adapters, whole. A LoRA layer's adapters are
 merged into the gathered base weight in place, slice by slice (PEFT's own delta, in fp32, as
 :func:`~lightning_tp.save_merged` computes it).
 

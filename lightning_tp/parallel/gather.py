@@ -12,7 +12,9 @@ Two things torch's ``DTensor.full_tensor()`` does not do for them:
   most :data:`CHUNK_BYTES` whole, copied to the CPU before the next: each GPU holds one slice of one tensor at a
   time. (Gathering to rank 0 only would not lower the peak where it binds: rank 0 holds the same share of the model
   as every other rank, plus the whole tensor.) A tensor split along every dimension (a row-wise weight under FSDP2)
-  is gathered whole, one tensor at a time.
+  is sliced along a dimension that one placement splits evenly: the same rows of every rank's shard, gathered
+  together and put back in place. Only a tensor with neither (uneven or doubly split on every dimension) is gathered
+  whole, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -55,30 +57,65 @@ def whole_tensor(
     sharded = on_mesh_device(tensor.detach())
     whole_bytes = tensor.numel() * tensor.element_size()
     free = [dim for dim in range(tensor.ndim) if dim not in split_dims(tensor) and tensor.shape[dim] > 1]
-    if whole_bytes <= chunk_bytes or not free:
-        whole = sharded.full_tensor()
-        return whole.to(device) if keep else None
-    dim = max(free, key=lambda d: tensor.shape[d])
-    size = tensor.shape[dim]
-    step = max(1, size * chunk_bytes // whole_bytes)
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device) if keep else None
-    local = sharded.to_local()
-    for start in range(0, size, step):
-        length = min(step, size - start)
-        shape = list(tensor.shape)
-        shape[dim] = length
-        # A slice along an unsplit dimension has the same placements: each rank's shard of it is that slice of its
-        # own shard (uneven and strided shards included).
+    if whole_bytes > chunk_bytes and free:
+        dim = max(free, key=lambda d: tensor.shape[d])
+        return _gather_slices(sharded, dim=dim, blocks=1, keep=keep, chunk_bytes=chunk_bytes, device=device)
+    split_once = _evenly_split_once(tensor)
+    if whole_bytes > chunk_bytes and split_once is not None:
+        dim, blocks = split_once
+        return _gather_slices(sharded, dim=dim, blocks=blocks, keep=keep, chunk_bytes=chunk_bytes, device=device)
+    whole = sharded.full_tensor()
+    return whole.to(device) if keep else None
+
+
+def _evenly_split_once(tensor: DTensor) -> tuple[int, int] | None:
+    """A dimension of ``tensor`` split by one placement only, a plain ``Shard`` dividing it evenly in blocks of more
+    than one element, and that placement's mesh axis size (the blocks); ``None`` where there is none."""
+    mesh = tensor.device_mesh
+    for dim in sorted(range(tensor.ndim), key=lambda d: -tensor.shape[d]):
+        splits = [
+            axis
+            for axis, p in enumerate(tensor.placements)
+            if (isinstance(p, Shard) or is_strided_shard(p)) and p.dim == dim
+        ]
+        if len(splits) != 1 or is_strided_shard(tensor.placements[splits[0]]):
+            continue
+        blocks = mesh.size(splits[0])
+        if tensor.shape[dim] % blocks == 0 and tensor.shape[dim] // blocks > 1:
+            return dim, blocks
+    return None
+
+
+def _gather_slices(
+    sharded: DTensor, *, dim: int, blocks: int, keep: bool, chunk_bytes: int, device: torch.device | str
+) -> torch.Tensor | None:
+    """The whole of ``sharded`` gathered in slices along ``dim``, each at most ``chunk_bytes`` whole.
+
+    ``blocks == 1``: ``dim`` is split by no placement, so each rank's shard of a slice is that slice of its own shard
+    (uneven and strided shards included). ``blocks > 1``: ``dim`` is split evenly into ``blocks`` by one plain
+    ``Shard``; rows ``[start, start + length)`` of every rank's shard are, together, rows ``start + b * block`` of
+    each block ``b``: gathered as one tensor of ``blocks * length`` rows split the same way, then put back in place."""
+    shape, local = list(sharded.shape), sharded.to_local()
+    block = shape[dim] // blocks  # the rows of one rank's shard along `dim`
+    whole_bytes = sharded.numel() * sharded.element_size()
+    step = max(1, shape[dim] * chunk_bytes // whole_bytes // blocks)
+    out = torch.empty(sharded.shape, dtype=sharded.dtype, device=device) if keep else None
+    for start in range(0, block, step):
+        length = min(step, block - start)
+        piece_shape = list(shape)
+        piece_shape[dim] = length * blocks
         piece = DTensor.from_local(
             local.narrow(dim, start, length).contiguous(),
             sharded.device_mesh,
             sharded.placements,
-            shape=torch.Size(shape),
-            stride=_contiguous_stride(shape),
+            shape=torch.Size(piece_shape),
+            stride=_contiguous_stride(piece_shape),
         )
         gathered = piece.full_tensor()
         if out is not None:
-            out.narrow(dim, start, length).copy_(gathered)
+            for b in range(blocks):
+                out.narrow(dim, b * block + start, length).copy_(gathered.narrow(dim, b * length, length))
+        del piece, gathered
     return out
 
 

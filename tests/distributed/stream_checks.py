@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 
 import lightning_tp
 from lightning_tp.dryrun.record import LiveBytes
-from lightning_tp.parallel.gather import split_dims
 from tests.helpers.cases import _lora
 from tests.helpers.models import build_causal_lm, tiny_config
 
@@ -84,18 +83,10 @@ def run_stream_checks(out: Path, *, tp_size: int, pp_size: int) -> dict[str, Any
 
     sizes_bytes = [t.numel() * t.element_size() for t in model.state_dict().values()]
     chunk = max(64, max(sizes_bytes) // 32)
-    # A tensor that every placement splits on every dim (a row-wise weight under FSDP2) is gathered whole, not in
-    # slices (lightning_tp/parallel/gather.py): its collectives' buffers count once more.
-    whole_gathers = [
-        t.numel() * t.element_size()
-        for t in model.state_dict().values()
-        if isinstance(t, DTensor) and all(d in split_dims(t) or t.shape[d] == 1 for d in range(t.ndim))
-    ]
     record["memory"] = {
         **_peak(model, chunk),
         "largest": max(sizes_bytes),
         "chunk": chunk,
-        "largest_split_everywhere": max(whole_gathers, default=0),
     }
 
     # Which ranks receive.

@@ -166,12 +166,10 @@ def test_stream_weights(layout_results: list[dict], layout: str) -> None:
         bound = (result["lora"]["rank"] + 2) * unit_roundoff(FP32) * result["lora"]["max_value"]
         assert result["lora"]["max_gap"] <= bound, result["lora"]
         memory = result["memory"]
-        # One whole tensor, and one slice's gather: its shard, the gathered slice and the collective's buffers for it
-        # (measured on gloo: 3.5 slices at most; a bound of 4 slices, set by `chunk_bytes`, not by the tensor). A
-        # tensor split on every dim (a row-wise weight under FSDP2: 2-D) is gathered whole in one step: DTensor's
-        # gather over each mesh axis in turn holds the intermediate (1/tp of it) and the concatenation (one more).
-        split_everywhere = memory["largest_split_everywhere"]
-        slices = 4 * memory["chunk"] + (1.5 * split_everywhere if split_everywhere else 0)
+        # One whole tensor, and one slice's gather: its shard, the gathered slice and the collectives' buffers for
+        # it (over each mesh axis in turn under 2-D), set by `chunk_bytes`, not by the tensor: measured on gloo up to
+        # 4.25 slices, bounded by 5.
+        slices = 5 * memory["chunk"]
         assert 0 < memory["peak"] <= memory["largest"] + slices, memory
         lora_memory = result["lora_memory"]
         assert lora_memory["peak"] <= memory["largest"] + slices + lora_memory["adapters"], lora_memory
