@@ -6,7 +6,7 @@ of the launch) against one process generating the same prompts, and the weights'
     torchrun --standalone --nproc-per-node 2 benchmarks/post_training.py --out benchmarks/post_training.json
 
 Each launch adds its entry (keyed by its TP size) to ``--out``. The model: a Llama-style decoder of ``--hidden``
-width and ``--layers`` layers, random weights, fp32 on the CPU (bf16 on a GPU with ``--device cuda``).
+width and ``--layers`` layers, random weights, fp32 on the CPU.
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ class GRPO(L.LightningModule):
         ]
         texts = [self._decode(ids) for ids in completions]
         scores = [self.reward(prompts[i // self.group_size], text) for i, text in enumerate(texts)]
-        return torch.tensor(scores, dtype=torch.float32)
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
 
     def _decode(self, ids: torch.Tensor) -> str:
         return self.tokenizer.decode(ids.tolist())
@@ -254,10 +254,10 @@ class GRPO(L.LightningModule):
         averaged, so it is scaled by their number) and the whole batch's loss (for the log)."""
         if self.loss_type == "sequence":
             numerator = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)).sum()
-            denominator = self.global_sum(torch.tensor(float(mask.shape[0])))
+            denominator = self.global_sum(torch.tensor(float(mask.shape[0]), device=self.device))
         else:
             numerator = (per_token * mask).sum()
-            count = mask.sum() if self.loss_type == "token" else torch.tensor(float(mask.numel()))
+            count = mask.sum() if self.loss_type == "token" else torch.tensor(float(mask.numel()), device=self.device)
             denominator = self.global_sum(count.detach())
         size, _ = self.data_parallel()
         return numerator * size / denominator, self.global_sum(numerator.detach()) / denominator
@@ -297,7 +297,8 @@ class GRPO(L.LightningModule):
             optimizer.step()
             losses.append(float(whole_loss))
             scales.append(float(scale))
-        mean_reward = float(self.global_sum(rewards.sum()) / self.global_sum(torch.tensor(float(rewards.numel()))))
+        count = torch.tensor(float(rewards.numel()), device=self.device)
+        mean_reward = float(self.global_sum(rewards.sum()) / self.global_sum(count))
         self.history.append(
             {
                 "completions": rollout["completions"].tolist(),
@@ -325,6 +326,7 @@ class GRPO(L.LightningModule):
             self.sender = WeightSender(self.engine, sender=self.global_rank == 0)
         sent = self.sender.send(lightning_tp.stream_weights(self.policy, targets="first", device="cpu"))
         probes = collate([{"ids": self.tokenizer.encode(text), "index": 0} for text in PROBES])
+        probes = {key: value.to(self.device) for key, value in probes.items()}
         eos, pad = self._special_ids()
         was_training = self.policy.training
         self.policy.eval()

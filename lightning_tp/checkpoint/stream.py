@@ -5,14 +5,15 @@ Each tensor is gathered over the ranks that hold it (the gather of ``save_pretra
 :func:`~lightning_tp.parallel.gather.whole_tensor`, in slices where the tensor is large), handed to the caller on the
 target ranks, and dropped before the next: no rank holds more than one whole tensor beyond its shards, plus the
 buffers of one slice's gather (a few times ``chunk_bytes``: measured on gloo, 4.25 of them at most) and a LoRA
-layer's adapters, whole. A LoRA layer's adapters are
-merged into the gathered base weight in place, slice by slice (PEFT's own delta, in fp32, as
-:func:`~lightning_tp.save_merged` computes it).
+layer's adapters, whole. The adapters are merged into the gathered base weight in place, slice by slice (PEFT's own
+delta, in fp32, as :func:`~lightning_tp.save_merged` computes it).
 
-Never a hang: before each tensor the ranks agree, in one small all-reduce over the whole job, that none has stopped
-(a rank whose loop raised, or broke off, closes its stream, which tells the others), so every other rank raises
-instead of waiting in a gather that rank never joins. Under pipeline parallelism each stage's ranks stream their own
-stages' tensors, and the ranks take as many turns as the stage with the most.
+Never a hang when a rank's own loop stops: before each tensor (and once after the last) the ranks agree, in one small
+all-reduce over the whole job, that none has stopped (a rank whose loop raised, or broke off, closes its stream, which
+tells the others), so every other rank raises instead of waiting in a gather that rank never joins. (A failure inside
+a gather itself, a device out of memory, is the collective's own: the process group's timeout ends it.) Under
+pipeline parallelism each stage's ranks stream their own stages' tensors, and the ranks take as many turns as the
+stage with the most.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_tp.checkpoint.publish import arrive_together, on_every_rank
-from lightning_tp.compat import distributed_is_initialized, is_strided_shard
+from lightning_tp.compat import distributed_is_initialized, is_strided_shard, strided_split_factor
 from lightning_tp.layout import CP_AXIS, DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS
 from lightning_tp.parallel.gather import CHUNK_BYTES, whole_tensor
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, delta_weights, merged_weight
 from lightning_tp.parallel.pipeline import pipeline_runner
 from lightning_tp.parallel.pipeline_tied import counted_on_another_stage
 from lightning_tp.state import parallel_state
+
+_STOPPED_ELSEWHERE = (
+    "`stream_weights` stopped on another rank before its end (its loop raised or broke off): every rank must iterate "
+    "the stream to its end. See that rank's error."
+)
 
 #: Which ranks receive the tensors: every rank; the first rank of each data-parallel replica (tp and cp coordinate 0:
 #: under pipeline parallelism, of each stage); or one rank per stage (also data-parallel coordinate 0).
@@ -63,7 +69,9 @@ def stream_weights(
     """The whole weights of a model sharded by this package (or of a plain one), one tensor at a time, as
     ``(name, tensor)`` pairs under the names of the model's own ``save_pretrained`` (a tied weight once, under its
     first name). Call it on every rank and iterate to the end on every rank (the non-target ranks get nothing but take
-    part in each gather); see the module's docstring for memory and failures.
+    part in each gather); see the module's docstring for memory and failures. A tensor already whole on the yielding
+    device (a replicated one, or any tensor of a model on one process) may be the model's own storage: copy it
+    before changing it.
 
     Args:
         model: the model (a Transformers model or a ``PeftModel``) set up by a strategy or
@@ -132,10 +140,7 @@ def _stream(
             if distributed:
                 finished = _another_stopped()
                 if finished:
-                    raise RuntimeError(
-                        "`stream_weights` stopped on another rank before its end (its loop raised or broke off): "
-                        "every rank must iterate the stream to its end. See that rank's error."
-                    )
+                    raise RuntimeError(_STOPPED_ELSEWHERE)
             if turn >= len(items):  # a pipeline stage with fewer tensors than another: a turn to stay in step
                 continue
             item = items[turn]
@@ -143,10 +148,13 @@ def _stream(
             if whole is None:
                 continue
             if consumer_tp is not None:
-                whole = consumer_part(item.tensor, whole, *consumer_tp)
+                whole = _consumer_part(item.tensor, whole=whole, size=consumer_tp[0], rank=consumer_tp[1])
             yield item.name, whole
             del whole  # the caller's reference is all that holds it now
+        # One more round: a rank that stops after its last tensor (its loop raised on it) is heard here too.
         finished = True
+        if distributed and _another_stopped():
+            raise RuntimeError(_STOPPED_ELSEWHERE)
     finally:
         if distributed and not finished:
             # This rank's loop stopped before the end (it raised or broke off, and closed this generator): the others
@@ -222,16 +230,32 @@ def _items(model: nn.Module, *, merge_lora: bool) -> list[_Item]:
 
 
 def _base_model(model: nn.Module) -> nn.Module:
-    """The Transformers model whose names are streamed: a ``PeftModel``'s base model, the model itself, or the first
-    Transformers (or PEFT) model inside a module holding one (a LightningModule)."""
+    """The Transformers model whose names are streamed: a ``PeftModel``'s base model, the model itself, or the one
+    Transformers (or PEFT) model inside a module holding one (a LightningModule).
+
+    Raises:
+        ValueError: the module holds several (a policy and its reference): pass the one to stream.
+    """
     from transformers import PreTrainedModel
 
-    for module in model.modules():
-        if hasattr(module, "get_base_model") and hasattr(module, "peft_config"):
-            return module.get_base_model()
-        if isinstance(module, PreTrainedModel):
-            return module
-    return model
+    def is_model(module: nn.Module) -> bool:
+        return isinstance(module, PreTrainedModel) or (
+            hasattr(module, "get_base_model") and hasattr(module, "peft_config")
+        )
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if is_model(module) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
+            found.append((name, module))
+    if len(found) > 1:
+        raise ValueError(
+            f"`stream_weights` was given a module holding several models ({[n for n, _ in found]}): pass the one to "
+            "stream (the policy, say: `stream_weights(self.policy)`)."
+        )
+    if not found:
+        return model
+    outer = found[0][1]
+    return outer.get_base_model() if hasattr(outer, "peft_config") and hasattr(outer, "get_base_model") else outer
 
 
 def _gathered(item: _Item, *, keep: bool, device: torch.device, chunk: int | None) -> torch.Tensor | None:
@@ -247,12 +271,12 @@ def _gathered(item: _Item, *, keep: bool, device: torch.device, chunk: int | Non
     local = item.tensor.to_local() if isinstance(item.tensor, DTensor) else item.tensor
     if whole.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         whole = whole.clone()  # the model's own storage (a plain or replicated weight): merged into a copy
-    merge_into(item.layer, whole, adapters, chunk_bytes=CHUNK_BYTES if chunk is None else chunk)
+    _merge_into(item.layer, whole=whole, adapters=adapters, chunk_bytes=CHUNK_BYTES if chunk is None else chunk)
     return whole
 
 
-def merge_into(
-    layer: nn.Module, whole: torch.Tensor, adapters: Mapping[str, torch.Tensor], *, chunk_bytes: int
+def _merge_into(
+    layer: nn.Module, *, whole: torch.Tensor, adapters: Mapping[str, torch.Tensor], chunk_bytes: int
 ) -> None:
     """Merge ``layer``'s active adapters into its gathered base weight ``whole``, in place: the values
     :func:`~lightning_tp.parallel.lora.merged_weight` gives, computed for slices of ``lora_B``'s rows (each at most
@@ -269,7 +293,7 @@ def merge_into(
     for start in range(0, total, step):
         length = min(step, total - start)
         deltas = delta_weights(
-            layer, {k: v.narrow(0, start, length) if k in b_keys else v for k, v in adapters.items()}
+            layer, adapters={k: v.narrow(0, start, length) if k in b_keys else v for k, v in adapters.items()}
         )
         if dim is None:
             dim = _delta_dim(whole.shape, deltas[0].shape, length)
@@ -304,7 +328,7 @@ def _tp_split(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
     placement = tensor.placements[names.index(TP_AXIS)]
     if is_strided_shard(placement):
-        return placement.dim, int(placement.split_factor)
+        return placement.dim, strided_split_factor(placement)
     if isinstance(placement, Shard):
         return placement.dim, 1
     return None
@@ -328,7 +352,7 @@ def _check_consumer(items: list[_Item], consumer_tp: tuple[int, int] | None) -> 
             )
 
 
-def consumer_part(tensor: torch.Tensor, whole: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+def _consumer_part(tensor: torch.Tensor, *, whole: torch.Tensor, size: int, rank: int) -> torch.Tensor:
     """Part ``rank`` of ``size`` of ``whole`` (the gathered ``tensor``), cut as this package's plan cuts ``tensor`` on
     the tp axis: along its split dim, each packed block cut alike; whole where the plan keeps it whole."""
     split = _tp_split(tensor)
@@ -339,4 +363,4 @@ def consumer_part(tensor: torch.Tensor, whole: torch.Tensor, size: int, rank: in
     return (parts[0] if blocks == 1 else torch.cat(parts, dim=dim)).contiguous()
 
 
-__all__ = ["TARGETS", "consumer_part", "merge_into", "stream_weights"]
+__all__ = ["TARGETS", "stream_weights"]

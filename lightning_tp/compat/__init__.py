@@ -74,7 +74,9 @@ from lightning_tp.compat.torch_distributed import (
     install_dtensor_rng_tracker,
     is_strided_shard,
     process_group_of,
+    standalone_process_group,
     strided_shard,
+    strided_split_factor,
     torch_get_layout,
 )
 from lightning_tp.compat.transformers import (
@@ -111,6 +113,8 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "strided_shard",
     "is_strided_shard",
+    "standalone_process_group",
+    "strided_split_factor",
     "cutting_strided_shards",
     "install_dtensor_rng_tracker",
     "forward_only_actions",

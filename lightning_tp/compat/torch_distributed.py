@@ -23,6 +23,8 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "strided_shard",
     "is_strided_shard",
+    "strided_split_factor",
+    "standalone_process_group",
     "cutting_strided_shards",
     "install_dtensor_rng_tracker",
     "forward_only_actions",
@@ -96,6 +98,28 @@ def is_strided_shard(placement: Any) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(placement, _StridedShard)
+
+
+def strided_split_factor(placement: Any) -> int:
+    """How many blocks a ``_StridedShard`` placement cuts alike (its ``split_factor``: q|k|v, gate|up, or the TP
+    shards that FSDP2 shards further); 1 for any other placement."""
+    return int(placement.split_factor) if is_strided_shard(placement) else 1
+
+
+def standalone_process_group(store: Any, *, rank: int, size: int, backend: str, timeout: Any) -> Any:
+    """A process group of ``size`` ranks on ``store``, outside the default group and its job (a hand-off between two
+    jobs): torch's backend classes built directly, as ``init_process_group`` builds them inside.
+
+    Raises:
+        ValueError: ``backend`` is neither ``"gloo"`` nor ``"nccl"``.
+    """
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # torch's own field for it (no public setter)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ValueError(f"The weight hand-off's backend must be 'gloo' or 'nccl', got {backend!r}.")
 
 
 @contextmanager

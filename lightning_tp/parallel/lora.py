@@ -222,16 +222,24 @@ def merged_weight(layer: nn.Module, *, base_weight: torch.Tensor, adapters: Mapp
     assert set(adapters) == set(adapter_keys(layer)), (sorted(adapters), adapter_keys(layer))  # by the callers
     with torch.no_grad():
         merged = base_weight.float()
-        for delta in delta_weights(layer, adapters):
+        for delta in delta_weights(layer, adapters=adapters):
             merged = merged + delta
     return merged.to(base_weight.dtype)
 
 
-def delta_weights(layer: nn.Module, adapters: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+def delta_weights(layer: nn.Module, *, adapters: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """PEFT's ``get_delta_weight`` of each active adapter of the LoRA ``layer``, in fp32, computed on ``adapters``
     (tensors under the keys of :func:`adapter_keys`; the layer's own are left as they are). Given a slice of the
     rows of each ``lora_B`` (``lora_embedding_B``), each delta is that slice of the whole delta, along the dim its
-    layout puts ``B``'s rows on (the output features of a linear layer, the input features of a ``Conv1D``)."""
+    layout puts ``B``'s rows on (the output features of a linear layer, the input features of a ``Conv1D``).
+
+    Args:
+        layer: a PEFT LoRA layer (checked with :func:`check_mergeable`); it supplies the math and hyper-parameters.
+        adapters: the tensors to compute with, whole (or ``lora_B`` sliced by rows), under :func:`adapter_keys`.
+
+    Raises:
+        Nothing of its own: PEFT's errors for shapes that do not fit.
+    """
     active = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
     tensors = {f"layer.{key}": tensor.float() for key, tensor in adapters.items()}
     with torch.no_grad():

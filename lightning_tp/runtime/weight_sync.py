@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -24,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_tp.compat import standalone_process_group
 
 #: The dtypes a header may name: anything else is refused (the header is untrusted input).
 DTYPES = {
@@ -35,23 +39,27 @@ BUFFER_BYTES = 256 * 2**20
 #: Each tensor of a bucket starts at a multiple of this many bytes (so that a view of the bytes as its dtype is
 #: aligned).
 ALIGN = 16
+#: The largest header accepted (a bucket's names, dtypes and shapes: a few hundred bytes a tensor).
+MAX_HEADER_BYTES = 16 * 2**20
 #: The header length that ends an update, and the one that ends the hand-off.
 _END_OF_UPDATE, _CLOSED = 0, -1
 
 
 def _group(address: str, *, rank: int, size: int, host: bool, backend: str, timeout: timedelta) -> dist.ProcessGroup:
     """A process group of ``size`` ranks of its own, joined through a TCP store at ``address`` (``host:port``)
-    that the ``host`` rank serves."""
+    that the ``host`` rank serves.
+
+    Raises:
+        ValueError: ``address`` is not ``host:port``, or ``backend`` is neither ``"gloo"`` nor ``"nccl"``.
+    """
     hostname, _, port = address.rpartition(":")
     if not hostname or not port.isdigit():
         raise ValueError(f"The weight hand-off's address must be 'host:port', got {address!r}.")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"The weight hand-off's backend must be 'gloo' or 'nccl', got {backend!r}.")
     store = dist.TCPStore(hostname, int(port), size, is_master=host, timeout=timeout)
     store = dist.PrefixStore("lightning_tp/weight_sync", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, size)
-    raise ValueError(f"The weight hand-off's backend must be 'gloo' or 'nccl', got {backend!r}.")
+    return standalone_process_group(store, rank=rank, size=size, backend=backend, timeout=timeout)
 
 
 class WeightSender:
@@ -70,7 +78,7 @@ class WeightSender:
         device: where buckets are packed (``"cpu"`` for gloo; the GPU for NCCL).
 
     Raises:
-        ValueError: a bad address or backend.
+        ValueError: a bad address or backend, ``sender_rank`` not below ``senders``, or a count or size below 1.
     """
 
     def __init__(
@@ -86,10 +94,14 @@ class WeightSender:
         timeout: timedelta = timedelta(minutes=10),
         device: torch.device | str = "cpu",
     ):
-        self.engines, self.senders, self.buffer_bytes = engines, senders, buffer_bytes
+        if min(senders, engines, buffer_bytes) < 1 or not 0 <= sender_rank < senders:
+            raise ValueError(
+                f"WeightSender needs senders, engines and buffer_bytes of at least 1 and 0 <= sender_rank < senders; "
+                f"got senders={senders}, engines={engines}, buffer_bytes={buffer_bytes}, sender_rank={sender_rank}."
+            )
+        self.engines, self.buffer_bytes = engines, buffer_bytes
         self.device = torch.device(device)
         self.group = None
-        self.sent: list[dict[str, float]] = []  # per update: tensors, bytes, seconds
         if sender:
             # Ranks: the engine's first (it serves the store), then its others, then the senders.
             self.group = _group(
@@ -103,34 +115,44 @@ class WeightSender:
 
     def send(self, stream: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Send one update: every ``(name, tensor)`` of ``stream``, then its end. Every rank of the job calls it
-        with its stream (the non-sending ranks' stream yields nothing, but gathers).
+        with its stream (the non-sending ranks' stream yields nothing, but gathers). A failure here (the engine gone)
+        closes the stream first, which tells the job's other ranks (see :func:`lightning_tp.stream_weights`).
+
+        Args:
+            stream: ``(name, tensor)`` pairs, :func:`lightning_tp.stream_weights`'s.
 
         Returns:
             what this rank sent: ``tensors``, ``bytes``, ``seconds``.
+
+        Raises:
+            RuntimeError: the engine did not receive within ``timeout``, or its connection closed.
         """
         start, count, total = time.perf_counter(), 0, 0
         bucket: list[tuple[str, torch.Tensor]] = []
         filled = 0
-        for name, tensor in stream:
-            if self.group is None:
-                continue
-            size = tensor.numel() * tensor.element_size()
-            if bucket and filled + size > self.buffer_bytes:
-                self._send_bucket(bucket)
-                bucket, filled = [], 0
-            bucket.append((name, tensor))
-            filled += size
-            count, total = count + 1, total + size
-            if filled >= self.buffer_bytes:  # a tensor as large as a bucket: sent alone, as it is
-                self._send_bucket(bucket)
-                bucket, filled = [], 0
-        if self.group is not None:
-            if bucket:
-                self._send_bucket(bucket)
-            self._send_header(_END_OF_UPDATE)
-        record = {"tensors": count, "bytes": total, "seconds": time.perf_counter() - start}
-        self.sent.append(record)
-        return record
+        try:
+            for name, tensor in stream:
+                if self.group is None:
+                    continue
+                size = tensor.numel() * tensor.element_size()
+                if bucket and filled + size > self.buffer_bytes:
+                    self._send_bucket(bucket)
+                    bucket, filled = [], 0
+                bucket.append((name, tensor))
+                filled += size
+                count, total = count + 1, total + size
+                if filled >= self.buffer_bytes:  # a tensor as large as a bucket: sent alone, as it is
+                    self._send_bucket(bucket)
+                    bucket, filled = [], 0
+            if self.group is not None:
+                if bucket:
+                    self._send_bucket(bucket)
+                self._send_header(_END_OF_UPDATE)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:  # a stream stopped early tells the other ranks now, not at garbage collection
+                close()
+        return {"tensors": count, "bytes": total, "seconds": time.perf_counter() - start}
 
     def close(self) -> None:
         """Tell the engine that no update follows."""
@@ -176,19 +198,23 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class WeightReceiver:
-    """The engine's side of the hand-off: each rank of the engine makes one; rank 0 serves the address.
+    """The engine's side of the hand-off: each rank of the engine makes one; rank 0 serves the address. The address
+    is not authenticated: serve it on a network only the trainer reaches.
 
     Args:
         address: ``host:port`` to serve (rank 0) or join.
         rank: this engine rank's number.
         engines: how many ranks the engine has.
-        senders: how many trainer ranks send (pipeline stages).
+        senders: how many trainer ranks send (pipeline stages): each is received on a thread of its own, so that
+            every stage streams at once (a stage waiting for another would stall the trainer's collectives).
         backend: as the sender's.
         timeout: how long to wait for the trainer (between updates too).
         device: where tensors are received.
+        max_bucket_bytes: the largest bucket accepted (a header asking for more is refused before anything is
+            allocated).
 
     Raises:
-        ValueError: a bad address or backend.
+        ValueError: a bad address or backend, or a count below 1.
     """
 
     def __init__(
@@ -201,37 +227,68 @@ class WeightReceiver:
         backend: str = "gloo",
         timeout: timedelta = timedelta(minutes=10),
         device: torch.device | str = "cpu",
+        max_bucket_bytes: int = 64 * 2**30,
     ):
+        if min(engines, senders) < 1 or not 0 <= rank < engines:
+            raise ValueError(
+                f"WeightReceiver needs 0 <= rank < engines and senders >= 1, got {rank}, {engines}, {senders}."
+            )
         self.engines, self.senders, self.device = engines, senders, torch.device(device)
+        self.max_bucket_bytes = max_bucket_bytes
         self.group = _group(
             address, rank=rank, size=engines + senders, host=rank == 0, backend=backend, timeout=timeout
         )
 
     def receive(self, load_weights: Callable[[Iterator[tuple[str, torch.Tensor]]], Any]) -> int | None:
-        """Receive one update from every sender, handing each bucket's tensors to ``load_weights`` (views into the
-        received buffer: copy what is kept). Returns how many tensors came, or ``None`` once the trainer closed.
+        """Receive one update from every sender, handing each bucket's tensors to ``load_weights`` on this thread
+        (views into the received buffer: copy what is kept). Returns how many tensors came, or ``None`` once the
+        trainer closed.
+
+        Args:
+            load_weights: takes an iterator of ``(name, tensor)``, as vLLM's ``model.load_weights``.
 
         Raises:
-            ValueError: a header that is not what a sender writes (unknown dtype, a tensor beyond its bucket).
+            ValueError: a header that is not what a sender writes (malformed, an unknown dtype, a bucket above
+                ``max_bucket_bytes``).
+            RuntimeError: the trainer did not send within ``timeout``, or its connection closed.
         """
-        count, closed = 0, 0
-        for sender in range(self.senders):
-            src = self.engines + sender
-            while True:
-                length = self._recv(torch.empty(1, dtype=torch.int64), src).item()
-                if length == _CLOSED:
-                    closed += 1
-                    break
-                if length == _END_OF_UPDATE:
-                    break
-                if not 0 < length <= 2**31:
-                    raise ValueError(f"A weight header of {length} bytes: not from a WeightSender.")
-                header = bytes(self._recv(torch.empty(length, dtype=torch.uint8), src).cpu().tolist())
-                entries = json.loads(header.decode())
-                tensors = self._unpack(entries, src)
-                load_weights(iter(tensors))
-                count += len(tensors)
+        buckets: queue.Queue[Any] = queue.Queue(maxsize=2 * self.senders)  # bounded: a sender waits for the loads
+        threads = [
+            threading.Thread(target=self._receive_from, args=(self.engines + sender, buckets), daemon=True)
+            for sender in range(self.senders)
+        ]
+        for thread in threads:
+            thread.start()
+        count, closed, ended, error = 0, 0, 0, None
+        while ended < self.senders:
+            item = buckets.get()
+            if isinstance(item, BaseException):
+                error, ended = error or item, ended + 1
+            elif item in (_END_OF_UPDATE, _CLOSED):
+                closed, ended = closed + (item == _CLOSED), ended + 1
+            elif error is None:
+                load_weights(iter(item))
+                count += len(item)
+        for thread in threads:
+            thread.join()
+        if error is not None:
+            raise error
         return None if closed == self.senders else count
+
+    def _receive_from(self, src: int, buckets: queue.Queue) -> None:
+        """One sender's update, bucket by bucket, into ``buckets``; then its end marker (or the error)."""
+        try:
+            while True:
+                length = int(self._recv(torch.empty(1, dtype=torch.int64), src).item())
+                if length in (_END_OF_UPDATE, _CLOSED):
+                    buckets.put(length)
+                    return
+                if not 0 < length <= MAX_HEADER_BYTES:
+                    raise ValueError(f"A weight header of {length} bytes: not from a WeightSender.")
+                header = self._recv(torch.empty(length, dtype=torch.uint8), src).cpu().numpy().tobytes()
+                buckets.put(self._unpack(_parse_header(header), src))
+        except BaseException as error:  # noqa: BLE001 (raised on the receiving thread by receive)
+            buckets.put(error)
 
     def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         tensor = tensor.to(self.device)
@@ -241,18 +298,34 @@ class WeightReceiver:
     def _unpack(self, entries: list[dict[str, Any]], src: int) -> list[tuple[str, torch.Tensor]]:
         shapes, end = [], 0
         for entry in entries:
-            dtype = DTYPES.get(entry.get("dtype"))
-            shape = entry.get("shape")
+            dtype, shape = DTYPES.get(entry.get("dtype")), entry.get("shape")
             if dtype is None or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise ValueError(f"A weight header entry that is not from a WeightSender: {entry!r}")
+                raise ValueError(f"A weight header entry that is not from a WeightSender: {str(entry)[:200]}")
             offset = _aligned(end)
-            if entry.get("offset") != offset:
-                raise ValueError(f"A weight header entry out of place: {entry!r}")
+            if entry.get("offset") != offset or not isinstance(entry.get("name"), str):
+                raise ValueError(f"A weight header entry out of place: {str(entry)[:200]}")
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            shapes.append((str(entry["name"]), dtype, shape, offset, nbytes))
+            shapes.append((entry["name"], dtype, shape, offset, nbytes))
             end = offset + nbytes
+            if end > self.max_bucket_bytes:
+                raise ValueError(f"A weight bucket of more than {self.max_bucket_bytes} bytes (max_bucket_bytes).")
         payload = self._recv(torch.empty(end, dtype=torch.uint8), src)
         return [
             (name, payload[offset : offset + nbytes].view(dtype).reshape(shape))
             for name, dtype, shape, offset, nbytes in shapes
         ]
+
+
+def _parse_header(header: bytes) -> list[dict[str, Any]]:
+    """A bucket's header: a JSON list of objects (name, dtype, shape, offset), nothing else.
+
+    Raises:
+        ValueError: anything else.
+    """
+    try:
+        entries = json.loads(header.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ValueError(f"A weight header that is not JSON: {error}") from None
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError("A weight header that is not a list of entries: not from a WeightSender.")
+    return entries

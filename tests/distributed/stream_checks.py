@@ -75,49 +75,62 @@ def run_stream_checks(out: Path, *, tp_size: int, pp_size: int) -> dict[str, Any
     model.save_pretrained(directory)
     saved = _saved(directory)
 
-    streamed = {name: tensor.clone() for name, tensor in lightning_tp.stream_weights(model)}
+    sizes_bytes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    chunk = max(64, max(sizes_bytes) // 32)  # every tensor above it gathered in slices
+    streamed = {name: tensor.clone() for name, tensor in lightning_tp.stream_weights(model, chunk_bytes=chunk)}
     record["plain"] = _compare(streamed, saved)
     record["plain"]["all_names"] = _all_names(sorted(streamed))
-    record["plain"]["on_cpu"] = all(t.device.type == "cpu" for t in streamed.values())
     del streamed
+    record["memory"] = {**_peak(model, chunk), "largest": max(sizes_bytes), "chunk": chunk}
 
-    sizes_bytes = [t.numel() * t.element_size() for t in model.state_dict().values()]
-    chunk = max(64, max(sizes_bytes) // 32)
-    record["memory"] = {
-        **_peak(model, chunk),
-        "largest": max(sizes_bytes),
-        "chunk": chunk,
-    }
-
+    state = lightning_tp.parallel_state(model)
     # Which ranks receive.
     record["targets"] = {
         targets: sum(1 for _ in lightning_tp.stream_weights(model, targets=targets))
         for targets in ("replicas", "first")
     }
-    state = lightning_tp.parallel_state(model)
     record["coords"] = {axis: state.mesh.get_local_rank(axis) for axis in state.mesh.mesh_dim_names}
 
-    # An engine at this tp size: each rank's part is its own tensor-parallel shard, under pure TP.
-    if pp_size == 1 and state.layout.dp_shard_size == 1:
-        tp_rank = state.mesh.get_local_rank("tp")
-        own = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-        parts = dict(lightning_tp.stream_weights(model, consumer_tp=(tp_size, tp_rank)))
-        record["consumer_parts_differ"] = sorted(k for k, v in parts.items() if not torch.equal(v, own[k].detach()))
+    # An engine at its own tp size: its parts, put back together along the split dim, are the saved tensors; at
+    # this run's own size under pure TP each rank's part is its own shard.
+    if pp_size == 1:
+        split = {
+            k: v.placements[-1].dim
+            for k, v in model.state_dict().items()
+            if isinstance(v, DTensor) and v.placements[-1].is_shard()
+        }
+        differ = []
+        for size in (1, 2, 4):
+            parts = [dict(lightning_tp.stream_weights(model, consumer_tp=(size, r))) for r in range(size)]
+            for name, whole in saved.items():
+                rebuilt = torch.cat([p[name] for p in parts], dim=split[name]) if name in split else parts[0][name]
+                if not torch.equal(rebuilt, whole) or (
+                    name not in split and size > 1 and not torch.equal(parts[-1][name], whole)
+                ):
+                    differ.append((size, name))
+        record["consumer_parts_differ"] = differ
+        if state.layout.dp_shard_size == 1:
+            tp_rank = state.mesh.get_local_rank("tp")
+            own = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+            parts = dict(lightning_tp.stream_weights(model, consumer_tp=(tp_size, tp_rank)))
+            record["own_shards_differ"] = sorted(k for k, v in parts.items() if not torch.equal(v, own[k].detach()))
         try:
             lightning_tp.stream_weights(model, consumer_tp=(3, 0))
         except ValueError as error:
             record["consumer_error"] = str(error)
 
-    # A rank whose loop raises: the others raise at their next tensor instead of waiting for it.
-    try:
-        for index, _ in enumerate(lightning_tp.stream_weights(model)):
-            if rank == 1 and index == 2:
-                raise KeyError("the consumer failed")
-        record["failure"] = "finished"
-    except KeyError:
-        record["failure"] = "raised here"
-    except RuntimeError as error:
-        record["failure"] = str(error)
+    # A rank whose loop raises, at the third tensor and at its last: the others raise at their next tensor (or at
+    # the round after the last) instead of waiting for it.
+    for case, at in (("failure", 2), ("failure_at_last", record["memory"]["count"] - 1)):
+        try:
+            for index, _ in enumerate(lightning_tp.stream_weights(model)):
+                if rank == 1 and index == at:
+                    raise KeyError("the consumer failed")
+            record[case] = "finished"
+        except KeyError:
+            record[case] = "raised here"
+        except RuntimeError as error:
+            record[case] = str(error)
 
     # LoRA merged on the fly, against save_merged of the same sharded model.
     torch.manual_seed(0)
