@@ -50,7 +50,7 @@ def test_two_senders_waiting_for_each_other_and_one_receiver() -> None:
     """Both stages' tensors arrive, equal, in each of two updates, then the hand-off ends; the stages wait for each
     other mid-update (a receiver serving one sender after the other would leave them both waiting)."""
     address = f"127.0.0.1:{_free_port()}"
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # the imports made once, as tests/helpers/forkrun.py
     barrier = context.Barrier(2)
     senders = [context.Process(target=_send, args=(address, stage, barrier)) for stage in range(2)]
     for process in senders:
