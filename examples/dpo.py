@@ -14,7 +14,8 @@ accuracy (the share of pairs whose chosen answer the policy prefers more than th
 GRPO uses the same pieces: per-token log-probabilities of sampled completions under the policy (inside
 :func:`lightning_tp.keep_logits_sharded`), of the old policy and of the reference (under ``torch.no_grad()``), then
 the clipped ratio ``exp(logp - old_logp)`` times each completion's group-normalised advantage, minus ``beta`` times
-the per-token KL to the reference; :func:`lightning_tp.token_entropy` gives the entropy bonus on the same shards.
+the per-token KL to the reference; :func:`lightning_tp.token_entropy` gives the entropy bonus on the same shards:
+``examples/grpo.py``.
 """
 
 from __future__ import annotations
