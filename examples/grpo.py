@@ -347,7 +347,10 @@ class GRPO(L.LightningModule):
         if self.sender is not None:
             self.sender.close()
         if self.history:
-            self.print(f"reward first {self.history[0]['mean_reward']:.4f}  last {self.history[-1]['mean_reward']:.4f}")
+            span = max(1, min(10, len(self.history) // 2))
+            first = sum(h["mean_reward"] for h in self.history[:span]) / span
+            last = sum(h["mean_reward"] for h in self.history[-span:]) / span
+            self.print(f"mean reward of the first {span} rollouts {first:.4f}, of the last {span} {last:.4f}")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=self.lr)
