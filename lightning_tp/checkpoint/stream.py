@@ -4,9 +4,9 @@ engine loads after each training step (GRPO's rollouts), without writing a direc
 Each tensor is gathered over the ranks that hold it (the gather of ``save_pretrained``:
 :func:`~lightning_tp.parallel.gather.whole_tensor`, in slices where the tensor is large), handed to the caller on the
 target ranks, and dropped before the next: no rank holds more than one whole tensor beyond its shards, plus the
-buffers of one slice's gather (a few times ``chunk_bytes``: measured on gloo, 4.25 of them at most) and a LoRA
-layer's adapters, whole. The adapters are merged into the gathered base weight in place, slice by slice (PEFT's own
-delta, in fp32, as :func:`~lightning_tp.save_merged` computes it).
+buffers of one slice's gather (a few times ``chunk_bytes``: measured on gloo, up to 4.25 of them on torch 2.13 and
+5.5 on torch 2.15) and a LoRA layer's adapters, whole. The adapters are merged into the gathered base weight in
+place, slice by slice (PEFT's own delta, in fp32, as :func:`~lightning_tp.save_merged` computes it).
 
 Never a hang when a rank's own loop stops: before each tensor (and once after the last) the ranks agree, in one small
 all-reduce over the whole job, that none has stopped (a rank whose loop raised, or broke off, closes its stream, which

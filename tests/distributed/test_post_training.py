@@ -168,8 +168,9 @@ def test_stream_weights(layout_results: list[dict], layout: str) -> None:
         memory = result["memory"]
         # One whole tensor, and one slice's gather: its shard, the gathered slice and the collectives' buffers for
         # it (over each mesh axis in turn under 2-D), set by `chunk_bytes`, not by the tensor: measured on gloo up to
-        # 4.25 slices, bounded by 5.
-        slices = 5 * memory["chunk"]
+        # 4.25 slices on torch 2.13 and 5.5 on torch 2.15; bounded by 8 (half the largest tensor here), so that a
+        # second whole tensor would fail.
+        slices = 8 * memory["chunk"]
         assert 0 < memory["peak"] <= memory["largest"] + slices, memory
         lora_memory = result["lora_memory"]
         assert lora_memory["peak"] <= memory["largest"] + slices + lora_memory["adapters"], lora_memory
