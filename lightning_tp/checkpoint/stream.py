@@ -30,10 +30,12 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_tp.checkpoint.publish import arrive_together, on_every_rank
 from lightning_tp.compat import distributed_is_initialized, is_strided_shard, strided_split_factor
 from lightning_tp.layout import CP_AXIS, DP_REPLICATE_AXIS, DP_SHARD_AXIS, TP_AXIS
+from lightning_tp.parallel.collectives import collective_device
 from lightning_tp.parallel.gather import CHUNK_BYTES, whole_tensor
 from lightning_tp.parallel.lora import adapter_keys, check_mergeable, delta_weights, merged_weight
 from lightning_tp.parallel.pipeline import pipeline_runner
 from lightning_tp.parallel.pipeline_tied import counted_on_another_stage
+from lightning_tp.plans.discovery import peft_models, transformers_models
 from lightning_tp.state import parallel_state
 
 _STOPPED_ELSEWHERE = (
@@ -110,7 +112,7 @@ def stream_weights(
     device = torch.device(device) if device is not None else _compute_device(model)
     turns = len(items)
     if distributed and pipeline_runner(model) is not None:  # each stage its own count: as many turns as the most
-        count = torch.tensor([turns], dtype=torch.int64, device=_collective_device())
+        count = torch.tensor([turns], dtype=torch.int64, device=collective_device(None))
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         turns = int(count.item())
     return _stream(
@@ -165,17 +167,9 @@ def _stream(
 def _another_stopped(*, stopped: bool = False) -> bool:
     """One small all-reduce over the whole job: every rank says whether its stream stopped early (``stopped``: this
     rank's did); whether any did."""
-    flag = torch.tensor([1 if stopped else 0], dtype=torch.int64, device=_collective_device())
+    flag = torch.tensor([1 if stopped else 0], dtype=torch.int64, device=collective_device(None))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def _collective_device() -> torch.device:
-    """The device the default process group's collectives take (NCCL's: this rank's GPU)."""
-    backend = dist.get_backend()
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _compute_device(model: nn.Module) -> torch.device:
@@ -236,26 +230,18 @@ def _base_model(model: nn.Module) -> nn.Module:
     Raises:
         ValueError: the module holds several (a policy and its reference): pass the one to stream.
     """
-    from transformers import PreTrainedModel
-
-    def is_model(module: nn.Module) -> bool:
-        return isinstance(module, PreTrainedModel) or (
-            hasattr(module, "get_base_model") and hasattr(module, "peft_config")
-        )
-
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if is_model(module) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
-            found.append((name, module))
+    peft = peft_models(model)
+    inside = {id(m) for outer in peft for m in outer.modules()}
+    found = peft + [m for m in transformers_models(model) if id(m) not in inside]
     if len(found) > 1:
+        names = {id(m): name for name, m in model.named_modules()}
         raise ValueError(
-            f"`stream_weights` was given a module holding several models ({[n for n, _ in found]}): pass the one to "
-            "stream (the policy, say: `stream_weights(self.policy)`)."
+            f"`stream_weights` was given a module holding several models ({[names[id(m)] for m in found]}): pass the "
+            "one to stream (the policy, say: `stream_weights(self.policy)`)."
         )
     if not found:
         return model
-    outer = found[0][1]
-    return outer.get_base_model() if hasattr(outer, "peft_config") and hasattr(outer, "get_base_model") else outer
+    return found[0].get_base_model() if found[0] in peft else found[0]
 
 
 def _gathered(item: _Item, *, keep: bool, device: torch.device, chunk: int | None) -> torch.Tensor | None:
